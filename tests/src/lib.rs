@@ -1,0 +1,553 @@
+//! Support for kvgate's end-to-end tests: real processes (Envoy, nats-server)
+//! on 127.0.0.1, started by PID and killed by PID when dropped, plus small
+//! blocking clients (a NATS protocol client, an HTTP/1.1 client) and
+//! self-identifying HTTP upstreams.
+//!
+//! Tools are found through the variables `scripts/setup.sh` writes to
+//! `.tools/env` (`KVGATE_ENVOY`, `KVGATE_NATS_SERVER`), else in `.tools/bin/`.
+//! A missing tool is an error that says to run `scripts/setup.sh` (the
+//! Makefile does): tests never skip silently.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Path of a tool installed by `scripts/setup.sh`.
+pub fn tool(env_var: &str, name: &str) -> Result<PathBuf> {
+    let path =
+        std::env::var_os(env_var).map(PathBuf::from).unwrap_or_else(|| repo_root().join(".tools/bin").join(name));
+    ensure!(path.exists(), "{name} not found at {} ({env_var}); run scripts/setup.sh (make test does)", path.display());
+    Ok(path)
+}
+
+/// A fresh scratch directory under `target/e2e/` (kept after the test for
+/// post-mortem logs; `cargo clean` removes it).
+pub fn scratch_dir(name: &str) -> Result<PathBuf> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let dir = repo_root().join("target/e2e").join(format!(
+        "{name}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// A port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Waits until something accepts TCP connections at `addr`.
+pub fn wait_for_tcp(addr: SocketAddr, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "nothing listens on {addr} after {timeout:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A child process that is killed (by its PID) and reaped when dropped.
+pub struct Proc {
+    name: String,
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `cmd` with stdout and stderr to `<dir>/<name>.log`.
+    pub fn spawn(name: &str, mut cmd: Command, dir: &Path) -> Result<Self> {
+        let log = dir.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log)?;
+        let err = out.try_clone()?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {name}: {cmd:?}"))?;
+        Ok(Self { name: name.to_owned(), child, log })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The log so far (for error messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Fails with the log if the process has exited.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("{} exited with {status}:\n{}", self.name, self.log());
+        }
+        Ok(())
+    }
+
+    /// Kills the process (SIGKILL to its PID) and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A real nats-server on 127.0.0.1.
+pub struct NatsServer {
+    /// The process.
+    pub proc: Proc,
+    /// Client port.
+    pub port: u16,
+}
+
+impl NatsServer {
+    /// Starts nats-server (JetStream enabled, store in `dir`) on a free port.
+    pub fn start(dir: &Path) -> Result<Self> {
+        let bin = tool("KVGATE_NATS_SERVER", "nats-server")?;
+        for _ in 0..5 {
+            let port = free_port()?;
+            let mut cmd = Command::new(&bin);
+            cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"]).arg(dir.join("jetstream"));
+            let mut proc = Proc::spawn("nats-server", cmd, dir)?;
+            let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+            if wait_for_tcp(addr, Duration::from_secs(10)).is_ok() && proc.ensure_running().is_ok() {
+                return Ok(Self { proc, port });
+            }
+        }
+        bail!("nats-server did not start")
+    }
+}
+
+/// A message received by [`NatsClient`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsMsg {
+    /// The subject it was published on.
+    pub subject: String,
+    /// The subscription id it arrived for.
+    pub sid: String,
+    /// Reply subject, if any.
+    pub reply: Option<String>,
+    /// Payload bytes.
+    pub payload: Vec<u8>,
+}
+
+/// A minimal blocking client of the NATS text protocol (CONNECT, PUB, SUB,
+/// PING/PONG, MSG), enough to check subjects and payloads against a real
+/// server in tests.
+pub struct NatsClient {
+    writer: TcpStream,
+    reader: BufReader<TcpStream>,
+}
+
+impl NatsClient {
+    /// Connects and completes the handshake.
+    pub fn connect(port: u16) -> Result<Self> {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        ensure!(line.starts_with("INFO "), "expected INFO, got {line:?}");
+        let mut c = Self { writer: stream, reader };
+        c.writer
+            .write_all(b"CONNECT {\"verbose\":false,\"pedantic\":true,\"protocol\":1,\"name\":\"kvgate-e2e\"}\r\n")?;
+        c.flush()?;
+        Ok(c)
+    }
+
+    /// Subscribes `sid` to `subject` (wildcards allowed).
+    pub fn subscribe(&mut self, subject: &str, sid: &str) -> Result<()> {
+        write!(self.writer, "SUB {subject} {sid}\r\n")?;
+        Ok(())
+    }
+
+    /// Publishes `payload` on `subject`.
+    pub fn publish(&mut self, subject: &str, payload: &[u8]) -> Result<()> {
+        write!(self.writer, "PUB {subject} {}\r\n", payload.len())?;
+        self.writer.write_all(payload)?;
+        self.writer.write_all(b"\r\n")?;
+        Ok(())
+    }
+
+    /// Round trip to the server: everything sent before is processed, and
+    /// any protocol error (`-ERR`) is returned.
+    pub fn flush(&mut self) -> Result<()> {
+        self.writer.write_all(b"PING\r\n")?;
+        match self.read_op()? {
+            Op::Pong => Ok(()),
+            Op::Msg(m) => bail!("unexpected message during flush: {m:?}"),
+        }
+    }
+
+    /// The next message, or `None` when none arrives within `timeout`.
+    pub fn next_msg(&mut self, timeout: Duration) -> Result<Option<NatsMsg>> {
+        self.reader.get_ref().set_read_timeout(Some(timeout))?;
+        let r = match self.read_op() {
+            Ok(Op::Msg(m)) => Ok(Some(m)),
+            Ok(Op::Pong) => Ok(None),
+            Err(e) => match e.downcast_ref::<std::io::Error>() {
+                Some(io) if matches!(io.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    Ok(None)
+                }
+                _ => Err(e),
+            },
+        };
+        self.reader.get_ref().set_read_timeout(Some(Duration::from_secs(5)))?;
+        r
+    }
+
+    fn read_op(&mut self) -> Result<Op> {
+        loop {
+            let mut line = String::new();
+            let n = self.reader.read_line(&mut line)?;
+            ensure!(n > 0, "NATS connection closed");
+            let line = line.trim_end();
+            if line == "PONG" {
+                return Ok(Op::Pong);
+            }
+            if line == "PING" {
+                self.writer.write_all(b"PONG\r\n")?;
+                continue;
+            }
+            if line == "+OK" || line.starts_with("INFO ") {
+                continue;
+            }
+            if let Some(err) = line.strip_prefix("-ERR") {
+                bail!("NATS error:{err}");
+            }
+            if let Some(rest) = line.strip_prefix("MSG ") {
+                let parts: Vec<&str> = rest.split(' ').collect();
+                let (subject, sid, reply, len) = match parts.as_slice() {
+                    [s, i, n] => (*s, *i, None, *n),
+                    [s, i, r, n] => (*s, *i, Some((*r).to_owned()), *n),
+                    _ => bail!("bad MSG line {line:?}"),
+                };
+                let len: usize = len.parse()?;
+                let mut payload = vec![0; len + 2];
+                self.reader.read_exact(&mut payload)?;
+                payload.truncate(len);
+                return Ok(Op::Msg(NatsMsg { subject: subject.to_owned(), sid: sid.to_owned(), reply, payload }));
+            }
+            bail!("unexpected NATS line {line:?}");
+        }
+    }
+}
+
+enum Op {
+    Pong,
+    Msg(NatsMsg),
+}
+
+/// Fills `${NAME}` placeholders; every placeholder must have a value.
+pub fn render_template(template: &str, vars: &BTreeMap<&str, String>) -> Result<String> {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after.find('}').ok_or_else(|| anyhow!("unclosed placeholder"))?;
+        let name = &after[..end];
+        let value = vars.get(name).ok_or_else(|| anyhow!("no value for ${{{name}}}"))?;
+        out.push_str(value);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Renders `envoy/local.yaml` for a listener, an admin port and workers.
+pub fn render_local_envoy(listen: u16, admin: u16, workers: &[SocketAddr]) -> Result<String> {
+    let template = std::fs::read_to_string(repo_root().join("envoy/local.yaml"))?;
+    let mut endpoints = String::new();
+    for w in workers {
+        endpoints.push_str(&format!(
+            "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+            w.ip(),
+            w.port()
+        ));
+    }
+    let vars = BTreeMap::from([
+        ("LISTEN_PORT", listen.to_string()),
+        ("ADMIN_PORT", admin.to_string()),
+        ("WORKER_ENDPOINTS", endpoints.trim_end().to_owned()),
+    ]);
+    render_template(&template, &vars)
+}
+
+/// Runs `envoy --mode validate -c <config>`; the error carries Envoy's output.
+pub fn envoy_validate(config: &Path) -> Result<()> {
+    let out = Command::new(tool("KVGATE_ENVOY", "envoy")?)
+        .args(["--mode", "validate", "--disable-hot-restart", "-l", "warn", "-c"])
+        .arg(config)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "envoy rejected {}:\n{}{}",
+        config.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// A running Envoy.
+pub struct Envoy {
+    /// The process.
+    pub proc: Proc,
+    /// Admin port (127.0.0.1).
+    pub admin_port: u16,
+}
+
+impl Envoy {
+    /// Starts Envoy with `config` (one worker thread, no hot restart) and
+    /// waits until its admin `/ready` answers 200.
+    pub fn start(config: &Path, admin_port: u16, dir: &Path) -> Result<Self> {
+        let mut cmd = Command::new(tool("KVGATE_ENVOY", "envoy")?);
+        cmd.args(["--disable-hot-restart", "--concurrency", "1", "-l", "info", "-c"]).arg(config);
+        let mut proc = Proc::spawn("envoy", cmd, dir)?;
+        let admin: SocketAddr = ([127, 0, 0, 1], admin_port).into();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            proc.ensure_running()?;
+            if http_request(admin, "GET", "/ready", &[], b"").is_ok_and(|r| r.status == 200) {
+                return Ok(Self { proc, admin_port });
+            }
+            ensure!(Instant::now() < deadline, "envoy not ready after 20 s:\n{}", proc.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// One stat value from the admin endpoint (`/stats?filter=`).
+    pub fn stat(&self, name: &str) -> Result<u64> {
+        let admin: SocketAddr = ([127, 0, 0, 1], self.admin_port).into();
+        let r = http_request(admin, "GET", &format!("/stats?filter=^{name}$"), &[], b"")?;
+        let body = String::from_utf8_lossy(&r.body);
+        for line in body.lines() {
+            if let Some(v) = line.strip_prefix(&format!("{name}: ")) {
+                return Ok(v.trim().parse()?);
+            }
+        }
+        bail!("stat {name} not found in {body:?}")
+    }
+}
+
+/// An HTTP/1.1 response.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    /// Status code.
+    pub status: u16,
+    /// Headers, names lower-cased.
+    pub headers: Vec<(String, String)>,
+    /// Body (the whole stream read until close).
+    pub body: Vec<u8>,
+}
+
+impl HttpResponse {
+    /// First value of header `name` (lower-case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request with `Connection: close`; reads the response to EOF.
+pub fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<HttpResponse> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut req =
+        format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes())?;
+    s.write_all(body)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> Result<HttpResponse> {
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| anyhow!("no header end in response"))?;
+    let head = std::str::from_utf8(&raw[..end])?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status: u16 =
+        status_line.split(' ').nth(1).ok_or_else(|| anyhow!("bad status line {status_line:?}"))?.parse()?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[end + 4..].to_vec();
+    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked")) {
+        body = dechunk(&body)?;
+    }
+    Ok(HttpResponse { status, headers, body })
+}
+
+fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let nl = b.windows(2).position(|w| w == b"\r\n").ok_or_else(|| anyhow!("bad chunk"))?;
+        let size = usize::from_str_radix(std::str::from_utf8(&b[..nl])?.split(';').next().unwrap_or("").trim(), 16)?;
+        b = &b[nl + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        ensure!(b.len() >= size + 2, "truncated chunk");
+        out.extend_from_slice(&b[..size]);
+        b = &b[size + 2..];
+    }
+}
+
+/// An HTTP/1.1 upstream that answers every request with 200 and a JSON body
+/// naming itself and echoing the request line and headers; counts requests.
+pub struct EchoUpstream {
+    /// Its name, returned in the body and the `x-upstream` header.
+    pub name: String,
+    /// Listening address.
+    pub addr: SocketAddr,
+    /// Requests served.
+    pub served: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EchoUpstream {
+    /// Starts one on a free port of 127.0.0.1.
+    pub fn start(name: &str) -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicU64::new(0));
+        let (n, st, sv) = (name.to_owned(), stop.clone(), served.clone());
+        let thread = std::thread::spawn(move || {
+            while !st.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let (n, sv) = (n.clone(), sv.clone());
+                        std::thread::spawn(move || {
+                            let _ = serve_echo(conn, &n, &sv);
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Ok(Self { name: name.to_owned(), addr, served, stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for EchoUpstream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Serves HTTP/1.1 keep-alive requests on one connection.
+fn serve_echo(conn: TcpStream, name: &str, served: &AtomicU64) -> Result<()> {
+    conn.set_nonblocking(false)?;
+    conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut reader = BufReader::new(conn.try_clone()?);
+    let mut writer = conn;
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line)? == 0 {
+            return Ok(());
+        }
+        let mut headers = Vec::new();
+        let mut content_length = 0usize;
+        loop {
+            let mut l = String::new();
+            reader.read_line(&mut l)?;
+            let l = l.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':') {
+                let k = k.trim().to_ascii_lowercase();
+                if k == "content-length" {
+                    content_length = v.trim().parse()?;
+                }
+                headers.push((k, v.trim().to_owned()));
+            }
+        }
+        let mut body = vec![0; content_length];
+        reader.read_exact(&mut body)?;
+        served.fetch_add(1, Ordering::Relaxed);
+        let hdrs: Vec<String> = headers.iter().map(|(k, v)| format!("{:?}:{:?}", k, v)).collect();
+        let resp_body = format!(
+            "{{\"upstream\":{name:?},\"request\":{:?},\"body_bytes\":{},\"headers\":{{{}}}}}",
+            request_line.trim_end(),
+            body.len(),
+            hdrs.join(",")
+        );
+        write!(
+            writer,
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-upstream: {name}\r\ncontent-length: {}\r\n\r\n{resp_body}",
+            resp_body.len()
+        )?;
+        writer.flush()?;
+        if headers.iter().any(|(k, v)| k == "connection" && v.eq_ignore_ascii_case("close")) {
+            let _ = writer.shutdown(Shutdown::Both);
+            return Ok(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_need_every_value() {
+        let vars = BTreeMap::from([("A", "1".to_owned())]);
+        assert_eq!(render_template("x${A}y", &vars).unwrap(), "x1y");
+        assert!(render_template("${B}", &vars).is_err());
+        assert!(render_template("${A", &vars).is_err());
+    }
+
+    #[test]
+    fn chunked_bodies() {
+        let raw = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        let r = parse_response(raw).unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body, b"abcde");
+    }
+}

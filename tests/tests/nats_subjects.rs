@@ -1,0 +1,128 @@
+//! kvgate's NATS subjects and protobuf payloads through a real nats-server:
+//! names with `/`, `.`, `*`, `>`, spaces and non-ASCII become valid subjects,
+//! per-model wildcards never leak another model's messages, and a batch
+//! decodes to what was published.
+
+use std::time::Duration;
+
+use kvgate_e2e::{NatsClient, NatsServer, scratch_dir};
+use kvgate_protocol::pb::{self, kv_event};
+use kvgate_protocol::subject::{SubjectKind, Subjects};
+use prost::Message;
+
+const MODELS: &[&str] = &[
+    "meta-llama/Llama-3.1-70B-Instruct",
+    "meta-llama/Llama-3.1-70B-Instruct.v2",
+    "meta-llama",
+    "Qwen/Qwen3 32B*",
+    "a>b",
+    "模型/é",
+    "",
+];
+
+fn batch(model: &str, worker: &str, seq: u64) -> pb::KvEventBatch {
+    pb::KvEventBatch {
+        worker_id: worker.to_owned(),
+        model: model.to_owned(),
+        relay_epoch: 0xDEAD_BEEF_0000_0001,
+        relay_seq: seq,
+        engine_seq: seq + 100,
+        events: vec![pb::KvEvent {
+            event: Some(kv_event::Event::Stored(pb::BlockStored {
+                engine_hashes: vec![u64::MAX, 1],
+                parent_engine_hash: None,
+                token_ids: (0..64).collect(),
+                block_size: 32,
+                cache_salt: "tenant-a".into(),
+                medium: pb::StorageMedium::Gpu as i32,
+                ..Default::default()
+            })),
+        }],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn per_model_wildcards_are_isolated() {
+    let dir = scratch_dir("nats-subjects").unwrap();
+    let server = NatsServer::start(&dir).unwrap();
+    let subjects = Subjects::default();
+    let workers = ["10.0.0.7:8000", "[fd00::1]:8000"];
+
+    let mut subs: Vec<NatsClient> = Vec::new();
+    for (i, m) in MODELS.iter().enumerate() {
+        let mut c = NatsClient::connect(server.port).unwrap();
+        c.subscribe(&subjects.model(SubjectKind::KvEvents, m), &format!("m{i}")).unwrap();
+        c.flush().unwrap();
+        subs.push(c);
+    }
+    let mut all = NatsClient::connect(server.port).unwrap();
+    all.subscribe(&subjects.all(SubjectKind::KvEvents), "all").unwrap();
+    all.flush().unwrap();
+
+    let mut publisher = NatsClient::connect(server.port).unwrap();
+    let mut seq = 0;
+    for m in MODELS {
+        for w in workers {
+            seq += 1;
+            let b = batch(m, w, seq);
+            publisher.publish(&subjects.kv_events(m, w), &b.encode_to_vec()).unwrap();
+            // A heartbeat must not reach a kv subscription.
+            publisher.publish(&subjects.heartbeat(m, w), b"hb").unwrap();
+        }
+    }
+    publisher.flush().unwrap();
+
+    for (i, m) in MODELS.iter().enumerate() {
+        let mut got = Vec::new();
+        while let Some(msg) = subs[i].next_msg(Duration::from_millis(300)).unwrap() {
+            got.push(msg);
+        }
+        assert_eq!(got.len(), workers.len(), "model {m:?} got {got:?}");
+        for msg in got {
+            let parsed = subjects.parse(&msg.subject).unwrap();
+            assert_eq!(parsed.kind, SubjectKind::KvEvents);
+            assert_eq!(parsed.model, *m);
+            let b = pb::KvEventBatch::decode(msg.payload.as_slice()).unwrap();
+            assert_eq!(b.model, *m);
+            assert_eq!(Some(b.worker_id.clone()), parsed.worker);
+            assert_eq!(b, batch(m, &b.worker_id, b.relay_seq));
+        }
+    }
+    let mut n = 0;
+    while all.next_msg(Duration::from_millis(300)).unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, MODELS.len() * workers.len());
+}
+
+/// Raw names are not usable subject tokens. Through a real server they
+/// either lose a model's own messages (a `.` in a worker id adds tokens, so
+/// `<model>.*` no longer matches) or leak another model's (a space ends the
+/// subject, so `Qwen/Qwen3 8B` and `Qwen/Qwen3 32B` collide). Encoded subjects
+/// deliver exactly the subscribed model's messages.
+#[test]
+fn raw_names_misroute_encoded_names_do_not() {
+    let dir = scratch_dir("nats-raw").unwrap();
+    let server = NatsServer::start(&dir).unwrap();
+    let s = Subjects::default();
+    for (sub_model, pub_model, worker) in [("m", "m", "10.0.0.7:8000"), ("Qwen/Qwen3 8B", "Qwen/Qwen3 32B", "w")] {
+        let mut sub = NatsClient::connect(server.port).unwrap();
+        sub.subscribe(&format!("kvgate.v1.kv.{sub_model}.*"), "raw").unwrap();
+        sub.subscribe(&s.model(SubjectKind::KvEvents, sub_model), "enc").unwrap();
+        sub.flush().unwrap();
+        let mut publisher = NatsClient::connect(server.port).unwrap();
+        publisher.publish(&format!("kvgate.v1.kv.{pub_model}.{worker}"), b"raw").unwrap();
+        publisher.publish(&s.kv_events(pub_model, worker), b"encoded").unwrap();
+        publisher.flush().unwrap();
+        let mut got = Vec::new();
+        while let Some(m) = sub.next_msg(Duration::from_millis(300)).unwrap() {
+            got.push((m.sid, m.payload));
+        }
+        let should_arrive = sub_model == pub_model;
+        let raw_arrived = got.iter().any(|(_, p)| p == b"raw");
+        let encoded_arrived = got.contains(&("enc".to_owned(), b"encoded".to_vec()));
+        assert_ne!(raw_arrived, should_arrive, "raw subject routed right for {pub_model} / {worker}: {got:?}");
+        assert_eq!(encoded_arrived, should_arrive, "encoded subject misrouted for {pub_model} / {worker}: {got:?}");
+    }
+}
