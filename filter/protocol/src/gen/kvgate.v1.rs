@@ -299,6 +299,9 @@ pub struct BlockStored {
     /// forwards groups of full-attention kind; others are counted and skipped.
     #[prost(uint32, tag = "9")]
     pub group_idx: u32,
+    /// New block or re-reported reused block, when the engine says so.
+    #[prost(enumeration = "BlockOrigin", tag = "10")]
+    pub origin: i32,
 }
 /// Blocks the engine has evicted (vLLM `BlockRemoved`). Each hash removes one
 /// reference: vLLM can store one hash twice and then removes it twice.
@@ -573,6 +576,43 @@ impl StorageMedium {
             "STORAGE_MEDIUM_CPU" => Some(Self::Cpu),
             "STORAGE_MEDIUM_DISK" => Some(Self::Disk),
             "STORAGE_MEDIUM_OTHER" => Some(Self::Other),
+            _ => None,
+        }
+    }
+}
+/// Why the engine reported a stored block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum BlockOrigin {
+    /// The engine does not say (every vLLM release up to 0.33): the block may be
+    /// new, or a reused block re-reported under per-request
+    /// `kv_cache_report_mode = "full"`. Counted as a new reference, bounded
+    /// (see the index crate's README).
+    Unspecified = 0,
+    /// A newly filled physical block: one more reference.
+    New = 1,
+    /// A block the engine already held, reported again because a request reused
+    /// it: restores residency, adds no reference.
+    Reused = 2,
+}
+impl BlockOrigin {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "BLOCK_ORIGIN_UNSPECIFIED",
+            Self::New => "BLOCK_ORIGIN_NEW",
+            Self::Reused => "BLOCK_ORIGIN_REUSED",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "BLOCK_ORIGIN_UNSPECIFIED" => Some(Self::Unspecified),
+            "BLOCK_ORIGIN_NEW" => Some(Self::New),
+            "BLOCK_ORIGIN_REUSED" => Some(Self::Reused),
             _ => None,
         }
     }
