@@ -1,0 +1,606 @@
+//! The per-model index. See the crate README for the data layout and the
+//! complexity of each operation.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
+
+use foldhash::fast::RandomState;
+use kvgate_protocol::{BlockSize, EngineBlockHash, SequenceHash, local_block_hash, next_sequence_hash};
+
+use crate::event::{KvEvent, Origin, Stored, Tier};
+use crate::worker_set::{WorkerSet, member_fp};
+
+/// Dense index of a worker within one [`Index`] (reused after removal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerIdx(pub u32);
+
+/// Settings of one model's index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Tokens per block for this model. Events with another block size are
+    /// skipped and counted ([`Counters::skipped_block_size`]).
+    pub block_size: BlockSize,
+    /// Most references kept per (worker, engine hash). vLLM holds at most a
+    /// few physical copies of one hash (2 in the real captures); a higher
+    /// count means re-reports without an origin, and capping it bounds how
+    /// long such a block outlives its last real removal. Default 4.
+    pub max_refs: u16,
+}
+
+impl IndexConfig {
+    /// Defaults for a block size.
+    pub fn new(block_size: BlockSize) -> Self {
+        Self { block_size, max_refs: 4 }
+    }
+}
+
+/// Why an event was not applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Skip {
+    /// The worker is not registered.
+    #[error("unknown worker")]
+    UnknownWorker,
+    /// Inconsistent event: no hashes, or a token count that is not
+    /// `hashes * block_size`.
+    #[error("malformed event: token count does not match blocks × block size")]
+    Malformed,
+    /// The event's block size is not the model's.
+    #[error("block size {got} differs from the model's {want}")]
+    BlockSize {
+        /// In the event.
+        got: u32,
+        /// Configured.
+        want: u32,
+    },
+    /// A stored chain whose parent this worker does not hold: its hashes
+    /// cannot be computed. The worker is marked for resync.
+    #[error("parent block unknown for this worker; resync needed")]
+    UnknownParent,
+}
+
+/// What the index did, by cause. Monotonic counters, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Events applied.
+    pub events_applied: u64,
+    /// Block references added by stores.
+    pub blocks_stored: u64,
+    /// Block references dropped by removals.
+    pub blocks_removed: u64,
+    /// `Cleared` events applied.
+    pub clears: u64,
+    /// Events skipped as malformed.
+    pub skipped_malformed: u64,
+    /// Events skipped for a block-size mismatch.
+    pub skipped_block_size: u64,
+    /// Stores skipped because the parent was unknown.
+    pub skipped_unknown_parent: u64,
+    /// Events for unknown workers.
+    pub skipped_unknown_worker: u64,
+    /// Removals of hashes the worker did not hold (normal after a late start).
+    pub unknown_removals: u64,
+    /// Stores of a held hash at the reference cap.
+    pub refs_capped: u64,
+    /// Re-reported reused blocks (origin REUSED) applied.
+    pub reused_reports: u64,
+    /// A held engine hash stored again for different tokens: the old mapping
+    /// was replaced.
+    pub hash_conflicts: u64,
+    /// Blocks evicted because a worker held more than its capacity.
+    pub capacity_evictions: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    seq: SequenceHash,
+    stamp: u32,
+    refs: u16,
+}
+
+type Map<K, V> = HashMap<K, V, RandomState>;
+
+#[derive(Debug)]
+struct Worker {
+    name: String,
+    /// Engine hash → entry, per tier.
+    engine: [Map<u64, Entry>; 2],
+    /// Sequence hashes this worker holds under more than one engine hash:
+    /// how many extra engine hashes (usually empty).
+    aliases: [Map<SequenceHash, u32>; 2],
+    /// Device blocks the worker can hold (from heartbeats), if known.
+    capacity: Option<usize>,
+    clock: u32,
+    needs_resync: bool,
+}
+
+impl Worker {
+    fn new(name: String) -> Self {
+        Self {
+            name,
+            engine: [Map::default(), Map::default()],
+            aliases: [Map::default(), Map::default()],
+            capacity: None,
+            clock: 0,
+            needs_resync: false,
+        }
+    }
+
+    fn tick(&mut self) -> u32 {
+        if self.clock == u32::MAX {
+            // Renumber stamps in age order (once per 4 billion stores).
+            for map in &mut self.engine {
+                let mut all: Vec<(u32, u64)> = map.iter().map(|(k, e)| (e.stamp, *k)).collect();
+                all.sort_unstable();
+                for (i, (_, k)) in all.iter().enumerate() {
+                    if let Some(e) = map.get_mut(k) {
+                        e.stamp = i as u32;
+                    }
+                }
+            }
+            self.clock = self.engine.iter().map(Map::len).sum::<usize>() as u32;
+        }
+        self.clock += 1;
+        self.clock
+    }
+}
+
+/// Leading blocks of a prompt that one worker holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overlap {
+    /// The worker.
+    pub worker: WorkerIdx,
+    /// Number of leading blocks of the prompt it holds.
+    pub blocks: u32,
+}
+
+/// One model's index: every worker's cached blocks, by sequence hash.
+#[derive(Debug)]
+pub struct Index {
+    config: IndexConfig,
+    tiers: [Map<SequenceHash, WorkerSet>; 2],
+    workers: Vec<Option<Worker>>,
+    free: Vec<WorkerIdx>,
+    by_name: Map<String, WorkerIdx>,
+    counters: Counters,
+    seq_scratch: Vec<SequenceHash>,
+}
+
+impl Index {
+    /// An empty index.
+    pub fn new(config: IndexConfig) -> Self {
+        Self {
+            config,
+            tiers: [Map::default(), Map::default()],
+            workers: Vec::new(),
+            free: Vec::new(),
+            by_name: Map::default(),
+            counters: Counters::default(),
+            seq_scratch: Vec::new(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> IndexConfig {
+        self.config
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Registers a worker by its id (idempotent) and returns its index.
+    pub fn add_worker(&mut self, name: &str) -> WorkerIdx {
+        if let Some(w) = self.by_name.get(name) {
+            return *w;
+        }
+        let w = match self.free.pop() {
+            Some(w) => w,
+            None => {
+                self.workers.push(None);
+                WorkerIdx((self.workers.len() - 1) as u32)
+            }
+        };
+        if let Some(slot) = self.workers.get_mut(w.0 as usize) {
+            *slot = Some(Worker::new(name.to_owned()));
+        }
+        self.by_name.insert(name.to_owned(), w);
+        w
+    }
+
+    /// The index of a registered worker.
+    pub fn worker(&self, name: &str) -> Option<WorkerIdx> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The id of a registered worker.
+    pub fn worker_name(&self, w: WorkerIdx) -> Option<&str> {
+        self.slot(w).map(|s| s.name.as_str())
+    }
+
+    /// Registered workers.
+    pub fn workers(&self) -> impl Iterator<Item = (WorkerIdx, &str)> + '_ {
+        self.workers.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|s| (WorkerIdx(i as u32), s.name.as_str())))
+    }
+
+    /// Number of registered workers.
+    pub fn worker_count(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// Removes a worker and all its blocks.
+    pub fn remove_worker(&mut self, w: WorkerIdx) -> bool {
+        if self.slot(w).is_none() {
+            return false;
+        }
+        self.clear_worker(w);
+        if let Some(slot) = self.workers.get_mut(w.0 as usize)
+            && let Some(old) = slot.take()
+        {
+            self.by_name.remove(&old.name);
+        }
+        self.free.push(w);
+        true
+    }
+
+    /// Sets the device-block capacity of a worker (from its heartbeats); a
+    /// worker holding more is trimmed, oldest stores first.
+    pub fn set_capacity(&mut self, w: WorkerIdx, blocks: Option<usize>) {
+        if let Some(s) = self.slot_mut(w) {
+            s.capacity = blocks;
+        }
+        self.enforce_capacity(w);
+    }
+
+    /// Whether a worker lost track of a parent since the last
+    /// [`Index::take_resync`] (the caller should ask its relay for a snapshot).
+    pub fn needs_resync(&self, w: WorkerIdx) -> bool {
+        self.slot(w).is_some_and(|s| s.needs_resync)
+    }
+
+    /// Reads and clears the resync mark of a worker.
+    pub fn take_resync(&mut self, w: WorkerIdx) -> bool {
+        self.slot_mut(w).is_some_and(|s| std::mem::take(&mut s.needs_resync))
+    }
+
+    /// Distinct engine blocks a worker holds in a tier.
+    pub fn worker_blocks(&self, w: WorkerIdx, tier: Tier) -> usize {
+        self.slot(w).and_then(|s| s.engine.get(tier.idx())).map_or(0, Map::len)
+    }
+
+    /// Distinct sequence hashes in a tier (over all workers).
+    pub fn distinct_blocks(&self, tier: Tier) -> usize {
+        self.tiers.get(tier.idx()).map_or(0, Map::len)
+    }
+
+    /// Approximate heap bytes of the index (hash-table slots and worker sets).
+    pub fn approx_heap_bytes(&self) -> usize {
+        fn table<K, V, S>(m: &HashMap<K, V, S>) -> usize {
+            // hashbrown: buckets = capacity * 8 / 7, one control byte each.
+            let buckets = m.capacity() * 8 / 7;
+            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        let mut total = 0;
+        for t in &self.tiers {
+            total += table(t);
+            total += t.values().map(WorkerSet::heap_bytes).sum::<usize>();
+        }
+        for s in self.workers.iter().flatten() {
+            total += s.engine.iter().map(table).sum::<usize>();
+            total += s.aliases.iter().map(table).sum::<usize>();
+            total += s.name.capacity();
+        }
+        total
+    }
+
+    fn slot(&self, w: WorkerIdx) -> Option<&Worker> {
+        self.workers.get(w.0 as usize).and_then(Option::as_ref)
+    }
+
+    fn slot_mut(&mut self, w: WorkerIdx) -> Option<&mut Worker> {
+        self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)
+    }
+
+    /// Applies one event of worker `w`. A skipped event changes nothing but
+    /// the counters (and, for [`Skip::UnknownParent`], the resync mark).
+    pub fn apply(&mut self, w: WorkerIdx, event: &KvEvent<'_>) -> Result<(), Skip> {
+        if self.slot(w).is_none() {
+            self.counters.skipped_unknown_worker += 1;
+            return Err(Skip::UnknownWorker);
+        }
+        let r = match event {
+            KvEvent::Stored(s) => self.apply_stored(w, s),
+            KvEvent::Removed { engine_hashes, tier } => {
+                for h in *engine_hashes {
+                    self.remove_ref(w, *tier, *h);
+                }
+                Ok(())
+            }
+            KvEvent::Cleared => {
+                self.clear_worker(w);
+                self.counters.clears += 1;
+                Ok(())
+            }
+        };
+        match r {
+            Ok(()) => self.counters.events_applied += 1,
+            Err(Skip::Malformed) => self.counters.skipped_malformed += 1,
+            Err(Skip::BlockSize { .. }) => self.counters.skipped_block_size += 1,
+            Err(Skip::UnknownParent) => self.counters.skipped_unknown_parent += 1,
+            Err(Skip::UnknownWorker) => self.counters.skipped_unknown_worker += 1,
+        }
+        r
+    }
+
+    fn apply_stored(&mut self, w: WorkerIdx, s: &Stored<'_>) -> Result<(), Skip> {
+        let bs = self.config.block_size;
+        if s.block_size != bs.get() {
+            return Err(Skip::BlockSize { got: s.block_size, want: bs.get() });
+        }
+        if s.engine_hashes.is_empty() || s.token_ids.len() != s.engine_hashes.len() * bs.as_usize() {
+            return Err(Skip::Malformed);
+        }
+        let Some(worker) = self.slot_mut(w) else { return Err(Skip::UnknownWorker) };
+        let mut prev = match s.parent {
+            None => None,
+            Some(p) => {
+                let held = worker.engine.iter().find_map(|m| m.get(&p)).map(|e| e.seq);
+                match held {
+                    Some(seq) => Some(seq),
+                    None => {
+                        worker.needs_resync = true;
+                        return Err(Skip::UnknownParent);
+                    }
+                }
+            }
+        };
+        let mut seqs = std::mem::take(&mut self.seq_scratch);
+        seqs.clear();
+        for block in s.token_ids.chunks_exact(bs.as_usize()) {
+            let seq = next_sequence_hash(prev, local_block_hash(block, s.seed));
+            seqs.push(seq);
+            prev = Some(seq);
+        }
+        for (h, seq) in s.engine_hashes.iter().zip(&seqs) {
+            self.store_ref(w, s.tier, *h, *seq, s.origin);
+        }
+        self.seq_scratch = seqs;
+        if s.tier == Tier::Device {
+            self.enforce_capacity(w);
+        }
+        Ok(())
+    }
+
+    fn store_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64, seq: SequenceHash, origin: Origin) {
+        let max_refs = self.config.max_refs.max(1);
+        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return };
+        let stamp = worker.tick();
+        let Some(map) = worker.engine.get_mut(tier.idx()) else { return };
+        match map.entry(engine) {
+            MapEntry::Occupied(mut o) => {
+                let e = o.get_mut();
+                if e.seq == seq {
+                    e.stamp = stamp;
+                    match origin {
+                        Origin::Reused => self.counters.reused_reports += 1,
+                        _ if e.refs >= max_refs => self.counters.refs_capped += 1,
+                        _ => {
+                            e.refs += 1;
+                            self.counters.blocks_stored += 1;
+                        }
+                    }
+                    return;
+                }
+                // Same engine hash, other content: replace the old mapping.
+                let old = e.seq;
+                *e = Entry { seq, stamp, refs: 1 };
+                self.counters.hash_conflicts += 1;
+                self.counters.blocks_stored += 1;
+                self.drop_membership(w, tier, old);
+                self.add_membership(w, tier, seq);
+            }
+            MapEntry::Vacant(v) => {
+                v.insert(Entry { seq, stamp, refs: 1 });
+                if origin == Origin::Reused {
+                    self.counters.reused_reports += 1;
+                } else {
+                    self.counters.blocks_stored += 1;
+                }
+                self.add_membership(w, tier, seq);
+            }
+        }
+    }
+
+    fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64) {
+        let Some(map) =
+            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.engine.get_mut(tier.idx()))
+        else {
+            return;
+        };
+        let MapEntry::Occupied(mut o) = map.entry(engine) else {
+            self.counters.unknown_removals += 1;
+            return;
+        };
+        self.counters.blocks_removed += 1;
+        let e = o.get_mut();
+        if e.refs > 1 {
+            e.refs -= 1;
+            return;
+        }
+        let seq = o.remove().seq;
+        self.drop_membership(w, tier, seq);
+    }
+
+    /// Records that `w` holds `seq` under one more engine hash.
+    fn add_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
+        let Some(table) = self.tiers.get_mut(tier.idx()) else { return };
+        match table.entry(seq) {
+            MapEntry::Vacant(v) => {
+                v.insert(WorkerSet::One(w));
+            }
+            MapEntry::Occupied(mut o) => {
+                if !o.get_mut().insert(w)
+                    && let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
+                {
+                    *aliases.entry(seq).or_insert(0) += 1;
+                }
+            }
+        }
+    }
+
+    /// Records that `w` holds `seq` under one engine hash fewer.
+    fn drop_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
+        if let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
+            && let MapEntry::Occupied(mut a) = aliases.entry(seq)
+        {
+            *a.get_mut() -= 1;
+            if *a.get() == 0 {
+                a.remove();
+            }
+            return;
+        }
+        let Some(table) = self.tiers.get_mut(tier.idx()) else { return };
+        if let MapEntry::Occupied(mut o) = table.entry(seq)
+            && o.get_mut().remove(w).is_none()
+        {
+            o.remove();
+        }
+    }
+
+    fn clear_worker(&mut self, w: WorkerIdx) {
+        let Some(worker) = self.slot_mut(w) else { return };
+        let maps: Vec<Map<u64, Entry>> = worker.engine.iter_mut().map(std::mem::take).collect();
+        for a in &mut worker.aliases {
+            a.clear();
+        }
+        for (tier, map) in Tier::ALL.iter().zip(maps) {
+            let Some(table) = self.tiers.get_mut(tier.idx()) else { continue };
+            for e in map.values() {
+                if let MapEntry::Occupied(mut o) = table.entry(e.seq)
+                    && o.get_mut().remove(w).is_none()
+                {
+                    o.remove();
+                }
+            }
+        }
+    }
+
+    /// Trims a worker's device blocks to its capacity, oldest stores first,
+    /// down to 15/16 of it so that trimming is amortized.
+    fn enforce_capacity(&mut self, w: WorkerIdx) {
+        let Some(worker) = self.slot(w) else { return };
+        let Some(cap) = worker.capacity else { return };
+        let Some(map) = worker.engine.get(Tier::Device.idx()) else { return };
+        if map.len() <= cap {
+            return;
+        }
+        let target = cap - cap / 16;
+        let mut ages: Vec<(u32, u64)> = map.iter().map(|(k, e)| (e.stamp, *k)).collect();
+        let excess = ages.len() - target;
+        if excess < ages.len() {
+            ages.select_nth_unstable(excess);
+        }
+        ages.truncate(excess);
+        for (_, engine) in ages {
+            let Some(map) = self.slot_mut(w).and_then(|s| s.engine.get_mut(Tier::Device.idx())) else { return };
+            if let Some(e) = map.remove(&engine) {
+                self.counters.capacity_evictions += 1;
+                self.drop_membership(w, Tier::Device, e.seq);
+            }
+        }
+    }
+
+    /// For every worker holding at least the first block of `hashes` in
+    /// `tier`, the number of leading blocks it holds, in `out` (cleared
+    /// first; workers in ascending index order within each drop point).
+    ///
+    /// Walks the hashes once and stops when no worker is left. While the set
+    /// of workers holding the next block equals the set still matching (same
+    /// size and fingerprint), a step costs one hash lookup.
+    pub fn find_matches(&self, hashes: &[SequenceHash], tier: Tier, out: &mut Vec<Overlap>) {
+        out.clear();
+        let Some(table) = self.tiers.get(tier.idx()) else { return };
+        let Some(first) = hashes.first().and_then(|h| table.get(h)) else { return };
+        let mut active: Vec<WorkerIdx> = Vec::with_capacity(first.len());
+        first.for_each(|w| active.push(w));
+        let mut fp = first.fingerprint();
+        let mut depth = hashes.len();
+        for (i, h) in hashes.iter().enumerate().skip(1) {
+            let Some(set) = table.get(h) else {
+                depth = i;
+                break;
+            };
+            if set.len() == active.len() && set.fingerprint() == fp {
+                continue;
+            }
+            let before = active.len();
+            active.retain(|w| {
+                let keep = set.contains(*w);
+                if !keep {
+                    out.push(Overlap { worker: *w, blocks: i as u32 });
+                }
+                keep
+            });
+            if active.is_empty() {
+                return;
+            }
+            if active.len() != before {
+                fp = active.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)));
+            }
+        }
+        out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth as u32 }));
+    }
+
+    /// Checks the internal invariants (for tests and fuzzing): every engine
+    /// entry's sequence hash lists its worker, every listed worker holds the
+    /// hash, and alias counts match. Returns a description of the first
+    /// violation.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        for tier in Tier::ALL {
+            let table = &self.tiers[tier.idx()];
+            // From workers to the table.
+            for (i, slot) in self.workers.iter().enumerate() {
+                let Some(worker) = slot else { continue };
+                let w = WorkerIdx(i as u32);
+                let mut per_seq: Map<SequenceHash, u32> = Map::default();
+                for e in worker.engine[tier.idx()].values() {
+                    if e.refs == 0 || e.refs > self.config.max_refs.max(1) {
+                        return Err(format!("worker {i}: refs {} out of range", e.refs));
+                    }
+                    *per_seq.entry(e.seq).or_insert(0) += 1;
+                }
+                for (seq, n) in &per_seq {
+                    if !table.get(seq).is_some_and(|s| s.contains(w)) {
+                        return Err(format!("worker {i} holds {seq} but the table does not list it"));
+                    }
+                    let aliases = worker.aliases[tier.idx()].get(seq).copied().unwrap_or(0);
+                    if aliases != n - 1 {
+                        return Err(format!("worker {i}: {seq} has {n} engine hashes but {aliases} aliases"));
+                    }
+                }
+                if worker.aliases[tier.idx()].keys().any(|s| !per_seq.contains_key(s)) {
+                    return Err(format!("worker {i}: alias for a hash it does not hold"));
+                }
+            }
+            // From the table to workers.
+            for (seq, set) in table {
+                let mut err = None;
+                set.for_each(|w| {
+                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].values().any(|e| e.seq == *seq));
+                    if !holds {
+                        err = Some(format!("table lists worker {} for {seq}, which it does not hold", w.0));
+                    }
+                });
+                if let Some(e) = err {
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The sequence hash a worker holds under an engine hash (for tests).
+    pub fn engine_entry(&self, w: WorkerIdx, tier: Tier, engine: EngineBlockHash) -> Option<(SequenceHash, u16)> {
+        self.slot(w)?.engine.get(tier.idx())?.get(&engine.0).map(|e| (e.seq, e.refs))
+    }
+}

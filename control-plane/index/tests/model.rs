@@ -1,0 +1,293 @@
+//! Property test: for any sequence of events, the index agrees with a naive
+//! model (per worker, a plain map engine hash → (sequence hash, refs)) on
+//! what each worker holds and on `find_matches`, and its internal invariants
+//! hold after every step.
+//!
+//! The universe is tiny on purpose (4 workers, 10 engine hashes, 3 distinct
+//! token blocks of size 2) so that shared prefixes, aliases (two engine
+//! hashes for one sequence hash), duplicates, conflicts, unknown parents and
+//! removals of unknown hashes all happen often.
+
+use std::collections::BTreeMap;
+
+use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Overlap, Skip, Stored, Tier};
+use kvgate_protocol::{BlockSeed, BlockSize, EngineBlockHash, SequenceHash, local_block_hash, next_sequence_hash};
+use proptest::prelude::*;
+
+const BS: u32 = 2;
+const BLOCKS: [[u32; 2]; 3] = [[1, 2], [3, 4], [5, 6]];
+const MAX_REFS: u16 = 3;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store {
+        worker: usize,
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        blocks: Vec<usize>,
+        salt: bool,
+        tier: Tier,
+        origin: Origin,
+    },
+    BadStore {
+        worker: usize,
+        wrong_size: bool,
+    },
+    Remove {
+        worker: usize,
+        hashes: Vec<u64>,
+        tier: Tier,
+    },
+    Clear {
+        worker: usize,
+    },
+    RemoveWorker {
+        worker: usize,
+    },
+    Query {
+        blocks: Vec<usize>,
+        salt: bool,
+        tier: Tier,
+    },
+}
+
+fn tier() -> impl Strategy<Value = Tier> {
+    prop_oneof![4 => Just(Tier::Device), 1 => Just(Tier::Host)]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let worker = 0usize..4;
+    let hash = 0u64..10;
+    prop_oneof![
+        6 => (worker.clone(), 1usize..4, proptest::option::weighted(0.6, hash.clone()), any::<bool>(), tier(),
+              prop_oneof![Just(Origin::Unspecified), Just(Origin::New), Just(Origin::Reused)],
+              proptest::collection::vec(hash.clone(), 3), proptest::collection::vec(0usize..3, 3))
+            .prop_map(|(worker, n, parent, salt, tier, origin, hs, bl)| Op::Store {
+                worker, hashes: hs[..n].to_vec(), parent, blocks: bl[..n].to_vec(), salt: salt && n == 1, tier, origin,
+            }),
+        1 => (worker.clone(), any::<bool>()).prop_map(|(worker, wrong_size)| Op::BadStore { worker, wrong_size }),
+        4 => (worker.clone(), proptest::collection::vec(hash, 1..3), tier())
+            .prop_map(|(worker, hashes, tier)| Op::Remove { worker, hashes, tier }),
+        1 => worker.clone().prop_map(|worker| Op::Clear { worker }),
+        1 => worker.prop_map(|worker| Op::RemoveWorker { worker }),
+        4 => (proptest::collection::vec(0usize..3, 0..5), any::<bool>(), tier())
+            .prop_map(|(blocks, salt, tier)| Op::Query { blocks, salt, tier }),
+    ]
+}
+
+fn seed(salt: bool) -> BlockSeed {
+    BlockSeed::new(None, salt.then_some("tenant-a"))
+}
+
+/// The naive model of one worker.
+#[derive(Default, Debug, Clone)]
+struct NaiveWorker {
+    held: BTreeMap<(Tier, u64), (SequenceHash, u16)>,
+}
+
+impl NaiveWorker {
+    fn parent_seq(&self, parent: u64) -> Option<SequenceHash> {
+        Tier::ALL.iter().find_map(|t| self.held.get(&(*t, parent)).map(|e| e.0))
+    }
+    fn holds(&self, tier: Tier, seq: SequenceHash) -> bool {
+        self.held.iter().any(|((t, _), (s, _))| *t == tier && *s == seq)
+    }
+}
+
+fn names() -> [&'static str; 4] {
+    ["w0", "10.0.0.1:8000", "w2", "w3"]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn index_equals_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut index = Index::new(IndexConfig { block_size: BlockSize::new(BS).unwrap(), max_refs: MAX_REFS });
+        let mut model: Vec<NaiveWorker> = vec![NaiveWorker::default(); 4];
+        for name in names() {
+            index.add_worker(name);
+        }
+        let mut out = Vec::new();
+        for op in ops {
+            match op {
+                Op::Store { worker, hashes, parent, blocks, salt, tier, origin } => {
+                    let w = index.worker(names()[worker]).unwrap();
+                    let tokens: Vec<u32> = blocks.iter().flat_map(|b| BLOCKS[*b]).collect();
+                    let ev = KvEvent::Stored(Stored {
+                        engine_hashes: &hashes, parent, token_ids: &tokens, block_size: BS, seed: seed(salt), tier, origin,
+                    });
+                    let r = index.apply(w, &ev);
+                    let m = &mut model[worker];
+                    let mut prev = match parent {
+                        None => None,
+                        Some(p) => match m.parent_seq(p) {
+                            Some(s) => Some(s),
+                            None => {
+                                prop_assert_eq!(r, Err(Skip::UnknownParent));
+                                prop_assert!(index.take_resync(w));
+                                continue;
+                            }
+                        },
+                    };
+                    prop_assert_eq!(r, Ok(()));
+                    for (h, b) in hashes.iter().zip(&blocks) {
+                        let seq = next_sequence_hash(prev, local_block_hash(&BLOCKS[*b], seed(salt)));
+                        prev = Some(seq);
+                        match m.held.get_mut(&(tier, *h)) {
+                            Some(e) if e.0 == seq => {
+                                if origin != Origin::Reused && e.1 < MAX_REFS { e.1 += 1; }
+                            }
+                            Some(e) => *e = (seq, 1),
+                            None => { m.held.insert((tier, *h), (seq, 1)); }
+                        }
+                    }
+                }
+                Op::BadStore { worker, wrong_size } => {
+                    let w = index.worker(names()[worker]).unwrap();
+                    let (bs, tokens) = if wrong_size { (BS * 2, vec![1, 2, 3, 4]) } else { (BS, vec![1, 2, 3]) };
+                    let ev = KvEvent::Stored(Stored {
+                        engine_hashes: &[7], parent: None, token_ids: &tokens, block_size: bs,
+                        seed: BlockSeed::BASE, tier: Tier::Device, origin: Origin::New,
+                    });
+                    let r = index.apply(w, &ev);
+                    if wrong_size {
+                        prop_assert_eq!(r, Err(Skip::BlockSize { got: BS * 2, want: BS }));
+                    } else {
+                        prop_assert_eq!(r, Err(Skip::Malformed));
+                    }
+                }
+                Op::Remove { worker, hashes, tier } => {
+                    let w = index.worker(names()[worker]).unwrap();
+                    prop_assert_eq!(index.apply(w, &KvEvent::Removed { engine_hashes: &hashes, tier }), Ok(()));
+                    let m = &mut model[worker];
+                    for h in hashes {
+                        if let Some(e) = m.held.get_mut(&(tier, h)) {
+                            e.1 -= 1;
+                            if e.1 == 0 { m.held.remove(&(tier, h)); }
+                        }
+                    }
+                }
+                Op::Clear { worker } => {
+                    let w = index.worker(names()[worker]).unwrap();
+                    prop_assert_eq!(index.apply(w, &KvEvent::Cleared), Ok(()));
+                    model[worker].held.clear();
+                }
+                Op::RemoveWorker { worker } => {
+                    let w = index.worker(names()[worker]).unwrap();
+                    prop_assert!(index.remove_worker(w));
+                    prop_assert_eq!(index.apply(w, &KvEvent::Cleared), Err(Skip::UnknownWorker));
+                    model[worker].held.clear();
+                    index.add_worker(names()[worker]);
+                }
+                Op::Query { blocks, salt, tier } => {
+                    let mut seqs = Vec::new();
+                    let mut prev = None;
+                    for b in &blocks {
+                        let s = next_sequence_hash(prev, local_block_hash(&BLOCKS[*b], seed(salt)));
+                        seqs.push(s);
+                        prev = Some(s);
+                    }
+                    index.find_matches(&seqs, tier, &mut out);
+                    let got: BTreeMap<String, u32> = out.iter()
+                        .map(|Overlap { worker, blocks }| (index.worker_name(*worker).unwrap().to_owned(), *blocks))
+                        .collect();
+                    prop_assert_eq!(got.len(), out.len(), "a worker reported twice");
+                    let mut want = BTreeMap::new();
+                    for (i, m) in model.iter().enumerate() {
+                        let n = seqs.iter().take_while(|s| m.holds(tier, **s)).count() as u32;
+                        if n > 0 { want.insert(names()[i].to_owned(), n); }
+                    }
+                    prop_assert_eq!(got, want);
+                }
+            }
+            if let Err(e) = index.check_invariants() {
+                prop_assert!(false, "invariant: {}", e);
+            }
+            // Same holdings, entry by entry.
+            for (i, m) in model.iter().enumerate() {
+                let w = index.worker(names()[i]).unwrap();
+                for t in Tier::ALL {
+                    let n = m.held.keys().filter(|(tt, _)| *tt == t).count();
+                    prop_assert_eq!(index.worker_blocks(w, t), n);
+                }
+                for ((t, h), (seq, refs)) in &m.held {
+                    prop_assert_eq!(index.engine_entry(w, *t, EngineBlockHash(*h)), Some((*seq, *refs)));
+                }
+            }
+        }
+    }
+}
+
+/// Real-capture behaviour: one hash stored twice (two physical copies) needs
+/// two removals; a REUSED re-report adds no reference; the reference cap
+/// bounds re-reports without an origin.
+#[test]
+fn duplicate_stores_and_reused_reports() {
+    let bs = BlockSize::new(2).unwrap();
+    let mut index = Index::new(IndexConfig::new(bs));
+    let w = index.add_worker("w");
+    let tokens = [9, 9];
+    let seq = next_sequence_hash(None, local_block_hash(&tokens, BlockSeed::BASE));
+    let store = |origin| {
+        KvEvent::Stored(Stored {
+            engine_hashes: &[42],
+            parent: None,
+            token_ids: &tokens,
+            block_size: 2,
+            seed: BlockSeed::BASE,
+            tier: Tier::Device,
+            origin,
+        })
+    };
+    let removed = KvEvent::Removed { engine_hashes: &[42], tier: Tier::Device };
+    let mut out = Vec::new();
+    index.apply(w, &store(Origin::Unspecified)).unwrap();
+    index.apply(w, &store(Origin::Unspecified)).unwrap();
+    index.apply(w, &store(Origin::Reused)).unwrap();
+    assert_eq!(index.engine_entry(w, Tier::Device, EngineBlockHash(42)), Some((seq, 2)));
+    index.apply(w, &removed).unwrap();
+    index.find_matches(&[seq], Tier::Device, &mut out);
+    assert_eq!(out, vec![Overlap { worker: w, blocks: 1 }], "one copy left");
+    index.apply(w, &removed).unwrap();
+    index.find_matches(&[seq], Tier::Device, &mut out);
+    assert!(out.is_empty());
+    // A removal of a hash never stored is counted, not an error.
+    index.apply(w, &removed).unwrap();
+    assert_eq!(index.counters().unknown_removals, 1);
+    // Re-reports without origin are capped at max_refs (4).
+    for _ in 0..10 {
+        index.apply(w, &store(Origin::Unspecified)).unwrap();
+    }
+    assert_eq!(index.engine_entry(w, Tier::Device, EngineBlockHash(42)), Some((seq, 4)));
+    assert_eq!(index.counters().refs_capped, 6);
+}
+
+/// A worker that reports more device blocks than its capacity is trimmed,
+/// oldest stores first.
+#[test]
+fn capacity_bounds_stale_blocks() {
+    let bs = BlockSize::new(1).unwrap();
+    let mut index = Index::new(IndexConfig::new(bs));
+    let w = index.add_worker("w");
+    for i in 0..100u32 {
+        let ev = KvEvent::Stored(Stored {
+            engine_hashes: &[u64::from(i)],
+            parent: None,
+            token_ids: &[i],
+            block_size: 1,
+            seed: BlockSeed::BASE,
+            tier: Tier::Device,
+            origin: Origin::New,
+        });
+        index.apply(w, &ev).unwrap();
+    }
+    index.set_capacity(w, Some(64));
+    let held = index.worker_blocks(w, Tier::Device);
+    assert!((60..=64).contains(&held), "held {held}");
+    // The newest survive.
+    assert!(index.engine_entry(w, Tier::Device, EngineBlockHash(99)).is_some());
+    assert!(index.engine_entry(w, Tier::Device, EngineBlockHash(0)).is_none());
+    assert_eq!(index.counters().capacity_evictions as usize, 100 - held);
+    index.check_invariants().unwrap();
+}
