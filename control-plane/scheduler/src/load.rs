@@ -1,0 +1,206 @@
+//! Router-predicted load per worker, from the lifecycle of the requests the
+//! router (and its replicas) routed: added → first token → done.
+//!
+//! | operation | cost |
+//! |---|---|
+//! | [`LoadTracker::added`] | O(prompt blocks) |
+//! | [`LoadTracker::first_token`] | O(1) |
+//! | [`LoadTracker::done`] | O(prompt blocks) |
+//! | [`LoadTracker::expire`] | O(in-flight requests) |
+//! | [`LoadTracker::load`] | O(1) |
+//!
+//! Active blocks are deduplicated per worker: a multiset of the prompt's
+//! sequence hashes, so ten requests sharing a 4,000-token system prompt count
+//! its blocks once, as the engine's prefix cache does. Output blocks are
+//! per request (`ceil(expected_output_tokens / block_size)`).
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use foldhash::fast::RandomState;
+use kvgate_index::WorkerIdx;
+use kvgate_protocol::SequenceHash;
+
+use crate::policy::Load;
+
+type Map<K, V> = HashMap<K, V, RandomState>;
+
+/// A worker's last heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measured {
+    /// `vllm:num_requests_running`.
+    pub running: u32,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc` in [0, 1].
+    pub kv_usage: f32,
+    /// Device blocks.
+    pub capacity_blocks: u64,
+    /// `max_num_seqs`, 0 when unknown.
+    pub max_num_seqs: u32,
+}
+
+#[derive(Debug, Default)]
+struct WorkerLoad {
+    inflight: u32,
+    prefill_pending_blocks: u64,
+    prompt_blocks: Map<SequenceHash, u32>,
+    output_blocks: u64,
+    measured: Option<Measured>,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    worker: WorkerIdx,
+    prompt: Box<[SequenceHash]>,
+    new_prefill_blocks: u64,
+    output_blocks: u64,
+    prefilling: bool,
+    added_ms: u64,
+}
+
+/// In-flight requests and the load they put on each worker.
+#[derive(Debug, Default)]
+pub struct LoadTracker {
+    workers: Map<WorkerIdx, WorkerLoad>,
+    requests: Map<String, Inflight>,
+}
+
+/// Why a lifecycle step was ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LifecycleError {
+    /// The request id is already in flight.
+    #[error("request already in flight")]
+    Duplicate,
+    /// The request id is not in flight (done, expired, or never added).
+    #[error("request not in flight")]
+    Unknown,
+}
+
+impl LoadTracker {
+    /// An empty tracker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A request was routed to `worker`: `prompt` are its sequence hashes,
+    /// `overlap_blocks` the leading ones the worker held.
+    pub fn added(
+        &mut self,
+        request_id: &str,
+        worker: WorkerIdx,
+        prompt: &[SequenceHash],
+        overlap_blocks: u32,
+        output_blocks: u64,
+        now_ms: u64,
+    ) -> Result<(), LifecycleError> {
+        let Entry::Vacant(slot) = self.requests.entry(request_id.to_owned()) else {
+            return Err(LifecycleError::Duplicate);
+        };
+        let new_prefill_blocks = (prompt.len() as u64).saturating_sub(u64::from(overlap_blocks));
+        let w = self.workers.entry(worker).or_default();
+        w.inflight += 1;
+        w.prefill_pending_blocks += new_prefill_blocks;
+        w.output_blocks += output_blocks;
+        for h in prompt {
+            *w.prompt_blocks.entry(*h).or_insert(0) += 1;
+        }
+        slot.insert(Inflight {
+            worker,
+            prompt: prompt.into(),
+            new_prefill_blocks,
+            output_blocks,
+            prefilling: true,
+            added_ms: now_ms,
+        });
+        Ok(())
+    }
+
+    /// The request's first token arrived: its prefill is done.
+    pub fn first_token(&mut self, request_id: &str) -> Result<(), LifecycleError> {
+        let r = self.requests.get_mut(request_id).ok_or(LifecycleError::Unknown)?;
+        if std::mem::take(&mut r.prefilling)
+            && let Some(w) = self.workers.get_mut(&r.worker)
+        {
+            w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
+        }
+        Ok(())
+    }
+
+    /// The request finished (or failed): its load is released.
+    pub fn done(&mut self, request_id: &str) -> Result<(), LifecycleError> {
+        let r = self.requests.remove(request_id).ok_or(LifecycleError::Unknown)?;
+        self.release(r);
+        Ok(())
+    }
+
+    fn release(&mut self, r: Inflight) {
+        let Some(w) = self.workers.get_mut(&r.worker) else { return };
+        w.inflight = w.inflight.saturating_sub(1);
+        if r.prefilling {
+            w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
+        }
+        w.output_blocks = w.output_blocks.saturating_sub(r.output_blocks);
+        for h in r.prompt.iter() {
+            if let Entry::Occupied(mut o) = w.prompt_blocks.entry(*h) {
+                *o.get_mut() -= 1;
+                if *o.get() == 0 {
+                    o.remove();
+                }
+            }
+        }
+    }
+
+    /// Drops requests added more than `ttl_ms` ago whose end was never seen
+    /// (a lost report must not leave phantom load forever). Returns how many.
+    pub fn expire(&mut self, now_ms: u64, ttl_ms: u64) -> usize {
+        let old: Vec<String> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| now_ms.saturating_sub(r.added_ms) > ttl_ms)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &old {
+            if let Some(r) = self.requests.remove(k) {
+                self.release(r);
+            }
+        }
+        old.len()
+    }
+
+    /// Records a worker's heartbeat. Non-finite or out-of-range usage is
+    /// rejected (returns false) and the previous measurement is kept.
+    pub fn measured(&mut self, worker: WorkerIdx, m: Measured) -> bool {
+        if !(m.kv_usage.is_finite() && (0.0..=1.0).contains(&m.kv_usage)) {
+            return false;
+        }
+        self.workers.entry(worker).or_default().measured = Some(m);
+        true
+    }
+
+    /// Forgets a worker and every request routed to it.
+    pub fn remove_worker(&mut self, worker: WorkerIdx) {
+        self.requests.retain(|_, r| r.worker != worker);
+        self.workers.remove(&worker);
+    }
+
+    /// Requests in flight (all workers).
+    pub fn inflight(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The load of a worker, predicted and measured.
+    pub fn load(&self, worker: WorkerIdx) -> Load {
+        let Some(w) = self.workers.get(&worker) else { return Load::default() };
+        let m = w.measured;
+        Load {
+            inflight: w.inflight,
+            prefill_pending_blocks: w.prefill_pending_blocks,
+            active_blocks: w.prompt_blocks.len() as u64 + w.output_blocks,
+            measured_running: m.map(|m| m.running),
+            measured_waiting: m.map(|m| m.waiting),
+            measured_active_blocks: m.map(|m| (f64::from(m.kv_usage) * m.capacity_blocks as f64).round() as u64),
+            max_running: m.and_then(|m| (m.max_num_seqs > 0).then_some(m.max_num_seqs)),
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! The `Policy` trait and what every policy sees.
+
+use kvgate_index::WorkerIdx;
+
+/// Load of one worker as the scheduler sees it: the router's prediction from
+/// the requests it (and its replicas) routed, fused with what the worker last
+/// measured (heartbeat).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    /// Requests routed to the worker and not done (all replicas).
+    pub inflight: u32,
+    /// Prompt blocks still to prefill for requests that have no first token
+    /// yet (their uncached part).
+    pub prefill_pending_blocks: u64,
+    /// KV blocks held by active requests, shared prefixes counted once, plus
+    /// their expected output blocks.
+    pub active_blocks: u64,
+    /// `vllm:num_requests_running` at the last heartbeat.
+    pub measured_running: Option<u32>,
+    /// `vllm:num_requests_waiting` at the last heartbeat.
+    pub measured_waiting: Option<u32>,
+    /// Active blocks measured (`kv_cache_usage_perc` × capacity).
+    pub measured_active_blocks: Option<u64>,
+    /// The worker's running limit (`max_num_seqs`), when known.
+    pub max_running: Option<u32>,
+}
+
+impl Load {
+    /// Requests on the worker: the larger of the prediction and the
+    /// measurement (running + waiting). The prediction reacts at once; the
+    /// measurement catches traffic the router did not see.
+    pub fn effective_requests(&self) -> u32 {
+        let measured = self.measured_running.unwrap_or(0).saturating_add(self.measured_waiting.unwrap_or(0));
+        self.inflight.max(measured)
+    }
+
+    /// Active KV blocks: the larger of the prediction and the measurement.
+    pub fn effective_active_blocks(&self) -> u64 {
+        self.active_blocks.max(self.measured_active_blocks.unwrap_or(0))
+    }
+
+    /// Requests that would wait in the worker's queue if one more arrived
+    /// (0 while below the running limit or when the limit is unknown).
+    pub fn queued_if_added(&self) -> u32 {
+        match self.max_running {
+            Some(limit) if limit > 0 => (self.effective_requests() + 1).saturating_sub(limit),
+            _ => self.measured_waiting.unwrap_or(0),
+        }
+    }
+}
+
+/// One worker that could take the request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    /// The worker (index in the model's [`kvgate_index::Index`]).
+    pub worker: WorkerIdx,
+    /// Leading prompt blocks it holds in device memory.
+    pub overlap_blocks: u32,
+    /// Leading prompt blocks it holds in any tier (≥ `overlap_blocks` when
+    /// it offloads to host memory).
+    pub overlap_any_tier_blocks: u32,
+    /// Its load.
+    pub load: Load,
+    /// Not to be chosen (unhealthy, draining, heartbeats stale).
+    pub excluded: bool,
+}
+
+/// What a policy knows about the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestView<'a> {
+    /// Full prompt blocks.
+    pub prompt_blocks: u32,
+    /// Expected output tokens (max_tokens, or the model's estimate).
+    pub expected_output_tokens: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Text-prefix keys for the `approx` policy: the chained segment hashes
+    /// of the prompt, already mixed with the request's block seed (tenant).
+    pub text_prefix: &'a [u64],
+}
+
+/// Why a worker was chosen (maps to `PickReason` on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The chosen worker had the longest cached prefix and it mattered.
+    Kv,
+    /// Load decided.
+    Load,
+    /// Learned text prefixes decided.
+    Approximate,
+    /// Round robin.
+    RoundRobin,
+    /// Random.
+    Random,
+}
+
+/// A routing decision: positions in the candidate slice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The chosen candidate.
+    pub chosen: usize,
+    /// Next-best candidates, best first (for Envoy retries).
+    pub fallbacks: Vec<usize>,
+    /// Why.
+    pub reason: Reason,
+}
+
+/// A routing policy. One per file in this crate; every one must never choose
+/// an excluded candidate and must return `None` only when every candidate is
+/// excluded (or there are none).
+pub trait Policy: Send {
+    /// Short name, as in configuration and metrics (`kv`, `approx`, ...).
+    fn name(&self) -> &'static str;
+
+    /// Chooses among `candidates`.
+    fn pick(
+        &mut self,
+        request: &RequestView<'_>,
+        candidates: &[Candidate],
+        rng: &mut fastrand::Rng,
+    ) -> Option<Decision>;
+
+    /// Told about the final decision for a request (for policies that learn
+    /// from their own routing, like `approx`). `now_ms` is a monotonic clock.
+    fn observe(&mut self, _request: &RequestView<'_>, _worker: kvgate_index::WorkerIdx, _now_ms: u64) {}
+
+    /// Told that a worker left, so that learned state about it is dropped.
+    fn forget_worker(&mut self, _worker: kvgate_index::WorkerIdx) {}
+}
+
+/// Indices of the non-excluded candidates.
+pub(crate) fn eligible(candidates: &[Candidate]) -> impl Iterator<Item = usize> + '_ {
+    candidates.iter().enumerate().filter(|(_, c)| !c.excluded).map(|(i, _)| i)
+}
+
+/// Orders eligible candidates by `key` (lower is better) with random ties,
+/// and builds a decision with up to `fallbacks` runners-up.
+pub(crate) fn rank_by<K: PartialOrd + Copy>(
+    candidates: &[Candidate],
+    rng: &mut fastrand::Rng,
+    fallbacks: usize,
+    reason: impl FnOnce(usize) -> Reason,
+    mut key: impl FnMut(&Candidate) -> K,
+) -> Option<Decision> {
+    let mut order: Vec<(K, u64, usize)> =
+        eligible(candidates).filter_map(|i| candidates.get(i).map(|c| (key(c), rng.u64(..), i))).collect();
+    if order.is_empty() {
+        return None;
+    }
+    order.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
+    let mut it = order.into_iter().map(|(_, _, i)| i);
+    let chosen = it.next()?;
+    Some(Decision { chosen, fallbacks: it.take(fallbacks).collect(), reason: reason(chosen) })
+}

@@ -1,0 +1,275 @@
+//! Behaviour of the routing policies and the load tracker.
+
+use kvgate_index::WorkerIdx;
+use kvgate_protocol::SequenceHash;
+use kvgate_scheduler::{
+    ApproxConfig, ApproxPolicy, Candidate, KvPolicy, Load, LoadTracker, Measured, Mode, Policy, Reason, RequestView,
+    RoundRobinPolicy,
+};
+use proptest::prelude::*;
+
+fn request(blocks: u32) -> RequestView<'static> {
+    RequestView { prompt_blocks: blocks, expected_output_tokens: 800, block_size: 32, text_prefix: &[] }
+}
+
+fn cand(w: u32, overlap: u32, load: Load) -> Candidate {
+    Candidate { worker: WorkerIdx(w), overlap_blocks: overlap, overlap_any_tier_blocks: overlap, load, excluded: false }
+}
+
+fn active(blocks: u64) -> Load {
+    Load { active_blocks: blocks, ..Load::default() }
+}
+
+/// REFERENCE-RESULTS.md section C: a request of 100 blocks; workers with
+/// 20/75/10 cached blocks and 10/5/9 decode blocks cost 90/30/99, and worker 2
+/// is chosen.
+#[test]
+fn dynamo_worked_example() {
+    let kv = KvPolicy::default();
+    let cands = [cand(1, 20, active(10)), cand(2, 75, active(5)), cand(3, 10, active(9))];
+    let costs: Vec<f64> = cands.iter().map(|c| kv.cost(100, c)).collect();
+    assert_eq!(costs, vec![90.0, 30.0, 99.0]);
+    let mut p = KvPolicy::default();
+    let mut rng = fastrand::Rng::with_seed(1);
+    let d = p.pick(&request(100), &cands, &mut rng).unwrap();
+    assert_eq!(cands[d.chosen].worker, WorkerIdx(2));
+    assert_eq!(d.reason, Reason::Kv);
+    assert_eq!(d.fallbacks, vec![0, 2], "runners-up by cost: 90 then 99");
+}
+
+/// A worker at its running limit is not chosen while another has room, even
+/// with the whole prompt cached: waiting for a batch slot costs more than a
+/// prefill. When every worker is saturated, cost decides, with a queued
+/// request worth `queue_penalty_blocks`.
+#[test]
+fn saturated_workers_are_avoided() {
+    let full = Load { inflight: 64, active_blocks: 2000, max_running: Some(64), ..Load::default() };
+    let room = Load { inflight: 40, active_blocks: 2500, max_running: Some(64), ..Load::default() };
+    let cands = [cand(0, 100, full), cand(1, 0, room)];
+    let mut rng = fastrand::Rng::with_seed(2);
+    let d = KvPolicy::default().pick(&request(100), &cands, &mut rng).unwrap();
+    assert_eq!(d.chosen, 1);
+    assert_eq!(d.reason, Reason::Load);
+
+    // Measured waiting counts too (traffic the router did not see).
+    let busy = Load {
+        inflight: 10,
+        measured_running: Some(64),
+        measured_waiting: Some(3),
+        max_running: Some(64),
+        ..Load::default()
+    };
+    let cands = [cand(0, 100, busy), cand(1, 0, room)];
+    assert_eq!(KvPolicy::default().pick(&request(100), &cands, &mut rng).unwrap().chosen, 1);
+
+    // All saturated: cost decides, each queued request worth 200 blocks. With
+    // 16 more requests queued, the cached worker loses despite its hit.
+    let more = Load { inflight: 80, max_running: Some(64), ..Load::default() };
+    let cands = [cand(0, 100, more), cand(1, 0, full)];
+    assert_eq!(KvPolicy::default().pick(&request(100), &cands, &mut rng).unwrap().chosen, 1);
+}
+
+/// Without any overlap the cost reduces to load: the least loaded worker
+/// wins, and equal workers are chosen at random (not always the first).
+#[test]
+fn ties_go_to_load_then_random() {
+    let mut rng = fastrand::Rng::with_seed(3);
+    let cands = [
+        cand(0, 0, Load { inflight: 5, ..Load::default() }),
+        cand(1, 0, Load { inflight: 2, ..Load::default() }),
+        cand(2, 0, Load { inflight: 9, ..Load::default() }),
+    ];
+    assert_eq!(KvPolicy::default().pick(&request(10), &cands, &mut rng).unwrap().chosen, 1);
+    let same = [cand(0, 0, Load::default()), cand(1, 0, Load::default()), cand(2, 0, Load::default())];
+    let mut seen = [0; 3];
+    for _ in 0..300 {
+        seen[KvPolicy::default().pick(&request(10), &same, &mut rng).unwrap().chosen] += 1;
+    }
+    assert!(seen.iter().all(|n| *n > 50), "ties not spread: {seen:?}");
+}
+
+/// A burst of one conversation's turns, routed with the load tracker: `kv`
+/// keeps them on the worker with the prefix until its running limit, then
+/// spills; no worker ever exceeds its limit while another has room. This is
+/// the DOKS failure at concurrency 180, in miniature.
+#[test]
+fn sticky_bursts_never_overflow_a_worker() {
+    let mut tracker = LoadTracker::new();
+    let workers = [WorkerIdx(0), WorkerIdx(1), WorkerIdx(2)];
+    for w in workers {
+        tracker.measured(
+            w,
+            Measured { running: 0, waiting: 0, kv_usage: 0.0, capacity_blocks: 100_000, max_num_seqs: 64 },
+        );
+    }
+    let prefix: Vec<SequenceHash> = (0..120).map(SequenceHash).collect();
+    let mut policy = KvPolicy::default();
+    let mut rng = fastrand::Rng::with_seed(4);
+    let mut placed = [0u32; 3];
+    for i in 0..180 {
+        // Worker 0 holds the shared 120-block prefix; each turn adds 5 new blocks.
+        let mut prompt = prefix.clone();
+        prompt.extend((0..5).map(|k| SequenceHash(1_000_000 + i * 10 + k)));
+        let cands: Vec<Candidate> =
+            workers.iter().map(|w| cand(w.0, if w.0 == 0 { 120 } else { 0 }, tracker.load(*w))).collect();
+        let d = policy.pick(&request(prompt.len() as u32), &cands, &mut rng).unwrap();
+        let w = workers[d.chosen];
+        tracker.added(&format!("r{i}"), w, &prompt, cands[d.chosen].overlap_blocks, 26, 0).unwrap();
+        placed[d.chosen] += 1;
+        let max = placed.iter().copied().max().unwrap();
+        let min = placed.iter().copied().min().unwrap();
+        assert!(max <= 64 || min >= 64, "after {} requests: {placed:?}", i + 1);
+    }
+    // The prefix holder is filled to its limit, the rest spills evenly.
+    assert_eq!(placed[0], 64, "{placed:?}");
+    assert!(placed[1].abs_diff(placed[2]) <= 1, "{placed:?}");
+}
+
+/// The load tracker deduplicates shared prompt blocks per worker, releases
+/// prefill at the first token and everything at the end, expires lost
+/// requests, and rejects nonsense measurements.
+#[test]
+fn load_tracker_lifecycle() {
+    let mut t = LoadTracker::new();
+    let w = WorkerIdx(7);
+    let shared: Vec<SequenceHash> = (0..10).map(SequenceHash).collect();
+    let mut a = shared.clone();
+    a.push(SequenceHash(100));
+    let mut b = shared.clone();
+    b.push(SequenceHash(200));
+    t.added("a", w, &a, 0, 3, 1_000).unwrap();
+    t.added("b", w, &b, 10, 3, 1_000).unwrap();
+    assert_eq!(t.added("b", w, &b, 10, 3, 1_000), Err(kvgate_scheduler::LifecycleError::Duplicate));
+    let l = t.load(w);
+    assert_eq!((l.inflight, l.prefill_pending_blocks, l.active_blocks), (2, 11 + 1, 12 + 6));
+    t.first_token("a").unwrap();
+    assert_eq!(t.load(w).prefill_pending_blocks, 1);
+    t.done("a").unwrap();
+    let l = t.load(w);
+    assert_eq!((l.inflight, l.prefill_pending_blocks, l.active_blocks), (1, 1, 11 + 3));
+    assert_eq!(t.done("a"), Err(kvgate_scheduler::LifecycleError::Unknown));
+    assert_eq!(t.expire(1_000 + 600_001, 600_000), 1);
+    assert_eq!(t.load(w), Load::default());
+    assert!(
+        !t.measured(w, Measured { running: 1, waiting: 0, kv_usage: f32::NAN, capacity_blocks: 10, max_num_seqs: 8 })
+    );
+    assert!(!t.measured(w, Measured { running: 1, waiting: 0, kv_usage: 1.5, capacity_blocks: 10, max_num_seqs: 8 }));
+    assert!(t.measured(w, Measured { running: 1, waiting: 2, kv_usage: 0.5, capacity_blocks: 10, max_num_seqs: 8 }));
+    let l = t.load(w);
+    assert_eq!((l.measured_active_blocks, l.max_running, l.effective_requests()), (Some(5), Some(8), 3));
+}
+
+/// `approx` sends a conversation back where it went, keeps tenants apart,
+/// forgets after its TTL, and never sends to a saturated worker.
+#[test]
+fn approx_learns_its_own_decisions() {
+    let mut p = ApproxPolicy::new(ApproxConfig { ttl_ms: 1_000, max_entries: 100 });
+    let mut rng = fastrand::Rng::with_seed(5);
+    let cands = [cand(0, 0, Load::default()), cand(1, 0, Load::default()), cand(2, 0, Load::default())];
+    let turn1 = [11u64, 12];
+    let turn2 = [11u64, 12, 13, 14];
+    let r1 = RequestView { text_prefix: &turn1, ..request(10) };
+    let first = p.pick(&r1, &cands, &mut rng).unwrap();
+    p.observe(&r1, cands[first.chosen].worker, 0);
+    let r2 = RequestView { text_prefix: &turn2, ..request(20) };
+    for _ in 0..20 {
+        let d = p.pick(&r2, &cands, &mut rng).unwrap();
+        assert_eq!(d.chosen, first.chosen);
+        assert_eq!(d.reason, Reason::Approximate);
+        assert!(!d.fallbacks.contains(&first.chosen));
+    }
+    // Another tenant's keys (mixed with its seed) are different keys.
+    let other = [91u64, 92];
+    let d = p.pick(&RequestView { text_prefix: &other, ..request(10) }, &cands, &mut rng).unwrap();
+    assert_eq!(d.reason, Reason::Load);
+    // Saturated: not sent there.
+    let mut sat = cands;
+    sat[first.chosen].load = Load { inflight: 8, max_running: Some(8), ..Load::default() };
+    assert_ne!(p.pick(&r2, &sat, &mut rng).unwrap().chosen, first.chosen);
+    // Expired after the TTL.
+    p.observe(&RequestView { text_prefix: &[500], ..request(1) }, WorkerIdx(0), 5_000);
+    assert_eq!(p.pick(&r2, &cands, &mut rng).unwrap().reason, Reason::Load);
+    p.forget_worker(WorkerIdx(0));
+    assert!(p.len() <= 4);
+}
+
+#[test]
+fn round_robin_cycles_and_skips_excluded() {
+    let mut p = RoundRobinPolicy::default();
+    let mut rng = fastrand::Rng::with_seed(6);
+    let mut cands = vec![cand(0, 0, Load::default()), cand(1, 0, Load::default()), cand(2, 0, Load::default())];
+    let order: Vec<usize> = (0..6).map(|_| p.pick(&request(1), &cands, &mut rng).unwrap().chosen).collect();
+    assert_eq!(order, vec![0, 1, 2, 0, 1, 2]);
+    cands[1].excluded = true;
+    let order: Vec<usize> = (0..4).map(|_| p.pick(&request(1), &cands, &mut rng).unwrap().chosen).collect();
+    assert_eq!(order, vec![0, 2, 0, 2]);
+}
+
+#[test]
+fn modes_parse_by_name() {
+    for m in Mode::ALL {
+        assert_eq!(m.name().parse::<Mode>().unwrap(), m);
+        assert_eq!(m.policy().name(), m.name());
+    }
+    assert!("kv-aware".parse::<Mode>().unwrap_err().contains("unknown routing mode"));
+}
+
+fn arb_load() -> impl Strategy<Value = Load> {
+    (
+        0u32..100,
+        0u64..5000,
+        0u64..5000,
+        proptest::option::of(0u32..100),
+        proptest::option::of(0u32..20),
+        proptest::option::of(0u64..5000),
+        proptest::option::of(0u32..80),
+    )
+        .prop_map(|(inflight, pending, active, mr, mw, ma, max)| Load {
+            inflight,
+            prefill_pending_blocks: pending,
+            active_blocks: active,
+            measured_running: mr,
+            measured_waiting: mw,
+            measured_active_blocks: ma,
+            max_running: max,
+        })
+}
+
+proptest! {
+    /// No policy ever picks an excluded worker; each returns a decision iff
+    /// some worker is eligible; fallbacks are eligible, distinct and not the
+    /// chosen one.
+    #[test]
+    fn never_picks_an_excluded_worker(
+        cands in proptest::collection::vec((0u32..200, 0u32..200, arb_load(), any::<bool>()), 0..12),
+        blocks in 0u32..200,
+        seed in any::<u64>(),
+        temperature in prop_oneof![Just(0.0), 0.01f64..2.0],
+        learned in proptest::collection::vec(0u64..4, 0..4),
+    ) {
+        let cands: Vec<Candidate> = cands.into_iter().enumerate().map(|(i, (o, extra, load, excluded))| Candidate {
+            worker: WorkerIdx(i as u32), overlap_blocks: o, overlap_any_tier_blocks: o + extra, load, excluded,
+        }).collect();
+        let any_eligible = cands.iter().any(|c| !c.excluded);
+        let keys = [1u64, 2, 3, 4];
+        let req = RequestView { prompt_blocks: blocks, expected_output_tokens: 100, block_size: 16, text_prefix: &keys };
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut policies: Vec<Box<dyn Policy>> = Mode::ALL.iter().map(|m| m.policy()).collect();
+        policies.push(Box::new(KvPolicy::new(kvgate_scheduler::KvConfig { temperature, ..Default::default() })));
+        for p in &mut policies {
+            for (i, k) in learned.iter().enumerate() {
+                p.observe(&RequestView { text_prefix: &keys[..=i], ..req }, WorkerIdx(*k as u32), 0);
+            }
+            let d = p.pick(&req, &cands, &mut rng);
+            prop_assert_eq!(d.is_some(), any_eligible, "{}", p.name());
+            if let Some(d) = d {
+                prop_assert!(!cands[d.chosen].excluded, "{} chose an excluded worker", p.name());
+                let mut seen = vec![d.chosen];
+                for f in &d.fallbacks {
+                    prop_assert!(!cands[*f].excluded && !seen.contains(f), "{} bad fallback", p.name());
+                    seen.push(*f);
+                }
+            }
+        }
+    }
+}
