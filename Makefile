@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile clean-tools
+.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing clean-tools
 
 help:
 	@echo "make demo   - start the local stack and run the benchmark (main job)"
@@ -13,6 +13,8 @@ help:
 	@echo "make proto  - regenerate filter/protocol/src/gen from the .proto files"
 	@echo "make fuzz   - run every cargo-fuzz target briefly (FUZZ_SECS=30)"
 	@echo "make wasm-profile - measure size/speed of Wasm profile choices"
+	@echo "make bench-index - kvgate index vs dynamo-kv-router 1.6.1 on the Mooncake trace"
+	@echo "make bench-routing - criterion: ingest, lookup, pick (8K/100K tokens, 10/100/1000 workers)"
 
 setup:
 	@scripts/setup.sh
@@ -40,6 +42,16 @@ fuzz:
 
 wasm-profile: setup
 	@scripts/wasm-profile.sh
+
+# Dynamo's crate lives in its own workspace (bench/index-vs-dynamo) so that it
+# never enters the default build; it shares target/.
+bench-index:
+	cd bench/index-vs-dynamo && CARGO_TARGET_DIR=$(CURDIR)/target cargo build --release -q
+	target/release/kvgate-bench-index --trace $(or $(KVGATE_SHARED_DIR),../shared)/traces/mooncake/conversation_trace.jsonl \
+	    --out bench/results/index-vs-dynamo.json $(BENCH_ARGS)
+
+bench-routing:
+	cargo bench -p kvgate-scheduler --bench routing -- --warm-up-time 1 --measurement-time 2
 
 clean-tools:
 	rm -rf .tools

@@ -451,6 +451,7 @@ impl Index {
     /// Records that `w` holds `seq` under one engine hash fewer.
     fn drop_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
         if let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
+            && !aliases.is_empty()
             && let MapEntry::Occupied(mut a) = aliases.entry(seq)
         {
             *a.get_mut() -= 1;
