@@ -60,6 +60,16 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static A: Counting = Counting;
 
+/// CPU seconds used by this process so far (all threads), from /proc.
+fn cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    ticks / 100.0
+}
+
 fn live() -> isize {
     LIVE.load(Ordering::Relaxed)
 }
@@ -235,6 +245,7 @@ fn main() -> Result<()> {
     let names: Vec<String> = (0..a.workers).map(|w| format!("worker-{w}")).collect();
     let idx: Vec<_> = names.iter().map(|n| ours.add_worker(n)).collect();
     let t = Instant::now();
+    let c0 = cpu_s();
     for op in &trace.ops {
         match op {
             Op::Store { worker, parent, hashes, tokens } => {
@@ -251,6 +262,7 @@ fn main() -> Result<()> {
         }
     }
     let ours_ingest_s = t.elapsed().as_secs_f64();
+    let ours_cpu_s = cpu_s() - c0;
     let ours_bytes = (live() - before) as f64;
     let resident: usize = idx.iter().map(|w| ours.worker_blocks(*w, Tier::Device)).sum();
     eprintln!("kvgate: ingest {:.3} s, {:.1} MB live, {} resident block×worker", ours_ingest_s, ours_bytes / 1e6, resident);
@@ -260,6 +272,7 @@ fn main() -> Result<()> {
     let before = live();
     let dynamo = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), a.threads, a.block_size);
     let t = Instant::now();
+    let c0 = cpu_s();
     rt.block_on(async {
         for (i, op) in trace.ops.iter().enumerate() {
             let (worker, data) = match op {
@@ -286,6 +299,7 @@ fn main() -> Result<()> {
     })
     .map_err(|e| anyhow::anyhow!("dynamo flush: {e:?}"))?;
     let dyn_ingest_s = t.elapsed().as_secs_f64();
+    let dyn_cpu_s = cpu_s() - c0;
     let dyn_bytes = (live() - before) as f64;
     eprintln!("dynamo: ingest {:.3} s, {:.1} MB live", dyn_ingest_s, dyn_bytes / 1e6);
 
@@ -316,18 +330,20 @@ fn main() -> Result<()> {
     ours_ns.sort_by(f64::total_cmp);
     dyn_ns.sort_by(f64::total_cmp);
 
-    let side = |ingest_s: f64, ns: &[f64], bytes: f64| {
+    let side = |ingest_s: f64, cpu: f64, ns: &[f64], bytes: f64| {
         serde_json::json!({
             "ingest_block_ops_per_s": (block_ops as f64 / ingest_s).round(),
             "ingest_s": ingest_s,
+            "ingest_cpu_s": cpu,
+            "ingest_block_ops_per_cpu_s": (block_ops as f64 / cpu.max(0.01)).round(),
             "lookup_p50_us": percentile(ns, 0.50) / 1e3,
             "lookup_p99_us": percentile(ns, 0.99) / 1e3,
             "live_bytes_after_ingest": bytes,
             "bytes_per_block_worker": bytes / resident.max(1) as f64,
         })
     };
-    let o = side(ours_ingest_s, &ours_ns, ours_bytes);
-    let d = side(dyn_ingest_s, &dyn_ns, dyn_bytes);
+    let o = side(ours_ingest_s, ours_cpu_s, &ours_ns, ours_bytes);
+    let d = side(dyn_ingest_s, dyn_cpu_s, &dyn_ns, dyn_bytes);
     let ratio = |k: &str| o[k].as_f64().unwrap_or(0.0) / d[k].as_f64().unwrap_or(1.0).max(f64::MIN_POSITIVE);
     let commit = std::process::Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
@@ -339,6 +355,7 @@ fn main() -> Result<()> {
         "dynamo": d,
         "ratios_ours_over_dynamo": {
             "ingest_block_ops_per_s": ratio("ingest_block_ops_per_s"),
+            "ingest_block_ops_per_cpu_s": ratio("ingest_block_ops_per_cpu_s"),
             "lookup_p50_us": ratio("lookup_p50_us"),
             "lookup_p99_us": ratio("lookup_p99_us"),
             "bytes_per_block_worker": ratio("bytes_per_block_worker"),
@@ -361,6 +378,7 @@ fn main() -> Result<()> {
     println!("|---|---:|---:|---:|");
     for (k, label) in [
         ("ingest_block_ops_per_s", "ingest block-ops/s"),
+        ("ingest_block_ops_per_cpu_s", "ingest block-ops per CPU-s"),
         ("lookup_p50_us", "lookup p50 µs"),
         ("lookup_p99_us", "lookup p99 µs"),
         ("bytes_per_block_worker", "bytes per block×worker"),

@@ -90,11 +90,19 @@ pub struct Counters {
     pub capacity_evictions: u64,
 }
 
+/// One engine block of one worker. 24 bytes.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     seq: SequenceHash,
-    stamp: u32,
-    refs: u16,
+    /// Engine hash of the parent it was stored under (valid if `has_parent`).
+    parent: u64,
+    /// The worker's store clock when the entry was created: its identity for
+    /// parent/child accounting, and its age for capacity trimming.
+    born: u32,
+    /// Entries stored under this one (as their parent) and still held.
+    children: u16,
+    refs: u8,
+    has_parent: bool,
 }
 
 type Map<K, V> = HashMap<K, V, RandomState>;
@@ -111,6 +119,13 @@ struct Worker {
     capacity: Option<usize>,
     clock: u32,
     needs_resync: bool,
+    /// Per tier: entries whose original parent entry is gone (or was never
+    /// in this tier). Zero means every held block's whole chain is held:
+    /// the worker's holdings are prefix-closed, which lets `find_matches`
+    /// skip ahead. Never under-counted; may over-count (then only slower).
+    holes: [u64; 2],
+    /// A child count saturated: holes can no longer be trusted (until a clear).
+    holes_unreliable: [bool; 2],
 }
 
 impl Worker {
@@ -122,19 +137,27 @@ impl Worker {
             capacity: None,
             clock: 0,
             needs_resync: false,
+            holes: [0; 2],
+            holes_unreliable: [false; 2],
         }
+    }
+
+    fn prefix_closed(&self, tier: Tier) -> bool {
+        self.holes[tier.idx()] == 0 && !self.holes_unreliable[tier.idx()]
     }
 
     fn tick(&mut self) -> u32 {
         if self.clock == u32::MAX {
-            // Renumber stamps in age order (once per 4 billion stores).
-            for map in &mut self.engine {
-                let mut all: Vec<(u32, u64)> = map.iter().map(|(k, e)| (e.stamp, *k)).collect();
-                all.sort_unstable();
-                for (i, (_, k)) in all.iter().enumerate() {
-                    if let Some(e) = map.get_mut(k) {
-                        e.stamp = i as u32;
-                    }
+            // Renumber birth stamps in age order (once per 4 billion stores);
+            // the order, all that accounting and trimming use, is kept.
+            let mut all: Vec<(u32, usize, u64)> = Vec::new();
+            for (t, map) in self.engine.iter().enumerate() {
+                all.extend(map.iter().map(|(k, e)| (e.born, t, *k)));
+            }
+            all.sort_unstable();
+            for (i, (_, t, k)) in all.iter().enumerate() {
+                if let Some(e) = self.engine.get_mut(*t).and_then(|m| m.get_mut(k)) {
+                    e.born = i as u32;
                 }
             }
             self.clock = self.engine.iter().map(Map::len).sum::<usize>() as u32;
@@ -361,8 +384,10 @@ impl Index {
             seqs.push(seq);
             prev = Some(seq);
         }
+        let mut parent = s.parent;
         for (h, seq) in s.engine_hashes.iter().zip(&seqs) {
-            self.store_ref(w, s.tier, *h, *seq, s.origin);
+            self.store_ref(w, s.tier, *h, *seq, parent, s.origin);
+            parent = Some(*h);
         }
         self.seq_scratch = seqs;
         if s.tier == Tier::Device {
@@ -371,44 +396,86 @@ impl Index {
         Ok(())
     }
 
-    fn store_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64, seq: SequenceHash, origin: Origin) {
-        let max_refs = self.config.max_refs.max(1);
+    fn store_ref(
+        &mut self,
+        w: WorkerIdx,
+        tier: Tier,
+        engine: u64,
+        seq: SequenceHash,
+        parent: Option<u64>,
+        origin: Origin,
+    ) {
+        let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
         let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return };
-        let stamp = worker.tick();
         let Some(map) = worker.engine.get_mut(tier.idx()) else { return };
-        match map.entry(engine) {
-            MapEntry::Occupied(mut o) => {
-                let e = o.get_mut();
-                if e.seq == seq {
-                    e.stamp = stamp;
-                    match origin {
-                        Origin::Reused => self.counters.reused_reports += 1,
-                        _ if e.refs >= max_refs => self.counters.refs_capped += 1,
-                        _ => {
-                            e.refs += 1;
-                            self.counters.blocks_stored += 1;
-                        }
+        if let Some(e) = map.get_mut(&engine) {
+            if e.seq == seq {
+                match origin {
+                    Origin::Reused => self.counters.reused_reports += 1,
+                    _ if e.refs >= max_refs => self.counters.refs_capped += 1,
+                    _ => {
+                        e.refs += 1;
+                        self.counters.blocks_stored += 1;
                     }
-                    return;
                 }
-                // Same engine hash, other content: replace the old mapping.
-                let old = e.seq;
-                *e = Entry { seq, stamp, refs: 1 };
-                self.counters.hash_conflicts += 1;
-                self.counters.blocks_stored += 1;
-                self.drop_membership(w, tier, old);
-                self.add_membership(w, tier, seq);
+                return;
             }
-            MapEntry::Vacant(v) => {
-                v.insert(Entry { seq, stamp, refs: 1 });
-                if origin == Origin::Reused {
-                    self.counters.reused_reports += 1;
-                } else {
-                    self.counters.blocks_stored += 1;
-                }
-                self.add_membership(w, tier, seq);
+            // Same engine hash, other content: replace the old entry.
+            self.counters.hash_conflicts += 1;
+            self.remove_entry(w, tier, engine);
+        }
+        self.insert_entry(w, tier, engine, seq, parent);
+        if origin == Origin::Reused {
+            self.counters.reused_reports += 1;
+        } else {
+            self.counters.blocks_stored += 1;
+        }
+    }
+
+    /// Creates a worker's entry and its membership, with parent accounting.
+    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, engine: u64, seq: SequenceHash, parent: Option<u64>) {
+        let t = tier.idx();
+        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return };
+        let born = worker.tick();
+        let (Some(map), Some(holes), Some(unreliable)) =
+            (worker.engine.get_mut(t), worker.holes.get_mut(t), worker.holes_unreliable.get_mut(t))
+        else {
+            return;
+        };
+        match parent.and_then(|p| map.get_mut(&p)) {
+            Some(pe) => match pe.children.checked_add(1) {
+                Some(c) => pe.children = c,
+                None => *unreliable = true,
+            },
+            None if parent.is_some() => *holes += 1,
+            None => {}
+        }
+        map.insert(
+            engine,
+            Entry { seq, parent: parent.unwrap_or(0), born, children: 0, refs: 1, has_parent: parent.is_some() },
+        );
+        self.add_membership(w, tier, seq);
+    }
+
+    /// Deletes a worker's entry (all references) and its membership, with
+    /// parent/child accounting: its held children become holes; it stops
+    /// being its parent's child, or a hole.
+    fn remove_entry(&mut self, w: WorkerIdx, tier: Tier, engine: u64) -> bool {
+        let t = tier.idx();
+        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return false };
+        let (Some(map), Some(holes)) = (worker.engine.get_mut(t), worker.holes.get_mut(t)) else { return false };
+        let Some(e) = map.remove(&engine) else { return false };
+        *holes += u64::from(e.children);
+        if e.has_parent {
+            match map.get_mut(&e.parent) {
+                // Its original parent (older than it): it was counted there.
+                Some(pe) if pe.born < e.born => pe.children = pe.children.saturating_sub(1),
+                // Parent gone, reborn later, or never in this tier: it was a hole.
+                _ => *holes = holes.saturating_sub(1),
             }
         }
+        self.drop_membership(w, tier, e.seq);
+        true
     }
 
     fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64) {
@@ -417,18 +484,16 @@ impl Index {
         else {
             return;
         };
-        let MapEntry::Occupied(mut o) = map.entry(engine) else {
+        let Some(e) = map.get_mut(&engine) else {
             self.counters.unknown_removals += 1;
             return;
         };
         self.counters.blocks_removed += 1;
-        let e = o.get_mut();
         if e.refs > 1 {
             e.refs -= 1;
             return;
         }
-        let seq = o.remove().seq;
-        self.drop_membership(w, tier, seq);
+        self.remove_entry(w, tier, engine);
     }
 
     /// Records that `w` holds `seq` under one more engine hash.
@@ -474,6 +539,8 @@ impl Index {
         for a in &mut worker.aliases {
             a.clear();
         }
+        worker.holes = [0; 2];
+        worker.holes_unreliable = [false; 2];
         for (tier, map) in Tier::ALL.iter().zip(maps) {
             let Some(table) = self.tiers.get_mut(tier.idx()) else { continue };
             for e in map.values() {
@@ -486,8 +553,8 @@ impl Index {
         }
     }
 
-    /// Trims a worker's device blocks to its capacity, oldest stores first,
-    /// down to 15/16 of it so that trimming is amortized.
+    /// Trims a worker's device blocks to its capacity, oldest first, down to
+    /// 15/16 of it so that trimming is amortized.
     fn enforce_capacity(&mut self, w: WorkerIdx) {
         let Some(worker) = self.slot(w) else { return };
         let Some(cap) = worker.capacity else { return };
@@ -496,28 +563,30 @@ impl Index {
             return;
         }
         let target = cap - cap / 16;
-        let mut ages: Vec<(u32, u64)> = map.iter().map(|(k, e)| (e.stamp, *k)).collect();
+        let mut ages: Vec<(u32, u64)> = map.iter().map(|(k, e)| (e.born, *k)).collect();
         let excess = ages.len() - target;
         if excess < ages.len() {
             ages.select_nth_unstable(excess);
         }
         ages.truncate(excess);
         for (_, engine) in ages {
-            let Some(map) = self.slot_mut(w).and_then(|s| s.engine.get_mut(Tier::Device.idx())) else { return };
-            if let Some(e) = map.remove(&engine) {
+            if self.remove_entry(w, Tier::Device, engine) {
                 self.counters.capacity_evictions += 1;
-                self.drop_membership(w, Tier::Device, e.seq);
             }
         }
     }
 
     /// For every worker holding at least the first block of `hashes` in
     /// `tier`, the number of leading blocks it holds, in `out` (cleared
-    /// first; workers in ascending index order within each drop point).
+    /// first).
     ///
-    /// Walks the hashes once and stops when no worker is left. While the set
-    /// of workers holding the next block equals the set still matching (same
-    /// size and fingerprint), a step costs one hash lookup.
+    /// When every matching worker's holdings are prefix-closed (no holes),
+    /// the workers holding block `j` can only shrink as `j` grows, so the
+    /// walk gallops: exponential then binary search for the last block whose
+    /// worker set still equals the matching set (same size and fingerprint),
+    /// then an exact membership check at the next block. That is
+    /// O(d · log n) lookups for d points where the set shrinks, instead of
+    /// O(n). Otherwise it walks block by block (exact in every case).
     pub fn find_matches(&self, hashes: &[SequenceHash], tier: Tier, out: &mut Vec<Overlap>) {
         out.clear();
         let Some(table) = self.tiers.get(tier.idx()) else { return };
@@ -525,31 +594,57 @@ impl Index {
         let mut active: Vec<WorkerIdx> = Vec::with_capacity(first.len());
         first.for_each(|w| active.push(w));
         let mut fp = first.fingerprint();
-        let mut depth = hashes.len();
-        for (i, h) in hashes.iter().enumerate().skip(1) {
-            let Some(set) = table.get(h) else {
-                depth = i;
-                break;
-            };
-            if set.len() == active.len() && set.fingerprint() == fp {
-                continue;
+        let closed = active.iter().all(|w| self.slot(*w).is_some_and(|s| s.prefix_closed(tier)));
+        if !closed {
+            walk(table, hashes, 1, active, fp, out);
+            return;
+        }
+        let n = hashes.len();
+        let same = |j: usize, len: usize, fp: u64| {
+            hashes.get(j).and_then(|h| table.get(h)).is_some_and(|s| s.len() == len && s.fingerprint() == fp)
+        };
+        let mut good = 0usize; // every active worker holds blocks 0..=good
+        loop {
+            let mut step = 1usize;
+            while good + step < n && same(good + step, active.len(), fp) {
+                good += step;
+                step *= 2;
             }
+            let mut bad = (good + step).min(n);
+            while bad - good > 1 {
+                let mid = good + (bad - good) / 2;
+                if same(mid, active.len(), fp) {
+                    good = mid;
+                } else {
+                    bad = mid;
+                }
+            }
+            let next = good + 1;
+            let Some(set) = hashes.get(next).and_then(|h| table.get(h)) else {
+                let depth = next.min(n) as u32;
+                out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
+                return;
+            };
             let before = active.len();
             active.retain(|w| {
                 let keep = set.contains(*w);
                 if !keep {
-                    out.push(Overlap { worker: *w, blocks: i as u32 });
+                    out.push(Overlap { worker: *w, blocks: next as u32 });
                 }
                 keep
             });
             if active.is_empty() {
                 return;
             }
-            if active.len() != before {
-                fp = active.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)));
+            fp = active.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)));
+            if active.len() == before || set.len() != active.len() || set.fingerprint() != fp {
+                // The set at `next` has members outside the matching set
+                // (workers with holes): finish block by block.
+                walk(table, hashes, next + 1, active, fp, out);
+                return;
             }
+            good = next;
         }
-        out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth as u32 }));
     }
 
     /// Checks the internal invariants (for tests and fuzzing): every engine
@@ -565,7 +660,7 @@ impl Index {
                 let w = WorkerIdx(i as u32);
                 let mut per_seq: Map<SequenceHash, u32> = Map::default();
                 for e in worker.engine[tier.idx()].values() {
-                    if e.refs == 0 || e.refs > self.config.max_refs.max(1) {
+                    if e.refs == 0 || u16::from(e.refs) > self.config.max_refs.max(1) {
                         return Err(format!("worker {i}: refs {} out of range", e.refs));
                     }
                     *per_seq.entry(e.seq).or_insert(0) += 1;
@@ -581,6 +676,31 @@ impl Index {
                 }
                 if worker.aliases[tier.idx()].keys().any(|s| !per_seq.contains_key(s)) {
                     return Err(format!("worker {i}: alias for a hash it does not hold"));
+                }
+                // Parent/child accounting: child counts exact, holes never
+                // below the real number of orphaned entries.
+                let map = &worker.engine[tier.idx()];
+                let mut orphans = 0u64;
+                let mut children: Map<u64, u32> = Map::default();
+                for e in map.values() {
+                    if !e.has_parent {
+                        continue;
+                    }
+                    match map.get(&e.parent) {
+                        Some(p) if p.born < e.born => *children.entry(e.parent).or_insert(0) += 1,
+                        _ => orphans += 1,
+                    }
+                }
+                if !worker.holes_unreliable[tier.idx()] {
+                    for (k, e) in map {
+                        let want = children.get(k).copied().unwrap_or(0);
+                        if u32::from(e.children) != want {
+                            return Err(format!("worker {i}: entry {k} counts {} children, has {want}", e.children));
+                        }
+                    }
+                    if worker.holes[tier.idx()] < orphans {
+                        return Err(format!("worker {i}: {orphans} orphans but holes = {}", worker.holes[tier.idx()]));
+                    }
                 }
             }
             // From the table to workers.
@@ -602,6 +722,44 @@ impl Index {
 
     /// The sequence hash a worker holds under an engine hash (for tests).
     pub fn engine_entry(&self, w: WorkerIdx, tier: Tier, engine: EngineBlockHash) -> Option<(SequenceHash, u16)> {
-        self.slot(w)?.engine.get(tier.idx())?.get(&engine.0).map(|e| (e.seq, e.refs))
+        self.slot(w)?.engine.get(tier.idx())?.get(&engine.0).map(|e| (e.seq, u16::from(e.refs)))
     }
+}
+
+/// The block-by-block walk of `find_matches` from block `start`, with
+/// `active` the workers holding every block before it.
+fn walk(
+    table: &Map<SequenceHash, WorkerSet>,
+    hashes: &[SequenceHash],
+    start: usize,
+    mut active: Vec<WorkerIdx>,
+    mut fp: u64,
+    out: &mut Vec<Overlap>,
+) {
+    let mut depth = hashes.len();
+    for (i, h) in hashes.iter().enumerate().skip(start) {
+        let Some(set) = table.get(h) else {
+            depth = i;
+            break;
+        };
+        if set.len() == active.len() && set.fingerprint() == fp {
+            continue;
+        }
+        let before = active.len();
+        active.retain(|w| {
+            let keep = set.contains(*w);
+            if !keep {
+                out.push(Overlap { worker: *w, blocks: i as u32 });
+            }
+            keep
+        });
+        if active.is_empty() {
+            return;
+        }
+        if active.len() != before {
+            fp = active.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)));
+        }
+    }
+    let depth = depth.max(start.min(hashes.len())) as u32;
+    out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
 }

@@ -3,8 +3,8 @@
 //! what each worker holds and on `find_matches`, and its internal invariants
 //! hold after every step.
 //!
-//! The universe is tiny on purpose (4 workers, 10 engine hashes, 3 distinct
-//! token blocks of size 2) so that shared prefixes, aliases (two engine
+//! The universe is tiny on purpose (4 workers, 16 engine hashes, 3 distinct
+//! token blocks of size 2, chains up to 6 blocks, queries up to 12) so that shared prefixes, aliases (two engine
 //! hashes for one sequence hash), duplicates, conflicts, unknown parents and
 //! removals of unknown hashes all happen often.
 
@@ -57,11 +57,11 @@ fn tier() -> impl Strategy<Value = Tier> {
 
 fn op() -> impl Strategy<Value = Op> {
     let worker = 0usize..4;
-    let hash = 0u64..10;
+    let hash = 0u64..16;
     prop_oneof![
-        6 => (worker.clone(), 1usize..4, proptest::option::weighted(0.6, hash.clone()), any::<bool>(), tier(),
+        6 => (worker.clone(), 1usize..7, proptest::option::weighted(0.6, hash.clone()), any::<bool>(), tier(),
               prop_oneof![Just(Origin::Unspecified), Just(Origin::New), Just(Origin::Reused)],
-              proptest::collection::vec(hash.clone(), 3), proptest::collection::vec(0usize..3, 3))
+              proptest::collection::vec(hash.clone(), 6), proptest::collection::vec(0usize..3, 6))
             .prop_map(|(worker, n, parent, salt, tier, origin, hs, bl)| Op::Store {
                 worker, hashes: hs[..n].to_vec(), parent, blocks: bl[..n].to_vec(), salt: salt && n == 1, tier, origin,
             }),
@@ -70,7 +70,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(worker, hashes, tier)| Op::Remove { worker, hashes, tier }),
         1 => worker.clone().prop_map(|worker| Op::Clear { worker }),
         1 => worker.prop_map(|worker| Op::RemoveWorker { worker }),
-        4 => (proptest::collection::vec(0usize..3, 0..5), any::<bool>(), tier())
+        4 => (proptest::collection::vec(0usize..3, 0..13), any::<bool>(), tier())
             .prop_map(|(blocks, salt, tier)| Op::Query { blocks, salt, tier }),
     ]
 }
@@ -99,7 +99,7 @@ fn names() -> [&'static str; 4] {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
     fn index_equals_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
