@@ -52,6 +52,7 @@ bench-index:
 
 bench-routing:
 	cargo bench -p kvgate-scheduler --bench routing -- --warm-up-time 1 --measurement-time 2
+	scripts/collect-criterion.sh
 
 clean-tools:
 	rm -rf .tools
