@@ -1,0 +1,413 @@
+//! The relay's logic, without sockets: live ZMQ messages and replay replies
+//! in, actions out ([`Action::Publish`] a normalized batch on NATS,
+//! [`Action::RequestReplay`] from the engine's replay socket).
+//!
+//! # Sequencing
+//!
+//! The engine numbers its batches 0, 1, 2, … per process. For each live
+//! message with sequence `s`, after the last applied `l`:
+//!
+//! | case | meaning | action |
+//! |---|---|---|
+//! | first message, `s = 0` | fresh engine | apply |
+//! | first message, `s > 0` | the relay joined late | replay from 0 if a replay socket is configured (vLLM answers with what it still buffers), else apply |
+//! | `s = l + 1` | in order | apply |
+//! | `s = l` | duplicate | count, drop |
+//! | `s < l` | the engine restarted (sequence back to 0) | publish `AllBlocksCleared`, clear the mirror, `engine_generation += 1`, apply |
+//! | `s > l + 1` | batches lost | replay from `l + 1` (live messages are held until the replay ends), else clear and resync |
+//!
+//! "Clear and resync" publishes `AllBlocksCleared` and empties the mirror: the
+//! control planes forget this worker's blocks instead of trusting a state
+//! with a hole in it, and the worker's cache becomes known again as blocks
+//! are stored. A replay that cannot cover the gap (the engine's buffer moved
+//! on) ends the same way.
+//!
+//! # Normalization
+//!
+//! Events become `pb::KvEvent`s. Stored blocks get the chain's `cache_salt`:
+//! from `extra_keys[0]` for a root, inherited from the parent in the mirror
+//! for a child. A stored chain whose parent the mirror does not hold
+//! (blocks from before the relay started) cannot be hashed by anyone: it is
+//! counted (`orphan_stores`) and not published. Removals of blocks the
+//! mirror does not hold are counted (`unknown_removals`) and not published.
+//! Blocks of non-indexable KV groups (sliding window, mamba) and unknown
+//! event types are counted and skipped.
+
+use std::sync::Arc;
+
+use kvgate_protocol::pb::{self, kv_event};
+use kvgate_vllm_wire::{Batch, BlockStored, Event, ReplayReply, cache_salt, decode_batch, decode_frames};
+
+use crate::mirror::{Mirror, MirrorBlock};
+
+/// What the relay is relaying for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayConfig {
+    /// Worker id on NATS (by default the endpoint Envoy routes to).
+    pub worker_id: String,
+    /// Served model name.
+    pub model: String,
+    /// Whether the engine has a replay socket.
+    pub replay: bool,
+    /// Random per relay process start.
+    pub relay_epoch: u64,
+}
+
+/// Something the caller must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Publish this batch on `<prefix>.kv.<model>.<worker>`.
+    Publish(pb::KvEventBatch),
+    /// Ask the replay socket for batches from this sequence on.
+    RequestReplay {
+        /// First sequence number wanted.
+        from_seq: u64,
+    },
+}
+
+/// Counters for the relay's metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RelayCounters {
+    /// Live messages received.
+    pub messages: u64,
+    /// Batches published.
+    pub published: u64,
+    /// Stored blocks published.
+    pub blocks_stored: u64,
+    /// Removed blocks published.
+    pub blocks_removed: u64,
+    /// Messages that did not decode, by cause: msgpack, shape, frames.
+    pub decode_errors_msgpack: u64,
+    /// See `decode_errors_msgpack`.
+    pub decode_errors_shape: u64,
+    /// See `decode_errors_msgpack`.
+    pub decode_errors_frames: u64,
+    /// Gaps in the engine sequence.
+    pub gaps: u64,
+    /// Engine restarts seen.
+    pub restarts: u64,
+    /// Duplicate messages dropped.
+    pub duplicates: u64,
+    /// Replays requested.
+    pub replays: u64,
+    /// Clear-and-resyncs (gaps that replay could not cover).
+    pub resyncs: u64,
+    /// Stored chains whose parent the mirror did not hold.
+    pub orphan_stores: u64,
+    /// Removals of blocks the mirror did not hold.
+    pub unknown_removals: u64,
+    /// Stores of non-indexable KV groups skipped.
+    pub non_indexable: u64,
+    /// Events of unknown types skipped.
+    pub unknown_events: u64,
+    /// Stores whose token count was not blocks × block size.
+    pub malformed_stores: u64,
+}
+
+#[derive(Debug)]
+struct Replay {
+    next: u64,
+    held: Vec<(u64, Vec<u8>)>,
+}
+
+/// The relay's state for one engine.
+#[derive(Debug)]
+pub struct RelayCore {
+    config: RelayConfig,
+    mirror: Mirror,
+    last_seq: Option<u64>,
+    relay_seq: u64,
+    generation: u32,
+    replay: Option<Replay>,
+    counters: RelayCounters,
+}
+
+impl RelayCore {
+    /// A relay that has seen nothing yet.
+    pub fn new(config: RelayConfig) -> Self {
+        Self {
+            config,
+            mirror: Mirror::new(),
+            last_seq: None,
+            relay_seq: 0,
+            generation: 0,
+            replay: None,
+            counters: RelayCounters::default(),
+        }
+    }
+
+    /// The mirror of the engine's cache.
+    pub fn mirror(&self) -> &Mirror {
+        &self.mirror
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &RelayCounters {
+        &self.counters
+    }
+
+    /// `relay_seq` of the last published batch (0 = none).
+    pub fn relay_seq(&self) -> u64 {
+        self.relay_seq
+    }
+
+    /// Engine restarts seen.
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// Whether a replay is in progress (live messages are being held).
+    pub fn replaying(&self) -> bool {
+        self.replay.is_some()
+    }
+
+    /// A snapshot of the mirror in chunks (for `<prefix>.snap.<model>.<worker>`).
+    pub fn snapshot(&self, block_size: u32, max_chunk_bytes: usize) -> Vec<pb::SnapshotChunk> {
+        let header = pb::SnapshotChunk {
+            worker_id: self.config.worker_id.clone(),
+            model: self.config.model.clone(),
+            relay_epoch: self.config.relay_epoch,
+            relay_seq: self.relay_seq,
+            block_size,
+            ..Default::default()
+        };
+        self.mirror.snapshot(&header, max_chunk_bytes)
+    }
+
+    fn decode_error(&mut self, cause: &str) {
+        match cause {
+            "msgpack" => self.counters.decode_errors_msgpack += 1,
+            "frames" => self.counters.decode_errors_frames += 1,
+            _ => self.counters.decode_errors_shape += 1,
+        }
+    }
+
+    /// Handles one live ZMQ message (its frames).
+    pub fn on_live(&mut self, frames: &[&[u8]]) -> Vec<Action> {
+        self.counters.messages += 1;
+        let f = match decode_frames(frames) {
+            Ok(f) => f,
+            Err(e) => {
+                self.decode_error(e.cause());
+                return Vec::new();
+            }
+        };
+        if let Some(r) = &mut self.replay {
+            r.held.push((f.seq, f.payload.to_vec()));
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        match self.last_seq {
+            None if f.seq > 0 && self.config.replay => {
+                self.start_replay(0, f.seq, f.payload, &mut out);
+                return out;
+            }
+            Some(l) if f.seq == l => {
+                self.counters.duplicates += 1;
+                return out;
+            }
+            Some(l) if f.seq < l => {
+                self.counters.restarts += 1;
+                self.generation += 1;
+                self.clear(&mut out);
+            }
+            Some(l) if f.seq > l + 1 => {
+                self.counters.gaps += 1;
+                if self.config.replay {
+                    self.start_replay(l + 1, f.seq, f.payload, &mut out);
+                    return out;
+                }
+                self.counters.resyncs += 1;
+                self.clear(&mut out);
+            }
+            _ => {}
+        }
+        self.apply(f.seq, f.payload, &mut out);
+        out
+    }
+
+    fn start_replay(&mut self, from: u64, seq: u64, payload: &[u8], out: &mut Vec<Action>) {
+        self.counters.replays += 1;
+        self.replay = Some(Replay { next: from, held: vec![(seq, payload.to_vec())] });
+        out.push(Action::RequestReplay { from_seq: from });
+    }
+
+    /// Handles one reply of the replay socket (its frames after the identity).
+    pub fn on_replay(&mut self, frames: &[&[u8]]) -> Vec<Action> {
+        let mut out = Vec::new();
+        let Some(next) = self.replay.as_ref().map(|r| r.next) else { return out };
+        match kvgate_vllm_wire::decode_replay_reply(frames) {
+            Err(e) => self.decode_error(e.cause()),
+            Ok(ReplayReply::Batch { seq, payload, .. }) => {
+                if seq < next {
+                    return out;
+                }
+                if seq > next {
+                    // The engine no longer buffers what we missed.
+                    self.counters.resyncs += 1;
+                    self.clear(&mut out);
+                }
+                self.apply(seq, payload, &mut out);
+                if let Some(r) = &mut self.replay {
+                    r.next = seq + 1;
+                }
+            }
+            Ok(ReplayReply::End) => self.finish_replay(&mut out),
+        }
+        out
+    }
+
+    /// The replay socket did not answer in time: clear and resync, then go on
+    /// with the held live messages.
+    pub fn replay_timed_out(&mut self) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.replay.is_some() {
+            self.counters.resyncs += 1;
+            self.clear(&mut out);
+            self.finish_replay(&mut out);
+        }
+        out
+    }
+
+    fn finish_replay(&mut self, out: &mut Vec<Action>) {
+        let Some(r) = self.replay.take() else { return };
+        for (seq, payload) in r.held {
+            match self.last_seq {
+                Some(l) if seq <= l => {}
+                Some(l) if seq > l + 1 => {
+                    // Still a hole after the replay: clear and resync.
+                    self.counters.resyncs += 1;
+                    self.clear(out);
+                    self.apply(seq, &payload, out);
+                }
+                _ => self.apply(seq, &payload, out),
+            }
+        }
+    }
+
+    fn clear(&mut self, out: &mut Vec<Action>) {
+        self.mirror.clear();
+        let ev = pb::KvEvent { event: Some(kv_event::Event::Cleared(pb::AllBlocksCleared {})) };
+        self.publish(self.last_seq.unwrap_or(0), 0.0, None, vec![ev], out);
+    }
+
+    fn publish(&mut self, seq: u64, ts: f64, dp_rank: Option<i64>, events: Vec<pb::KvEvent>, out: &mut Vec<Action>) {
+        if events.is_empty() {
+            return;
+        }
+        self.relay_seq += 1;
+        self.counters.published += 1;
+        out.push(Action::Publish(pb::KvEventBatch {
+            worker_id: self.config.worker_id.clone(),
+            model: self.config.model.clone(),
+            relay_epoch: self.config.relay_epoch,
+            relay_seq: self.relay_seq,
+            engine_seq: seq,
+            engine_generation: self.generation,
+            engine_ts_unix_nanos: if ts.is_finite() && ts > 0.0 { (ts * 1e9) as u64 } else { 0 },
+            dp_rank: dp_rank.and_then(|d| u32::try_from(d).ok()).unwrap_or(0),
+            events,
+        }));
+    }
+
+    fn apply(&mut self, seq: u64, payload: &[u8], out: &mut Vec<Action>) {
+        self.last_seq = Some(seq);
+        let batch: Batch<'_> = match decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                self.decode_error(e.cause());
+                return;
+            }
+        };
+        let mut events = Vec::with_capacity(batch.events.len());
+        for e in &batch.events {
+            match e {
+                Event::Stored(s) => {
+                    if let Some(ev) = self.stored(s) {
+                        events.push(ev);
+                    }
+                }
+                Event::Removed(r) => {
+                    let held: Vec<u64> = r.block_hashes.iter().copied().filter(|h| self.mirror.remove(*h)).collect();
+                    self.counters.unknown_removals += (r.block_hashes.len() - held.len()) as u64;
+                    if !held.is_empty() {
+                        self.counters.blocks_removed += held.len() as u64;
+                        let (medium, medium_name) = medium(r.medium);
+                        events.push(pb::KvEvent {
+                            event: Some(kv_event::Event::Removed(pb::BlockRemoved {
+                                engine_hashes: held,
+                                medium,
+                                medium_name,
+                                group_idx: r.group_idx.and_then(|g| u32::try_from(g).ok()).unwrap_or(0),
+                            })),
+                        });
+                    }
+                }
+                Event::Cleared => {
+                    self.mirror.clear();
+                    events.push(pb::KvEvent { event: Some(kv_event::Event::Cleared(pb::AllBlocksCleared {})) });
+                }
+                Event::Unknown(_) => self.counters.unknown_events += 1,
+            }
+        }
+        self.publish(seq, batch.ts, batch.dp_rank, events, out);
+    }
+
+    fn stored(&mut self, s: &BlockStored<'_>) -> Option<pb::KvEvent> {
+        if !s.is_indexable() {
+            self.counters.non_indexable += 1;
+            return None;
+        }
+        let bs = s.block_size as usize;
+        if s.block_hashes.is_empty() || s.token_ids.len() != s.block_hashes.len() * bs {
+            self.counters.malformed_stores += 1;
+            return None;
+        }
+        let salt: Option<Arc<str>> = match s.parent_block_hash {
+            None => cache_salt(s).map(Arc::from),
+            Some(p) => match self.mirror.get(p) {
+                Some(parent) => parent.salt.clone(),
+                None => {
+                    self.counters.orphan_stores += 1;
+                    return None;
+                }
+            },
+        };
+        let lora: Option<Arc<str>> = s.lora_name.map(Arc::from);
+        let (medium, medium_name) = medium(s.medium);
+        let mut parent = s.parent_block_hash;
+        for (h, tokens) in s.block_hashes.iter().zip(s.token_ids.chunks_exact(bs)) {
+            self.mirror.store(
+                *h,
+                MirrorBlock { parent, tokens: tokens.into(), lora: lora.clone(), salt: salt.clone(), medium, refs: 1 },
+            );
+            parent = Some(*h);
+        }
+        self.counters.blocks_stored += s.block_hashes.len() as u64;
+        Some(pb::KvEvent {
+            event: Some(kv_event::Event::Stored(pb::BlockStored {
+                engine_hashes: s.block_hashes.clone(),
+                parent_engine_hash: s.parent_block_hash,
+                token_ids: s.token_ids.clone(),
+                block_size: s.block_size,
+                lora_name: s.lora_name.unwrap_or_default().to_owned(),
+                cache_salt: salt.as_deref().unwrap_or_default().to_owned(),
+                medium,
+                medium_name,
+                group_idx: s.group_idx.and_then(|g| u32::try_from(g).ok()).unwrap_or(0),
+                origin: pb::BlockOrigin::Unspecified as i32,
+            })),
+        })
+    }
+}
+
+/// vLLM's medium string as the protobuf enum (+ the name when "other").
+fn medium(m: Option<&str>) -> (i32, String) {
+    match m {
+        None => (pb::StorageMedium::Unspecified as i32, String::new()),
+        Some("GPU") => (pb::StorageMedium::Gpu as i32, String::new()),
+        Some("CPU") => (pb::StorageMedium::Cpu as i32, String::new()),
+        Some("DISK") => (pb::StorageMedium::Disk as i32, String::new()),
+        Some(other) => (pb::StorageMedium::Other as i32, other.to_owned()),
+    }
+}

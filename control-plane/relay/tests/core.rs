@@ -1,0 +1,285 @@
+//! The relay's logic on real vLLM 0.32 captures and synthetic vectors:
+//! normalization, the mirror, restarts, gaps (replay and resync),
+//! snapshots, salt inheritance, and the whole path real frames → relay →
+//! index → prefix match.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use kvgate_index::{Index, IndexConfig, KvEvent, Tier};
+use kvgate_protocol::pb::{self, kv_event};
+use kvgate_protocol::{BlockSeed, BlockSize, sequence_hashes};
+use kvgate_relay::{Action, RelayConfig, RelayCore};
+use serde_json::Value as Json;
+
+fn vectors() -> PathBuf {
+    std::env::var_os("KVGATE_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"))
+        .join("vectors")
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// The frames of every message of a real capture file.
+fn capture(name: &str) -> Vec<Vec<Vec<u8>>> {
+    let text =
+        std::fs::read_to_string(vectors().join(format!("vllm-kv-events/real-0.32-cpu/{name}.raw.jsonl"))).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: Json = serde_json::from_str(l).unwrap();
+            v["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect()
+        })
+        .collect()
+}
+
+fn relay(replay: bool) -> RelayCore {
+    RelayCore::new(RelayConfig {
+        worker_id: "127.0.0.1:8101".into(),
+        model: "tiny-llama".into(),
+        replay,
+        relay_epoch: 7,
+    })
+}
+
+fn feed(r: &mut RelayCore, msg: &[Vec<u8>]) -> Vec<Action> {
+    let refs: Vec<&[u8]> = msg.iter().map(Vec::as_slice).collect();
+    r.on_live(&refs)
+}
+
+fn published(actions: &[Action]) -> Vec<pb::KvEventBatch> {
+    actions.iter().filter_map(|a| if let Action::Publish(b) = a { Some(b.clone()) } else { None }).collect()
+}
+
+/// Naive replay of published batches: engine hash → refs.
+fn naive(batches: &[pb::KvEventBatch]) -> BTreeMap<u64, u32> {
+    let mut m = BTreeMap::new();
+    for b in batches {
+        for e in &b.events {
+            match e.event.as_ref().unwrap() {
+                kv_event::Event::Stored(s) => {
+                    for h in &s.engine_hashes {
+                        *m.entry(*h).or_insert(0) += 1;
+                    }
+                }
+                kv_event::Event::Removed(r) => {
+                    for h in &r.engine_hashes {
+                        let n = m.get_mut(h).expect("relay published a removal of an unknown block");
+                        *n -= 1;
+                        if *n == 0 {
+                            m.remove(h);
+                        }
+                    }
+                }
+                kv_event::Event::Cleared(_) => m.clear(),
+            }
+        }
+    }
+    m
+}
+
+fn mirror_refs(r: &RelayCore) -> BTreeMap<u64, u32> {
+    let mut m = BTreeMap::new();
+    for (h, b) in r.mirror().ordered() {
+        m.insert(h, b.refs);
+    }
+    m
+}
+
+#[test]
+fn real_streams_relay_cleanly_and_the_mirror_matches() {
+    for name in ["inst0", "inst1", "inst2"] {
+        let mut r = relay(false);
+        let mut out = Vec::new();
+        for msg in capture(name) {
+            out.extend(feed(&mut r, &msg));
+        }
+        let batches = published(&out);
+        let c = *r.counters();
+        assert_eq!(c.decode_errors_msgpack + c.decode_errors_shape + c.decode_errors_frames, 0, "{name}");
+        // relay_seq counts published batches without gaps.
+        for (i, b) in batches.iter().enumerate() {
+            assert_eq!(b.relay_seq, i as u64 + 1);
+            assert_eq!(b.relay_epoch, 7);
+        }
+        // Only whole chains are in the mirror's ordered view, and it equals
+        // what a consumer of the published batches holds.
+        assert_eq!(mirror_refs(&r), naive(&batches), "{name}");
+        if name == "inst2" {
+            assert_eq!(c.restarts, 1, "inst2 holds two publisher processes");
+        }
+        assert!(c.blocks_stored > 200, "{name}: {c:?}");
+    }
+}
+
+/// Real frames → relay → protobuf → index: the first request of capture
+/// inst1 (a 325-token chat prompt tokenized with the real DeepSeek
+/// tokenizer, 10 full blocks of 32) matches all 10 blocks on that worker.
+#[test]
+fn real_frames_through_relay_and_index_match_the_real_prompt() {
+    let v: Json =
+        serde_json::from_str(&std::fs::read_to_string(vectors().join("block-hash/vllm-sha256-cbor.json")).unwrap())
+            .unwrap();
+    let prompt: Vec<u32> = v["real_inst1"][0]["request"]["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let bs = BlockSize::new(32).unwrap();
+    let mut index = Index::new(IndexConfig::new(bs));
+    let w = index.add_worker("127.0.0.1:8101");
+    let mut r = relay(false);
+    let first = capture("inst1").into_iter().next().unwrap();
+    for b in published(&feed(&mut r, &first)) {
+        let wire = prost::Message::encode_to_vec(&b);
+        let b: pb::KvEventBatch = prost::Message::decode(wire.as_slice()).unwrap();
+        for e in &b.events {
+            index.apply(w, &KvEvent::from_pb(e).unwrap()).unwrap();
+        }
+    }
+    let seqs = sequence_hashes(&prompt, bs, BlockSeed::BASE);
+    assert_eq!(seqs.len(), 10);
+    let mut out = Vec::new();
+    index.find_matches(&seqs, Tier::Device, &mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].blocks, 10);
+    // A different tenant's salt must not match.
+    let salted = sequence_hashes(&prompt, bs, BlockSeed::new(None, Some("tenant-b")));
+    index.find_matches(&salted, Tier::Device, &mut out);
+    assert!(out.is_empty());
+}
+
+/// relay0: the last frames of one engine process (seq 192–193), then the
+/// restarted process from seq 0. Removals of blocks stored before the relay
+/// started are counted, not published; the restart publishes a clear.
+#[test]
+fn engine_restart_clears_the_worker() {
+    let mut r = relay(false);
+    let mut out = Vec::new();
+    for msg in capture("relay0") {
+        out.extend(feed(&mut r, &msg));
+    }
+    let c = *r.counters();
+    assert_eq!(c.restarts, 1);
+    assert_eq!(r.generation(), 1);
+    assert!(c.unknown_removals > 0);
+    let batches = published(&out);
+    let clear_at = batches
+        .iter()
+        .position(|b| matches!(b.events.first().and_then(|e| e.event.as_ref()), Some(kv_event::Event::Cleared(_))))
+        .expect("a clear is published at the restart");
+    assert!(batches[clear_at + 1..].iter().all(|b| b.engine_generation == 1));
+    assert_eq!(mirror_refs(&r), naive(&batches));
+}
+
+#[test]
+fn a_gap_is_replayed_or_cleared() {
+    let msgs = capture("inst0");
+    let mut clean = relay(false);
+    for m in &msgs {
+        feed(&mut clean, m);
+    }
+
+    // Without a replay socket: lose seq 5 → clear and resync.
+    let mut r = relay(false);
+    let mut out = Vec::new();
+    for (i, m) in msgs.iter().enumerate() {
+        if i != 5 {
+            out.extend(feed(&mut r, m));
+        }
+    }
+    assert_eq!((r.counters().gaps, r.counters().resyncs), (1, 1));
+    assert_eq!(mirror_refs(&r), naive(&published(&out)));
+
+    // With one: the relay asks for seq 5, holds live messages, and ends in
+    // exactly the state of the run without the gap.
+    let mut r = relay(true);
+    let mut out = Vec::new();
+    for (i, m) in msgs.iter().enumerate() {
+        if i == 5 {
+            continue;
+        }
+        let acts = feed(&mut r, m);
+        if acts.contains(&Action::RequestReplay { from_seq: 5 }) {
+            assert!(r.replaying());
+            // Later live messages arrive during the replay and are held.
+            out.extend(feed(&mut r, &msgs[7]));
+            // The replay socket answers (vLLM >= 0.30 layout) and ends.
+            for m in &msgs[5..=6] {
+                let reply: Vec<&[u8]> = vec![b"", &m[0], &m[1], &m[2]];
+                out.extend(r.on_replay(&reply));
+            }
+            out.extend(r.on_replay(&[b"", b"", &[0xff; 8], b""]));
+            assert!(!r.replaying());
+        }
+        out.extend(acts.into_iter().filter(|a| matches!(a, Action::Publish(_))));
+    }
+    assert_eq!(r.counters().replays, 1);
+    assert_eq!(r.counters().resyncs, 0);
+    assert_eq!(mirror_refs(&r), mirror_refs(&clean));
+    assert_eq!(mirror_refs(&r), naive(&published(&out)));
+}
+
+#[test]
+fn snapshots_reproduce_the_mirror_parents_first() {
+    let mut r = relay(false);
+    for m in capture("inst0") {
+        feed(&mut r, &m);
+    }
+    let chunks = r.snapshot(32, 4096);
+    assert!(chunks.len() > 1, "small chunks force several");
+    let mut seen = BTreeMap::new();
+    for (i, c) in chunks.iter().enumerate() {
+        assert_eq!((c.chunk_index as usize, c.chunk_count as usize), (i, chunks.len()));
+        assert_eq!(c.relay_seq, r.relay_seq());
+        assert!(prost::Message::encoded_len(c) <= 4096 || c.blocks.len() == 1);
+        for b in &c.blocks {
+            if let Some(p) = b.parent_engine_hash {
+                assert!(seen.contains_key(&p), "parent after child");
+            }
+            assert_eq!(b.token_ids.len(), 32);
+            seen.insert(b.engine_hash, b.ref_count);
+        }
+    }
+    assert_eq!(seen, mirror_refs(&r));
+    // An empty mirror is one empty chunk.
+    let empty = relay(false).snapshot(32, 4096);
+    assert_eq!((empty.len(), empty[0].chunk_count, empty[0].blocks.len()), (1, 1, 0));
+}
+
+/// A LoRA request with a cache salt (vLLM 0.17+ synthetic vector): the root
+/// block carries the salt in extra_keys[0]; its child inherits it.
+#[test]
+fn cache_salt_is_carried_to_child_blocks() {
+    let v: Json = serde_json::from_str(
+        &std::fs::read_to_string(vectors().join("vllm-kv-events/synthetic/0.30.0-lora.json")).unwrap(),
+    )
+    .unwrap();
+    let frames: Vec<Vec<u8>> = v["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect();
+    let mut r = relay(false);
+    let batches = published(&feed(&mut r, &frames));
+    let stored: Vec<&pb::BlockStored> = batches[0]
+        .events
+        .iter()
+        .filter_map(|e| if let Some(kv_event::Event::Stored(s)) = &e.event { Some(s) } else { None })
+        .collect();
+    assert_eq!(stored.len(), 2);
+    for s in stored {
+        assert_eq!(s.cache_salt, "salt-A");
+        assert_eq!(s.lora_name, "sql-lora");
+    }
+}
+
+#[test]
+fn garbage_is_counted_never_fatal() {
+    let mut r = relay(true);
+    assert!(r.on_live(&[b"only one frame"]).is_empty());
+    assert!(r.on_live(&[b"t", &0u64.to_be_bytes(), b"\xc1garbage"]).is_empty());
+    assert!(r.on_live(&[b"t", b"short", b"x"]).is_empty());
+    assert!(r.on_replay(&[b"x"]).is_empty(), "no replay in progress");
+    let c = r.counters();
+    assert_eq!((c.decode_errors_frames, c.decode_errors_msgpack), (2, 1));
+}
