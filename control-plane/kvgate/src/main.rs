@@ -5,6 +5,7 @@
 //! launcher can start each part as `kvgate <part>`. Subcommands arrive with
 //! their issues; today:
 //!
+//! * `kvgate relay`: the KV event relay sidecar (vLLM ZMQ events → NATS);
 //! * `kvgate hash`: block hashes of token ids (debugging routing decisions);
 //! * `kvgate subject`: the NATS subjects of a model and worker;
 //! * `kvgate version`.
@@ -52,8 +53,88 @@ enum Command {
         #[arg(long, default_value = kvgate_protocol::subject::DEFAULT_PREFIX)]
         prefix: String,
     },
+    /// Run the KV event relay next to one vLLM engine.
+    Relay(RelayArgs),
     /// Print the version.
     Version,
+}
+
+/// `kvgate relay`: flags, each also settable from the environment.
+#[derive(clap::Args)]
+struct RelayArgs {
+    /// vLLM's `kv-events-config` endpoint, as vLLM was given it. vLLM binds
+    /// for `*`, `::` and ipc endpoints (the relay then connects to
+    /// --zmq-connect or the same address on 127.0.0.1) and connects
+    /// otherwise (the relay binds it).
+    #[arg(long, env = "KVGATE_ZMQ_ENDPOINT")]
+    zmq_endpoint: String,
+    /// Override: the address to connect to when vLLM binds.
+    #[arg(long, env = "KVGATE_ZMQ_CONNECT")]
+    zmq_connect: Option<String>,
+    /// Topic prefix (vLLM's `topic`; "" = all).
+    #[arg(long, env = "KVGATE_ZMQ_TOPIC", default_value = "")]
+    topic: String,
+    /// vLLM's `replay_endpoint`, if set (the relay connects a DEALER).
+    #[arg(long, env = "KVGATE_ZMQ_REPLAY")]
+    replay_endpoint: Option<String>,
+    /// NATS server.
+    #[arg(long, env = "KVGATE_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// NATS subject prefix.
+    #[arg(long, env = "KVGATE_SUBJECT_PREFIX", default_value = kvgate_protocol::subject::DEFAULT_PREFIX)]
+    subject_prefix: String,
+    /// Served model name.
+    #[arg(long, env = "KVGATE_MODEL")]
+    model: String,
+    /// `ip:port` Envoy routes to for this worker (the pod IP and vLLM's port).
+    #[arg(long, env = "KVGATE_ENDPOINT")]
+    endpoint: String,
+    /// Worker id on NATS (default: the endpoint).
+    #[arg(long, env = "KVGATE_WORKER_ID")]
+    worker_id: Option<String>,
+    /// vLLM's metrics URL, e.g. http://127.0.0.1:8000/metrics.
+    #[arg(long, env = "KVGATE_METRICS_URL")]
+    metrics_url: Option<String>,
+    /// Block size when the engine's metrics do not report it.
+    #[arg(long, env = "KVGATE_BLOCK_SIZE", default_value_t = 16)]
+    block_size: u32,
+    /// The engine's max_num_seqs (0 = unknown).
+    #[arg(long, env = "KVGATE_MAX_NUM_SEQS", default_value_t = 0)]
+    max_num_seqs: u32,
+    /// Heartbeat period in milliseconds.
+    #[arg(long, env = "KVGATE_HEARTBEAT_MS", default_value_t = 1000)]
+    heartbeat_ms: u64,
+}
+
+fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
+    use kvgate_relay::runtime::{RelayOptions, ZmqMode};
+    let e = a.zmq_endpoint.as_str();
+    let vllm_binds = e.contains('*') || e.contains("::") || e.starts_with("ipc://") || e.starts_with("inproc://");
+    let zmq = if vllm_binds {
+        ZmqMode::Connect(a.zmq_connect.unwrap_or_else(|| e.replace("*", "127.0.0.1").replace("[::]", "127.0.0.1")))
+    } else {
+        ZmqMode::Bind(e.to_owned())
+    };
+    if a.block_size == 0 {
+        bail!("--block-size: 0 is not a block size (must be at least 1)");
+    }
+    let subjects = Subjects::new(&a.subject_prefix).context("--subject-prefix")?;
+    Ok(RelayOptions {
+        zmq,
+        topic: a.topic,
+        replay_endpoint: a.replay_endpoint,
+        replay_timeout: std::time::Duration::from_secs(2),
+        nats_url: a.nats_url,
+        subjects,
+        worker_id: a.worker_id.unwrap_or_else(|| a.endpoint.clone()),
+        model: a.model,
+        endpoint: a.endpoint,
+        metrics_url: a.metrics_url,
+        heartbeat_interval: std::time::Duration::from_millis(a.heartbeat_ms.max(100)),
+        block_size: a.block_size,
+        max_num_seqs: a.max_num_seqs,
+        snapshot_max_chunk_bytes: 900 * 1024,
+    })
 }
 
 fn parse_tokens(text: &str) -> Result<Vec<u32>> {
@@ -98,6 +179,16 @@ fn main() -> Result<()> {
             println!("snapshot:   {}", s.snapshot(&model, &worker));
             println!("inflight:   {}", s.inflight(&model));
             println!("subscribe:  {}  {}", s.model(SubjectKind::KvEvents, &model), s.all(SubjectKind::KvEvents));
+        }
+        Command::Relay(args) => {
+            let opts = relay_options(args)?;
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(async {
+                let stop = async {
+                    let _ = tokio::signal::ctrl_c().await;
+                };
+                kvgate_relay::runtime::run(opts, stop).await
+            })?;
         }
         Command::Version => println!("kvgate {}", env!("CARGO_PKG_VERSION")),
     }

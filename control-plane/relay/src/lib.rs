@@ -8,13 +8,15 @@
 //! |---|---|
 //! | [`core`] | the relay's logic without sockets: sequencing (gaps, restarts, replay), normalization (salt inheritance, skips), actions |
 //! | [`mirror`] | the engine's cached blocks, reference-counted; snapshots in chunks, parents first |
-//!
-//! The socket side (ZMQ SUB and DEALER, NATS, heartbeats from `/metrics`)
-//! drives [`core::RelayCore`]; it is being built in issue #5.
+//! | [`metrics`] | the engine's load from vLLM's `/metrics` text |
+//! | `runtime` (feature `runtime`, default) | the sockets: ZMQ SUB/DEALER, NATS publish, snapshot replies, heartbeats |
 #![warn(missing_docs)]
 
 pub mod core;
+pub mod metrics;
 pub mod mirror;
+#[cfg(feature = "runtime")]
+pub mod runtime;
 
 pub use core::{Action, RelayConfig, RelayCore, RelayCounters};
 pub use mirror::{Mirror, MirrorBlock};

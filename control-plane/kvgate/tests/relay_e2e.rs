@@ -1,0 +1,143 @@
+//! `kvgate relay` end to end: real vLLM 0.32 frames published by a real
+//! libzmq PUB socket (pyzmq, connecting like vLLM does for a concrete tcp
+//! endpoint), the relay binary, a real nats-server. The batches on NATS equal
+//! what the relay core computes for the same frames, heartbeats carry the
+//! load scraped from a vLLM-style /metrics, and a snapshot requested over
+//! NATS equals the mirror.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kvgate_e2e::{NatsClient, NatsServer, Proc, StaticHttp, free_port, repo_root, scratch_dir, tool, wait_for_tcp};
+use kvgate_protocol::pb;
+use kvgate_protocol::subject::Subjects;
+use kvgate_relay::{Action, RelayConfig, RelayCore};
+use prost::Message;
+
+const MODEL: &str = "tiny-llama";
+const ENDPOINT: &str = "127.0.0.1:8101";
+
+fn capture_path() -> std::path::PathBuf {
+    let shared = std::env::var_os("KVGATE_SHARED_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("../shared"));
+    shared.join("vectors/vllm-kv-events/real-0.32-cpu/inst1.raw.jsonl")
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// What the relay core publishes for the capture, offline.
+fn expected() -> (Vec<pb::KvEventBatch>, RelayCore) {
+    let mut core =
+        RelayCore::new(RelayConfig { worker_id: ENDPOINT.into(), model: MODEL.into(), replay: false, relay_epoch: 0 });
+    let mut out = Vec::new();
+    for line in std::fs::read_to_string(capture_path()).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let frames: Vec<Vec<u8>> =
+            v["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect();
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        for a in core.on_live(&refs) {
+            if let Action::Publish(b) = a {
+                out.push(b);
+            }
+        }
+    }
+    (out, core)
+}
+
+#[test]
+fn relay_forwards_real_frames_to_nats() {
+    let dir = scratch_dir("relay-e2e").unwrap();
+    let nats = NatsServer::start(&dir).unwrap();
+    let metrics = StaticHttp::start(
+        "vllm:num_requests_running{engine=\"0\"} 3.0\nvllm:num_requests_waiting{engine=\"0\"} 1.0\n\
+         vllm:kv_cache_usage_perc{engine=\"0\"} 0.25\n\
+         vllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"128\"} 1.0\n"
+            .to_owned(),
+        "text/plain",
+    )
+    .unwrap();
+    let zmq_port = free_port().unwrap();
+    let subjects = Subjects::default();
+    let mut client = NatsClient::connect(nats.port).unwrap();
+    client.subscribe(&subjects.kv_events(MODEL, ENDPOINT), "kv").unwrap();
+    client.subscribe(&subjects.heartbeat(MODEL, ENDPOINT), "hb").unwrap();
+    client.flush().unwrap();
+
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    cmd.args(["relay", "--zmq-endpoint", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .args(["--nats-url", &format!("nats://127.0.0.1:{}", nats.port)])
+        .args(["--model", MODEL, "--endpoint", ENDPOINT, "--block-size", "32", "--max-num-seqs", "8"])
+        .args(["--metrics-url", &format!("http://{}/metrics", metrics.addr), "--heartbeat-ms", "200"]);
+    let mut relay = Proc::spawn("relay", cmd, &dir).unwrap();
+    // vLLM with "tcp://127.0.0.1:PORT" connects: the relay binds.
+    wait_for_tcp(([127, 0, 0, 1], zmq_port).into(), Duration::from_secs(10)).unwrap();
+
+    let python = tool("KVGATE_PYTHON", "../venv/bin/python").unwrap();
+    let out = Command::new(python)
+        .arg(repo_root().join("tests/tools/zmq_pub.py"))
+        .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .arg(capture_path())
+        .arg("1.0")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "publisher failed: {}", String::from_utf8_lossy(&out.stderr));
+
+    let (want, core) = expected();
+    let mut got = Vec::new();
+    let mut heartbeats = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while got.len() < want.len() && Instant::now() < deadline {
+        if let Some(m) = client.next_msg(Duration::from_millis(500)).unwrap() {
+            match m.sid.as_str() {
+                "kv" => got.push(pb::KvEventBatch::decode(m.payload.as_slice()).unwrap()),
+                _ => heartbeats.push(pb::WorkerHeartbeat::decode(m.payload.as_slice()).unwrap()),
+            }
+        }
+    }
+    relay.ensure_running().unwrap();
+    assert_eq!(got.len(), want.len(), "batches on NATS; relay log:\n{}", relay.log());
+    let epoch = got[0].relay_epoch;
+    assert_ne!(epoch, 0);
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.relay_epoch, epoch);
+        assert_eq!(pb::KvEventBatch { relay_epoch: 0, ..g.clone() }, *w);
+    }
+
+    // Heartbeats carry the scraped load.
+    while heartbeats.is_empty() {
+        let m = client.next_msg(Duration::from_secs(2)).unwrap().expect("a heartbeat");
+        if m.sid == "hb" {
+            heartbeats.push(pb::WorkerHeartbeat::decode(m.payload.as_slice()).unwrap());
+        }
+    }
+    let hb = heartbeats.last().unwrap();
+    assert_eq!((hb.running, hb.waiting, hb.block_size, hb.capacity_blocks, hb.max_num_seqs), (3, 1, 32, 128, 8));
+    assert!((hb.kv_usage - 0.25).abs() < 1e-6 && hb.engine_ok);
+    assert_eq!((hb.endpoint.as_str(), hb.relay_epoch), (ENDPOINT, epoch));
+
+    // A snapshot over NATS request-reply equals the relay core's mirror.
+    let mut snap = NatsClient::connect(nats.port).unwrap();
+    snap.subscribe("_INBOX.snap-test", "s").unwrap();
+    snap.flush().unwrap();
+    let req = pb::SnapshotRequest { requester: "test".into(), max_chunk_bytes: 4096 };
+    snap.request(&subjects.snapshot(MODEL, ENDPOINT), "_INBOX.snap-test", &req.encode_to_vec()).unwrap();
+    snap.flush().unwrap();
+    let mut chunks = Vec::new();
+    loop {
+        let m = snap.next_msg(Duration::from_secs(5)).unwrap().expect("snapshot chunks");
+        let c = pb::SnapshotChunk::decode(m.payload.as_slice()).unwrap();
+        let done = c.chunk_index + 1 == c.chunk_count;
+        chunks.push(c);
+        if done {
+            break;
+        }
+    }
+    let want_chunks: Vec<pb::SnapshotChunk> =
+        core.snapshot(32, 4096).into_iter().map(|c| pb::SnapshotChunk { relay_epoch: epoch, ..c }).collect();
+    assert_eq!(chunks, want_chunks);
+    assert!(chunks.len() > 1);
+    relay.kill();
+}

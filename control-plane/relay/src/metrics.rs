@@ -1,0 +1,104 @@
+//! Load of the engine, read from vLLM's Prometheus `/metrics` text.
+//!
+//! | metric | field |
+//! |---|---|
+//! | `vllm:num_requests_running` | `running` (summed over label sets) |
+//! | `vllm:num_requests_waiting` | `waiting` |
+//! | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `kv_usage`, a fraction |
+//! | `vllm:cache_config_info{block_size="…", num_gpu_blocks="…"}` | `block_size`, `capacity_blocks` |
+//!
+//! Cost: O(text length). Malformed lines are ignored; a missing metric is `None`.
+
+/// What one scrape found.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineLoad {
+    /// Requests running.
+    pub running: Option<u32>,
+    /// Requests waiting.
+    pub waiting: Option<u32>,
+    /// KV-cache usage in [0, 1].
+    pub kv_usage: Option<f32>,
+    /// Tokens per block.
+    pub block_size: Option<u32>,
+    /// KV blocks on the device.
+    pub capacity_blocks: Option<u64>,
+}
+
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    while let Some(eq) = rest.find("=\"") {
+        let key = rest[..eq].trim_start_matches(',').trim();
+        let after = &rest[eq + 2..];
+        let end = after.find('"')?;
+        if key == name {
+            return Some(&after[..end]);
+        }
+        rest = &after[end + 1..];
+    }
+    None
+}
+
+/// Parses vLLM's `/metrics` text.
+pub fn parse_vllm_metrics(text: &str) -> EngineLoad {
+    let mut load = EngineLoad::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = match line.rsplit_once(' ') {
+            Some((s, v)) => (s.trim(), v.trim()),
+            None => continue,
+        };
+        let Ok(value) = value.parse::<f64>() else { continue };
+        if !value.is_finite() {
+            continue;
+        }
+        let (name, labels) = match series.split_once('{') {
+            Some((n, l)) => (n, l.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        let add = |slot: &mut Option<u32>| *slot = Some(slot.unwrap_or(0).saturating_add(value.max(0.0) as u32));
+        match name {
+            "vllm:num_requests_running" => add(&mut load.running),
+            "vllm:num_requests_waiting" => add(&mut load.waiting),
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                load.kv_usage = Some((value as f32).clamp(0.0, 1.0));
+            }
+            "vllm:cache_config_info" => {
+                load.block_size = label(labels, "block_size").and_then(|v| v.parse().ok()).or(load.block_size);
+                load.capacity_blocks =
+                    label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()).or(load.capacity_blocks);
+            }
+            _ => {}
+        }
+    }
+    load
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_metrics() {
+        let text = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny-llama"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.25
+vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="128",num_cpu_blocks="None"} 1.0
+vllm:prefix_cache_queries_total{engine="0"} 1234.0
+garbage line
+vllm:num_requests_waiting{engine="1"} NaN
+"#;
+        let l = parse_vllm_metrics(text);
+        assert_eq!(l.running, Some(5));
+        assert_eq!(l.waiting, Some(1));
+        assert_eq!(l.kv_usage, Some(0.25));
+        assert_eq!(l.block_size, Some(32));
+        assert_eq!(l.capacity_blocks, Some(128));
+        assert_eq!(parse_vllm_metrics(""), EngineLoad::default());
+    }
+}
