@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing clean-tools
+.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay clean-tools
 
 help:
 	@echo "make demo   - start the local stack and run the benchmark (main job)"
@@ -14,6 +14,7 @@ help:
 	@echo "make fuzz   - run every cargo-fuzz target briefly (FUZZ_SECS=30)"
 	@echo "make wasm-profile - measure size/speed of Wasm profile choices"
 	@echo "make bench-index - kvgate index vs dynamo-kv-router 1.6.1 on the Mooncake trace"
+	@echo "make bench-relay - relay decode+publish throughput (blocks/s, one core)"
 	@echo "make bench-routing - criterion: ingest, lookup, pick (8K/100K tokens, 10/100/1000 workers)"
 
 setup:
@@ -49,6 +50,9 @@ bench-index:
 	cd bench/index-vs-dynamo && CARGO_TARGET_DIR=$(CURDIR)/target cargo build --release -q
 	target/release/kvgate-bench-index --trace $(or $(KVGATE_SHARED_DIR),../shared)/traces/mooncake/conversation_trace.jsonl \
 	    --out bench/results/index-vs-dynamo.json $(BENCH_ARGS)
+
+bench-relay: setup
+	set -a; . .tools/env; set +a; cargo bench -p kvgate-relay --bench throughput
 
 bench-routing:
 	cargo bench -p kvgate-scheduler --bench routing -- --warm-up-time 1 --measurement-time 2

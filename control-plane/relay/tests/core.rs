@@ -283,3 +283,35 @@ fn garbage_is_counted_never_fatal() {
     let c = r.counters();
     assert_eq!((c.decode_errors_frames, c.decode_errors_msgpack), (2, 1));
 }
+
+/// Blocks of a sliding-window (or mamba) KV group are counted and skipped;
+/// full-attention blocks of the same batch go through.
+#[test]
+fn non_indexable_groups_are_skipped() {
+    use kvgate_vllm_wire::encode::{Encoding, encode_batch};
+    use kvgate_vllm_wire::{Batch, BlockStored, Event};
+    let block = |h: u64, kind: &'static str| {
+        Event::Stored(BlockStored {
+            block_hashes: vec![h],
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 4,
+            kv_cache_spec_kind: Some(kind),
+            group_idx: Some(if kind == "full_attention" { 0 } else { 1 }),
+            ..Default::default()
+        })
+    };
+    let batch = Batch {
+        ts: 1.0,
+        dp_rank: Some(0),
+        array_len: 3,
+        events: vec![block(1, "sliding_window"), block(2, "full_attention"), block(3, "mamba")],
+    };
+    let payload = encode_batch(&batch, Encoding::Map);
+    let mut r = relay(false);
+    let out = published(&r.on_live(&[b"kv", &0u64.to_be_bytes(), &payload]));
+    assert_eq!(r.counters().non_indexable, 2);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].events.len(), 1);
+    assert_eq!(r.mirror().len(), 1);
+    assert!(r.mirror().get(2).is_some());
+}

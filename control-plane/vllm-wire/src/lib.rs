@@ -19,11 +19,13 @@
 //! | module | what |
 //! |---|---|
 //! | [`msgpack`] | borrowed msgpack reader with offsets in its errors |
+//! | [`encode`] | the reverse: batches in vLLM's map (≥ 0.24) or array encoding, for the simulator and tests |
 //! | this file | [`Batch`], [`Event`], [`BlockStored`], [`BlockRemoved`], decoding, [`cache_salt`] |
 //!
 //! Decoding is O(payload bytes); nothing here panics on any input (fuzzed).
 #![warn(missing_docs)]
 
+pub mod encode;
 pub mod msgpack;
 
 use msgpack::{ReadError, Reader, Value};
@@ -151,7 +153,7 @@ fn kind(v: &Value<'_>) -> &'static str {
         Value::Float(_) => "float",
         Value::Str(_) => "str",
         Value::Bin(_) => "bin",
-        Value::Array(_) => "array",
+        Value::Array(_) | Value::UInts(_) => "array",
         Value::Map(_) => "map",
         Value::Ext(..) => "ext",
     }
@@ -159,6 +161,7 @@ fn kind(v: &Value<'_>) -> &'static str {
 
 fn hashes(v: &Value<'_>, field: &str) -> Result<Vec<u64>, DecodeError> {
     match v {
+        Value::UInts(u) => Ok(u.clone()),
         Value::Array(a) => a.iter().map(hash_u64).collect(),
         other => Err(shape(format!("{field} must be an array, got {}", kind(other)))),
     }
@@ -172,6 +175,9 @@ fn opt_hash(v: &Value<'_>) -> Result<Option<u64>, DecodeError> {
 }
 
 fn tokens(v: &Value<'_>) -> Result<Vec<u32>, DecodeError> {
+    if let Value::UInts(u) = v {
+        return u.iter().map(|t| u32::try_from(*t).map_err(|_| shape(format!("token id {t} exceeds u32")))).collect();
+    }
     let Value::Array(a) = v else { return Err(shape(format!("token_ids must be an array, got {}", kind(v)))) };
     a.iter()
         .map(|t| match t {
@@ -209,6 +215,7 @@ fn extra_keys<'a>(v: &Value<'a>) -> Result<Option<Vec<Value<'a>>>, DecodeError> 
     match v {
         Value::Nil => Ok(None),
         Value::Array(a) => Ok(Some(a.clone())),
+        Value::UInts(u) => Ok(Some(u.iter().map(|x| Value::UInt(*x)).collect())),
         other => Err(shape(format!("extra_keys must be an array or nil, got {}", kind(other)))),
     }
 }

@@ -31,6 +31,9 @@ pub enum Value<'a> {
     Bin(&'a [u8]),
     /// array
     Array(Vec<Value<'a>>),
+    /// A non-empty array whose elements are all unsigned ints, decoded
+    /// compactly (token ids and block hashes: the bulk of every batch).
+    UInts(Vec<u64>),
     /// map, in wire order
     Map(Vec<(Value<'a>, Value<'a>)>),
     /// ext (type, data), kept opaque
@@ -111,6 +114,29 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Reads an unsigned int if the next value is one (else reads nothing).
+    #[inline]
+    fn uint_fast(&mut self) -> Result<Option<u64>, ReadError> {
+        let Some(&b) = self.buf.get(self.pos) else { return Err(self.err("truncated")) };
+        let v = match b {
+            0x00..=0x7f => {
+                self.pos += 1;
+                u64::from(b)
+            }
+            0xcc..=0xcf => {
+                self.pos += 1;
+                match b {
+                    0xcc => u64::from(self.byte()?),
+                    0xcd => u64::from(u16::from_be_bytes(self.be()?)),
+                    0xce => u64::from(u32::from_be_bytes(self.be()?)),
+                    _ => u64::from_be_bytes(self.be()?),
+                }
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(v))
+    }
+
     /// Reads any value.
     pub fn value(&mut self) -> Result<Value<'a>, ReadError> {
         self.value_at(0)
@@ -161,11 +187,24 @@ impl<'a> Reader<'a> {
                     _ => usize::from(b & 0x0f),
                 };
                 // Each element takes at least one byte: bound the allocation.
-                let mut v = Vec::with_capacity(n.min(self.buf.len().saturating_sub(self.pos)));
-                for _ in 0..n {
-                    v.push(self.value_at(depth + 1)?);
+                let cap = n.min(self.buf.len().saturating_sub(self.pos));
+                let mut uints = Vec::with_capacity(cap);
+                while uints.len() < n {
+                    match self.uint_fast()? {
+                        Some(u) => uints.push(u),
+                        None => break,
+                    }
                 }
-                Value::Array(v)
+                if n > 0 && uints.len() == n {
+                    Value::UInts(uints)
+                } else {
+                    let mut v: Vec<Value<'a>> = Vec::with_capacity(cap);
+                    v.extend(uints.into_iter().map(Value::UInt));
+                    while v.len() < n {
+                        v.push(self.value_at(depth + 1)?);
+                    }
+                    Value::Array(v)
+                }
             }
             0x80..=0x8f | 0xde | 0xdf => {
                 let n = match b {

@@ -34,6 +34,7 @@ fn to_json(v: &Value<'_>) -> Json {
         Value::Str(s) => json!(s),
         Value::Bin(b) => json!(b.iter().map(|x| format!("{x:02x}")).collect::<String>()),
         Value::Array(a) => Json::Array(a.iter().map(to_json).collect()),
+        Value::UInts(u) => json!(u),
         Value::Map(m) => Json::Array(m.iter().map(|(k, v)| json!([to_json(k), to_json(v)])).collect()),
         Value::Ext(t, d) => json!([t, d.len()]),
     }
