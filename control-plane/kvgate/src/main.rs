@@ -54,7 +54,7 @@ enum Command {
         prefix: String,
     },
     /// Run the KV event relay next to one vLLM engine.
-    Relay(RelayArgs),
+    Relay(Box<RelayArgs>),
     /// Print the version.
     Version,
 }
@@ -104,6 +104,9 @@ struct RelayArgs {
     /// Heartbeat period in milliseconds.
     #[arg(long, env = "KVGATE_HEARTBEAT_MS", default_value_t = 1000)]
     heartbeat_ms: u64,
+    /// Where to serve the relay's Prometheus metrics (e.g. 0.0.0.0:9101).
+    #[arg(long, env = "KVGATE_RELAY_METRICS")]
+    listen_metrics: Option<std::net::SocketAddr>,
 }
 
 fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
@@ -134,6 +137,7 @@ fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
         block_size: a.block_size,
         max_num_seqs: a.max_num_seqs,
         snapshot_max_chunk_bytes: 900 * 1024,
+        listen_metrics: a.listen_metrics,
     })
 }
 
@@ -181,7 +185,7 @@ fn main() -> Result<()> {
             println!("subscribe:  {}  {}", s.model(SubjectKind::KvEvents, &model), s.all(SubjectKind::KvEvents));
         }
         Command::Relay(args) => {
-            let opts = relay_options(args)?;
+            let opts = relay_options(*args)?;
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(async {
                 let stop = async {

@@ -17,23 +17,32 @@ use prost::Message;
 const MODEL: &str = "tiny-llama";
 const ENDPOINT: &str = "127.0.0.1:8101";
 
-fn capture_path() -> std::path::PathBuf {
+fn capture_named(name: &str) -> std::path::PathBuf {
     let shared = std::env::var_os("KVGATE_SHARED_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| repo_root().join("../shared"));
-    shared.join("vectors/vllm-kv-events/real-0.32-cpu/inst1.raw.jsonl")
+    shared.join(format!("vectors/vllm-kv-events/real-0.32-cpu/{name}.raw.jsonl"))
+}
+
+fn capture_path() -> std::path::PathBuf {
+    capture_named("inst1")
 }
 
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
 }
 
-/// What the relay core publishes for the capture, offline.
+/// What the relay core publishes for the inst1 capture, offline.
 fn expected() -> (Vec<pb::KvEventBatch>, RelayCore) {
+    expected_for("inst1")
+}
+
+/// What the relay core publishes for a capture, offline.
+fn expected_for(name: &str) -> (Vec<pb::KvEventBatch>, RelayCore) {
     let mut core =
         RelayCore::new(RelayConfig { worker_id: ENDPOINT.into(), model: MODEL.into(), replay: false, relay_epoch: 0 });
     let mut out = Vec::new();
-    for line in std::fs::read_to_string(capture_path()).unwrap().lines() {
+    for line in std::fs::read_to_string(capture_named(name)).unwrap().lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let frames: Vec<Vec<u8>> =
             v["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect();
@@ -80,7 +89,6 @@ fn relay_forwards_real_frames_to_nats() {
         .arg(repo_root().join("tests/tools/zmq_pub.py"))
         .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
         .arg(capture_path())
-        .arg("1.0")
         .output()
         .unwrap();
     assert!(out.status.success(), "publisher failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -140,4 +148,97 @@ fn relay_forwards_real_frames_to_nats() {
     assert_eq!(chunks, want_chunks);
     assert!(chunks.len() > 1);
     relay.kill();
+}
+
+/// Runs `kvgate relay` against a pyzmq publisher of `capture` (with extra
+/// publisher flags), collects the kv batches on NATS until `want` arrived,
+/// and returns them with the relay's own /metrics text.
+fn run_capture(
+    capture: &str,
+    relay_flags: &[String],
+    pub_flags: &[String],
+    want: usize,
+) -> (Vec<pb::KvEventBatch>, String) {
+    let dir = scratch_dir(&format!("relay-{capture}")).unwrap();
+    let nats = NatsServer::start(&dir).unwrap();
+    let zmq_port = free_port().unwrap();
+    let metrics_port = free_port().unwrap();
+    let subjects = Subjects::default();
+    let mut client = NatsClient::connect(nats.port).unwrap();
+    client.subscribe(&subjects.kv_events(MODEL, ENDPOINT), "kv").unwrap();
+    client.flush().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    cmd.args(["relay", "--zmq-endpoint", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .args(["--nats-url", &format!("nats://127.0.0.1:{}", nats.port)])
+        .args(["--model", MODEL, "--endpoint", ENDPOINT, "--block-size", "32"])
+        .args(["--listen-metrics", &format!("127.0.0.1:{metrics_port}")])
+        .args(relay_flags);
+    let mut relay = Proc::spawn("relay", cmd, &dir).unwrap();
+    wait_for_tcp(([127, 0, 0, 1], zmq_port).into(), Duration::from_secs(10)).unwrap();
+    let out = Command::new(tool("KVGATE_PYTHON", "../venv/bin/python").unwrap())
+        .arg(repo_root().join("tests/tools/zmq_pub.py"))
+        .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .arg(capture_named(capture))
+        .args(pub_flags)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "publisher failed: {}", String::from_utf8_lossy(&out.stderr));
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while got.len() < want && Instant::now() < deadline {
+        if let Some(m) = client.next_msg(Duration::from_millis(500)).unwrap() {
+            got.push(pb::KvEventBatch::decode(m.payload.as_slice()).unwrap());
+        }
+    }
+    relay.ensure_running().unwrap();
+    let metrics = kvgate_e2e::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
+    assert_eq!(metrics.status, 200);
+    relay.kill();
+    (got, String::from_utf8(metrics.body).unwrap())
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(&format!("kvgate_relay_{name}{{")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} not found in:\n{text}"))
+}
+
+fn without_epoch(b: &[pb::KvEventBatch]) -> Vec<pb::KvEventBatch> {
+    b.iter().map(|b| pb::KvEventBatch { relay_epoch: 0, ..b.clone() }).collect()
+}
+
+/// Messages 5 and 6 of inst0 are not published live; the relay sees the gap,
+/// asks the (pyzmq ROUTER) replay socket, and publishes exactly what it would
+/// have without the gap.
+#[test]
+fn relay_repairs_a_gap_through_the_replay_socket() {
+    let replay_port = free_port().unwrap();
+    let replay = format!("tcp://127.0.0.1:{replay_port}");
+    let (want, _) = expected_for("inst0");
+    let (got, metrics) = run_capture(
+        "inst0",
+        &["--replay-endpoint".into(), replay.clone()],
+        &["--skip".into(), "5,6".into(), "--replay".into(), replay],
+        want.len(),
+    );
+    assert_eq!(without_epoch(&got), want);
+    assert_eq!(metric(&metrics, "gaps_total"), 1.0);
+    assert_eq!(metric(&metrics, "replays_total"), 1.0);
+    assert_eq!(metric(&metrics, "resyncs_total"), 0.0);
+    assert_eq!(metric(&metrics, "nats_connected"), 1.0);
+}
+
+/// relay0 holds the end of one engine process and the restarted process from
+/// seq 0: the relay publishes a clear and counts the restart.
+#[test]
+fn relay_clears_the_worker_when_the_engine_restarts() {
+    let (want, _) = expected_for("relay0");
+    let (got, metrics) = run_capture("relay0", &[], &[], want.len());
+    assert_eq!(without_epoch(&got), want);
+    assert!(got.iter().any(|b| b.events.iter().any(|e| matches!(e.event, Some(pb::kv_event::Event::Cleared(_))))));
+    assert_eq!(metric(&metrics, "restarts_total"), 1.0);
+    assert_eq!(metric(&metrics, "engine_generation"), 1.0);
+    assert!(metric(&metrics, "unknown_removals_total") > 0.0);
 }

@@ -9,10 +9,12 @@
 //! | [`core`] | the relay's logic without sockets: sequencing (gaps, restarts, replay), normalization (salt inheritance, skips), actions |
 //! | [`mirror`] | the engine's cached blocks, reference-counted; snapshots in chunks, parents first |
 //! | [`metrics`] | the engine's load from vLLM's `/metrics` text |
+//! | [`exposition`] | the relay's own Prometheus metrics |
 //! | `runtime` (feature `runtime`, default) | the sockets: ZMQ SUB/DEALER, NATS publish, snapshot replies, heartbeats |
 #![warn(missing_docs)]
 
 pub mod core;
+pub mod exposition;
 pub mod metrics;
 pub mod mirror;
 #[cfg(feature = "runtime")]

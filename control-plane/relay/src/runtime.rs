@@ -19,6 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::core::{Action, RelayConfig, RelayCore};
+use crate::exposition::{RelayGauges, render};
 use crate::metrics::{EngineLoad, parse_vllm_metrics};
 
 /// How the SUB socket reaches vLLM's PUB socket.
@@ -61,6 +62,8 @@ pub struct RelayOptions {
     pub max_num_seqs: u32,
     /// Largest snapshot chunk.
     pub snapshot_max_chunk_bytes: usize,
+    /// Where to serve the relay's own Prometheus `/metrics`, if anywhere.
+    pub listen_metrics: Option<std::net::SocketAddr>,
 }
 
 /// Why the relay stopped.
@@ -131,6 +134,15 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
     let mut heartbeat = tokio::time::interval(opts.heartbeat_interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_load = EngineLoad::default();
+    let mut gauges = RelayGauges::default();
+    let metrics_listener = match opts.listen_metrics {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| RunError::Zmq(format!("metrics listener {addr}: {e}")))?,
+        ),
+        None => None,
+    };
     tokio::pin!(shutdown);
 
     loop {
@@ -174,13 +186,34 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
                     }
                 }
             }
+            conn = async { match &metrics_listener { Some(l) => l.accept().await, None => std::future::pending().await } } => {
+                if let Ok((mut stream, _)) = conn {
+                    gauges.mirror_blocks = core.mirror().len();
+                    gauges.relay_seq = core.relay_seq();
+                    gauges.engine_generation = core.generation();
+                    gauges.nats_connected = nats.connection_state() == async_nats::connection::State::Connected;
+                    let body = render(core.counters(), &gauges, &opts.worker_id, &opts.model);
+                    tokio::spawn(async move {
+                        let mut buf = [0u8; 1024];
+                        let _ = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut buf)).await;
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                            body.len()
+                        );
+                        let _ = stream.write_all(head.as_bytes()).await;
+                        let _ = stream.write_all(body.as_bytes()).await;
+                    });
+                }
+            }
             _ = heartbeat.tick() => {
                 let scraped = match &opts.metrics_url {
                     Some(url) => http_get(url, Duration::from_millis(500)).await.map(|t| parse_vllm_metrics(&t)),
                     None => None,
                 };
-                if let Some(l) = scraped {
-                    last_load = l;
+                match scraped {
+                    Some(l) => last_load = l,
+                    None if opts.metrics_url.is_some() => gauges.scrape_failures += 1,
+                    None => {}
                 }
                 let hb = pb::WorkerHeartbeat {
                     worker_id: opts.worker_id.clone(),
@@ -207,6 +240,13 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
         for a in actions {
             match a {
                 Action::Publish(b) => {
+                    if b.engine_ts_unix_nanos > 0 {
+                        let now = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_nanos() as u64)
+                            .unwrap_or(0);
+                        gauges.lag_seconds = now.saturating_sub(b.engine_ts_unix_nanos) as f64 / 1e9;
+                    }
                     nats.publish(kv_subject.clone(), b.encode_to_vec().into()).await.map_err(nats_err)?;
                 }
                 Action::RequestReplay { from_seq } => {
