@@ -130,18 +130,23 @@ pub struct NatsServer {
 impl NatsServer {
     /// Starts nats-server (JetStream enabled, store in `dir`) on a free port.
     pub fn start(dir: &Path) -> Result<Self> {
-        let bin = tool("KVGATE_NATS_SERVER", "nats-server")?;
         for _ in 0..5 {
-            let port = free_port()?;
-            let mut cmd = Command::new(&bin);
-            cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"]).arg(dir.join("jetstream"));
-            let mut proc = Proc::spawn("nats-server", cmd, dir)?;
-            let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-            if wait_for_tcp(addr, Duration::from_secs(10)).is_ok() && proc.ensure_running().is_ok() {
-                return Ok(Self { proc, port });
+            if let Ok(s) = Self::start_on(dir, free_port()?) {
+                return Ok(s);
             }
         }
         bail!("nats-server did not start")
+    }
+
+    /// Starts nats-server on `port` (e.g. again after a restart).
+    pub fn start_on(dir: &Path, port: u16) -> Result<Self> {
+        let bin = tool("KVGATE_NATS_SERVER", "nats-server")?;
+        let mut cmd = Command::new(&bin);
+        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"]).arg(dir.join("jetstream"));
+        let mut proc = Proc::spawn(&format!("nats-server-{port}"), cmd, dir)?;
+        wait_for_tcp(([127, 0, 0, 1], port).into(), Duration::from_secs(10))?;
+        proc.ensure_running()?;
+        Ok(Self { proc, port })
     }
 }
 

@@ -24,8 +24,10 @@ ap.add_argument("--warmup", type=float, default=1.0)
 ap.add_argument("--skip", default="")
 ap.add_argument("--replay")
 ap.add_argument("--linger", type=float, default=0.3)
+ap.add_argument("--range", default="", help="A:B publishes only lines A..B-1")
 args = ap.parse_args()
 skip = {int(x) for x in args.skip.split(",") if x}
+lo, hi = (int(x) for x in args.range.split(":")) if args.range else (0, 1 << 30)
 msgs = [[bytes.fromhex(x) for x in json.loads(line)["frames_hex"]] for line in open(args.capture)]
 
 ctx = zmq.Context()
@@ -62,7 +64,7 @@ pub.setsockopt(zmq.SNDHWM, 100000)
 time.sleep(args.warmup)  # let the subscription reach us (ZMQ's slow joiner)
 sent = 0
 for i, frames in enumerate(msgs):
-    if i in skip:
+    if i in skip or not lo <= i < hi:
         continue
     pub.send_multipart(frames)
     sent += 1

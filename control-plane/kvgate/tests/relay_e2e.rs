@@ -242,3 +242,111 @@ fn relay_clears_the_worker_when_the_engine_restarts() {
     assert_eq!(metric(&metrics, "engine_generation"), 1.0);
     assert!(metric(&metrics, "unknown_removals_total") > 0.0);
 }
+
+/// The relay keeps its state across a NATS outage: half of inst1, nats-server
+/// killed and started again on the same port, the relay reconnects (its
+/// /metrics say so), the other half arrives, and a snapshot still holds the
+/// blocks stored before the outage.
+#[test]
+fn relay_survives_a_nats_restart_without_losing_state() {
+    let dir = scratch_dir("relay-nats-restart").unwrap();
+    let mut nats = NatsServer::start(&dir).unwrap();
+    let port = nats.port;
+    let zmq_port = free_port().unwrap();
+    let metrics_port = free_port().unwrap();
+    let subjects = Subjects::default();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    cmd.args(["relay", "--zmq-endpoint", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .args(["--nats-url", &format!("nats://127.0.0.1:{port}")])
+        .args(["--model", MODEL, "--endpoint", ENDPOINT, "--block-size", "32"])
+        .args(["--listen-metrics", &format!("127.0.0.1:{metrics_port}")]);
+    let mut relay = Proc::spawn("relay", cmd, &dir).unwrap();
+    wait_for_tcp(([127, 0, 0, 1], zmq_port).into(), Duration::from_secs(10)).unwrap();
+    let publish = |range: &str| {
+        let out = Command::new(tool("KVGATE_PYTHON", "../venv/bin/python").unwrap())
+            .arg(repo_root().join("tests/tools/zmq_pub.py"))
+            .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
+            .arg(capture_path())
+            .args(["--range", range])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    let metrics = || {
+        let r = kvgate_e2e::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
+        String::from_utf8(r.body).unwrap()
+    };
+    let collect = |client: &mut NatsClient, n: usize| {
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while got.len() < n && Instant::now() < deadline {
+            if let Some(m) = client.next_msg(Duration::from_millis(300)).unwrap() {
+                got.push(pb::KvEventBatch::decode(m.payload.as_slice()).unwrap());
+            }
+        }
+        got
+    };
+    let (want, core) = expected();
+    // Batches the first 25 messages produce.
+    let first = {
+        let mut c = RelayCore::new(RelayConfig {
+            worker_id: ENDPOINT.into(),
+            model: MODEL.into(),
+            replay: false,
+            relay_epoch: 0,
+        });
+        let text = std::fs::read_to_string(capture_path()).unwrap();
+        let mut n = 0;
+        for line in text.lines().take(25) {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let frames: Vec<Vec<u8>> =
+                v["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect();
+            let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+            n += c.on_live(&refs).len();
+        }
+        n
+    };
+
+    let mut client = NatsClient::connect(port).unwrap();
+    client.subscribe(&subjects.kv_events(MODEL, ENDPOINT), "kv").unwrap();
+    client.flush().unwrap();
+    publish("0:25");
+    let before = collect(&mut client, first);
+    assert_eq!(before.len(), first);
+
+    nats.proc.kill();
+    drop(client);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&metrics(), "nats_connected") != 0.0 {
+        assert!(Instant::now() < deadline, "relay never noticed the outage");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    nats = NatsServer::start_on(&dir, port).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&metrics(), "nats_connected") != 1.0 {
+        assert!(Instant::now() < deadline, "relay did not reconnect:\n{}", relay.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut client = NatsClient::connect(nats.port).unwrap();
+    client.subscribe(&subjects.kv_events(MODEL, ENDPOINT), "kv").unwrap();
+    client.flush().unwrap();
+    publish("25:1000");
+    let after = collect(&mut client, want.len() - first);
+    let mut all = before;
+    all.extend(after);
+    assert_eq!(without_epoch(&all), want);
+
+    // The mirror survived: the snapshot equals the relay core's after all messages.
+    client.subscribe("_INBOX.snap2", "s").unwrap();
+    client.flush().unwrap();
+    let req = pb::SnapshotRequest { requester: "test".into(), max_chunk_bytes: 0 };
+    client.request(&subjects.snapshot(MODEL, ENDPOINT), "_INBOX.snap2", &req.encode_to_vec()).unwrap();
+    let m = client.next_msg(Duration::from_secs(5)).unwrap().expect("a snapshot");
+    let chunk = pb::SnapshotChunk::decode(m.payload.as_slice()).unwrap();
+    let want_blocks: Vec<u64> =
+        core.snapshot(32, 1 << 20).into_iter().flat_map(|c| c.blocks).map(|b| b.engine_hash).collect();
+    assert_eq!(chunk.chunk_count, 1);
+    assert_eq!(chunk.blocks.iter().map(|b| b.engine_hash).collect::<Vec<_>>(), want_blocks);
+    relay.ensure_running().unwrap();
+    relay.kill();
+}
