@@ -241,3 +241,69 @@ fn malformed_input_is_an_error_not_a_panic() {
     assert!(decode_frames(&[b"t", b"123", b"x"]).unwrap_err().to_string().contains("8"));
     assert!(decode_replay_reply(&[b"x", b"y"]).is_err());
 }
+
+/// `examples.json` (four frames picked for docs) decodes like its `decoded`
+/// form, and `summary.json`'s per-file statistics are what we decode.
+#[test]
+fn real_examples_and_summary_agree() {
+    let dir = vectors().join("real-0.32-cpu");
+    let ex: Json = serde_json::from_str(&std::fs::read_to_string(dir.join("examples.json")).unwrap()).unwrap();
+    let ex = ex.as_object().unwrap();
+    assert_eq!(ex.len(), 4);
+    for (name, e) in ex {
+        let frames: Vec<Vec<u8>> =
+            e["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect();
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        let f = decode_frames(&refs).unwrap();
+        let b = decode_batch(f.payload).unwrap();
+        let want = e["decoded"]["batch"][1].as_array().unwrap_or_else(|| panic!("{name}: {}", e["decoded"]));
+        assert_eq!(b.events.len(), want.len(), "{name}");
+        for (got, want) in b.events.iter().zip(want) {
+            let t = want["type"].as_str().unwrap();
+            match got {
+                Event::Stored(s) => {
+                    assert_eq!(t, "BlockStored", "{name}");
+                    let h: Vec<u64> =
+                        want["block_hashes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+                    assert_eq!(s.block_hashes, h, "{name}");
+                }
+                Event::Removed(r) => {
+                    assert_eq!(t, "BlockRemoved", "{name}");
+                    let h: Vec<u64> =
+                        want["block_hashes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+                    assert_eq!(r.block_hashes, h, "{name}");
+                }
+                Event::Cleared => assert_eq!(t, "AllBlocksCleared", "{name}"),
+                Event::Unknown(u) => panic!("{name}: unknown {u}"),
+            }
+        }
+    }
+
+    let summary: Json = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    for file in summary["files"].as_array().unwrap() {
+        let name = file["file"].as_str().unwrap();
+        let (mut frames, mut stored_events, mut stored_blocks, mut removed) = (0u64, 0u64, 0u64, 0u64);
+        for line in std::fs::read_to_string(dir.join(name)).unwrap().lines() {
+            let r: Json = serde_json::from_str(line).unwrap();
+            let fr: Vec<Vec<u8>> =
+                r["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect();
+            let refs: Vec<&[u8]> = fr.iter().map(Vec::as_slice).collect();
+            let b = decode_batch(decode_frames(&refs).unwrap().payload).unwrap();
+            frames += 1;
+            for e in &b.events {
+                match e {
+                    Event::Stored(s) => {
+                        stored_events += 1;
+                        stored_blocks += s.block_hashes.len() as u64;
+                    }
+                    Event::Removed(r) => removed += r.block_hashes.len() as u64,
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(frames, file["frames"].as_u64().unwrap(), "{name}");
+        assert_eq!(stored_events, file["events_by_type"]["BlockStored"].as_u64().unwrap(), "{name}");
+        assert_eq!(stored_blocks, file["stored_blocks"].as_u64().unwrap(), "{name}");
+        assert_eq!(removed, file["removed_hashes"].as_u64().unwrap(), "{name}");
+    }
+}
