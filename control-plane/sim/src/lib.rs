@@ -6,7 +6,11 @@
 //!
 //! | module | what |
 //! |---|---|
+//! | [`engine`] | one engine: vLLM's continuous batching (admission, decode, chunked prefill, preemption) over the pool |
+//! | [`timing`] | step time presets: `h200-llama70b-fp8` (calibrated on the DOKS demo), `dynamo-mocker` |
 //! | [`pool`] | the paged KV cache with vLLM's prefix caching: full blocks only, reference counts, freed blocks in LRU order, evicted oldest first, duplicate physical copies; emits vLLM's KV events |
 #![warn(missing_docs)]
 
+pub mod engine;
 pub mod pool;
+pub mod timing;

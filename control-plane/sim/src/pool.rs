@@ -232,20 +232,54 @@ impl BlockPool {
         self.blocks[b].refs += 1;
     }
 
+    /// Admits a request for chunked prefill: takes its cached prefix (with a
+    /// reference on each hit block) and checks that the rest of the prompt
+    /// fits in the free blocks now; blocks for the rest are allocated as the
+    /// prefill chunks are computed ([`BlockPool::extend`]).
+    pub fn admit_prefix(&mut self, prompt: &[u32]) -> Result<Seq, AdmitError> {
+        let bs = self.block_size;
+        let hits = self.longest_hit(prompt);
+        let need = prompt.len().div_ceil(bs).saturating_sub(hits.len()) + 1;
+        let hit_free = hits.iter().filter(|(b, _)| self.in_free[*b]).count();
+        if self.free_count - hit_free < need {
+            return Err(AdmitError::NoSpace);
+        }
+        self.queries_tokens += prompt.len() as u64;
+        self.hits_tokens += (hits.len() * bs) as u64;
+        for (b, _) in &hits {
+            self.take_ref(*b);
+        }
+        Ok(Seq {
+            cached_blocks: hits.len(),
+            hit_tokens: hits.len() * bs,
+            last_hash: hits.last().map(|(_, h)| *h),
+            tokens: prompt[..hits.len() * bs].to_vec(),
+            blocks: hits.into_iter().map(|(b, _)| b).collect(),
+        })
+    }
+
+    /// The longest run of cached leading blocks of `prompt` (block, hash),
+    /// keeping at least one prompt token to compute.
+    fn longest_hit(&self, prompt: &[u32]) -> Vec<(usize, u64)> {
+        let bs = self.block_size;
+        let mut hits = Vec::new();
+        let mut parent = None;
+        for chunk in prompt.chunks_exact(bs).take(prompt.len().saturating_sub(1) / bs) {
+            let h = engine_hash(parent, chunk);
+            let Some(&b) = self.cached.get(&h).and_then(|v| v.first()) else { break };
+            hits.push((b, h));
+            parent = Some(h);
+        }
+        hits
+    }
+
     /// Admits a request with `prompt` tokens, reserving blocks for the prompt
     /// plus `reserve_tokens` more. Returns the sequence, with its cache hits.
     pub fn admit(&mut self, prompt: &[u32], reserve_tokens: usize) -> Result<Seq, AdmitError> {
         let bs = self.block_size;
-        // Longest cached prefix, keeping at least one token to compute.
-        let max_hit_blocks = prompt.len().saturating_sub(1) / bs;
-        let mut hits = Vec::new();
-        let mut parent = None;
-        for chunk in prompt.chunks_exact(bs).take(max_hit_blocks) {
-            let h = engine_hash(parent, chunk);
-            let Some(&b) = self.cached.get(&h).and_then(|v| v.first()) else { break };
-            hits.push(b);
-            parent = Some(h);
-        }
+        let found = self.longest_hit(prompt);
+        let parent = found.last().map(|(_, h)| *h);
+        let hits: Vec<usize> = found.into_iter().map(|(b, _)| b).collect();
         let need = (prompt.len() + reserve_tokens).div_ceil(bs).saturating_sub(hits.len());
         let hit_free = hits.iter().filter(|b| self.in_free[**b]).count();
         if self.free_count - hit_free < need {

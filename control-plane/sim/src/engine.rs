@@ -1,0 +1,243 @@
+//! One simulated engine: vLLM's continuous batching over the block pool.
+//!
+//! Each [`Engine::step`]:
+//! 1. admits waiting requests in arrival order while fewer than
+//!    `max_num_seqs` run and the pool can hold their prompt (prefix hits
+//!    included, as vLLM allocates at admission);
+//! 2. gives every running request that finished its prefill one decode
+//!    token;
+//! 3. spends what is left of `max_num_batched_tokens` on prefill chunks of
+//!    requests still prefilling (chunked prefill), oldest first;
+//! 4. takes the timing model's time for that mix, and reports first tokens
+//!    and completions at the step's end time.
+//!
+//! If a decode token needs a block and none is free, the newest running
+//! request is preempted (freed and re-queued at the front), as vLLM does.
+//! Generated tokens are deterministic (a function of the request and
+//! position), so output text is reproducible.
+//!
+//! Cost per step: O(running requests + admitted prompt blocks).
+
+use std::collections::VecDeque;
+
+use crate::pool::{BlockPool, CacheEvent, Seq};
+use crate::timing::Timing;
+
+/// Engine limits (vLLM's flags).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineConfig {
+    /// `--max-num-seqs`.
+    pub max_num_seqs: usize,
+    /// `--max-num-batched-tokens` (per step).
+    pub max_num_batched_tokens: usize,
+    /// KV blocks.
+    pub num_blocks: usize,
+    /// `--block-size`.
+    pub block_size: usize,
+    /// Step timing.
+    pub timing: Timing,
+}
+
+/// A request as the engine sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// Caller's id.
+    pub id: u64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_tokens: usize,
+}
+
+/// Something that happened to a request during a step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Output {
+    /// A token was generated (the first one ends the prefill).
+    Token {
+        /// Request id.
+        id: u64,
+        /// The token.
+        token: u32,
+        /// Index among the generated tokens (0 = first).
+        index: usize,
+        /// Prompt tokens that were prefix-cache hits (reported with every token).
+        cached_tokens: usize,
+    },
+    /// The request generated its last token.
+    Finished {
+        /// Request id.
+        id: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Running {
+    req: Request,
+    seq: Seq,
+    prefilled: usize,
+    generated: usize,
+    cached_tokens: usize,
+}
+
+/// The result of one step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Step {
+    /// Simulated milliseconds the step took (0 when idle).
+    pub ms: f64,
+    /// Outputs, in order.
+    pub outputs: Vec<Output>,
+    /// Cache events of the step (vLLM publishes them as one batch).
+    pub events: Vec<CacheEvent>,
+    /// Prefill tokens computed.
+    pub prefill_tokens: usize,
+    /// Decode tokens generated.
+    pub decode_tokens: usize,
+}
+
+/// The deterministic token a request generates at `index`.
+pub fn output_token(id: u64, index: usize) -> u32 {
+    let mut z = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (index as u64).wrapping_add(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    // Avoid the special tokens at the bottom of the vocabulary.
+    1_000 + (z % 100_000) as u32
+}
+
+/// One engine.
+#[derive(Debug)]
+pub struct Engine {
+    config: EngineConfig,
+    pool: BlockPool,
+    waiting: VecDeque<Request>,
+    running: Vec<Running>,
+}
+
+impl Engine {
+    /// An idle engine.
+    pub fn new(config: EngineConfig) -> Self {
+        Self {
+            pool: BlockPool::new(config.num_blocks, config.block_size),
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The block pool (for metrics).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Queues a request.
+    pub fn submit(&mut self, req: Request) {
+        self.waiting.push_back(req);
+    }
+
+    /// Requests running (`vllm:num_requests_running`).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting (`vllm:num_requests_waiting`).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether nothing is queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Runs one step.
+    pub fn step(&mut self) -> Step {
+        let mut step = Step::default();
+        // 1. Admission.
+        while self.running.len() < self.config.max_num_seqs {
+            let Some(req) = self.waiting.front() else { break };
+            // Reserve the prompt plus one block of headroom for decoding.
+            match self.pool.admit_prefix(&req.prompt) {
+                Ok(seq) => {
+                    let Some(req) = self.waiting.pop_front() else { break };
+                    let cached = seq.hit_tokens;
+                    self.running.push(Running { req, prefilled: cached, generated: 0, cached_tokens: cached, seq });
+                }
+                Err(_) => break,
+            }
+        }
+        // 2. Decode tokens for requests past their prefill.
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            if r.prefilled < r.req.prompt.len() || budget == 0 {
+                i += 1;
+                continue;
+            }
+            let token = output_token(r.req.id, r.generated);
+            if !self.pool.extend(&mut r.seq, &[token]) {
+                // Out of blocks: preempt the newest request and retry.
+                if let Some(victim) = self.running.pop() {
+                    self.pool.free(victim.seq);
+                    self.waiting.push_front(victim.req);
+                }
+                continue;
+            }
+            budget -= 1;
+            step.decode_tokens += 1;
+            step.outputs.push(Output::Token {
+                id: r.req.id,
+                token,
+                index: r.generated,
+                cached_tokens: r.cached_tokens,
+            });
+            r.generated += 1;
+            i += 1;
+        }
+        // 3. Prefill chunks, oldest first.
+        for r in &mut self.running {
+            if budget == 0 {
+                break;
+            }
+            let left = r.req.prompt.len() - r.prefilled;
+            if left == 0 {
+                continue;
+            }
+            let n = left.min(budget);
+            let chunk = r.req.prompt[r.prefilled..r.prefilled + n].to_vec();
+            if !self.pool.extend(&mut r.seq, &chunk) {
+                continue;
+            }
+            r.prefilled += n;
+            budget -= n;
+            step.prefill_tokens += n;
+            if r.prefilled == r.req.prompt.len() {
+                // The step that completes the prefill samples the first token.
+                let token = output_token(r.req.id, 0);
+                if self.pool.extend(&mut r.seq, &[token]) {
+                    step.outputs.push(Output::Token { id: r.req.id, token, index: 0, cached_tokens: r.cached_tokens });
+                    r.generated = 1;
+                }
+            }
+        }
+        // Completions.
+        let mut k = 0;
+        while k < self.running.len() {
+            if self.running[k].generated >= self.running[k].req.max_tokens.max(1) {
+                let done = self.running.remove(k);
+                step.outputs.push(Output::Finished { id: done.req.id });
+                self.pool.free(done.seq);
+            } else {
+                k += 1;
+            }
+        }
+        if step.decode_tokens + step.prefill_tokens > 0 {
+            step.ms = self.config.timing.step_ms(step.decode_tokens, step.prefill_tokens, self.pool.usage());
+        }
+        step.events = self.pool.take_events();
+        step
+    }
+}

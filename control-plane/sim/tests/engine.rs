@@ -1,0 +1,99 @@
+//! The engine's batching and timing.
+
+use kvgate_sim::engine::{Engine, EngineConfig, Output, Request};
+use kvgate_sim::timing::Timing;
+
+fn engine(max_num_seqs: usize, num_blocks: usize) -> Engine {
+    Engine::new(EngineConfig {
+        max_num_seqs,
+        max_num_batched_tokens: 8192,
+        num_blocks,
+        block_size: 32,
+        timing: Timing::H200_LLAMA70B_FP8,
+    })
+}
+
+/// Calibration points of the H200 preset (REFERENCE-RESULTS.md §A): ~26 ms
+/// inter-token latency at 20 running requests, ~52 ms near 60.
+#[test]
+fn h200_preset_matches_the_doks_inter_token_latencies() {
+    let t = Timing::preset("h200-llama70b-fp8").unwrap();
+    assert!((t.step_ms(20, 0, 0.5) - 26.0).abs() < 0.01);
+    assert!((t.step_ms(60, 0, 0.5) - 52.0).abs() < 0.01);
+    // Dynamo's mocker: prefill of 1,000 tokens and decode at 50 % fill.
+    let m = Timing::preset("dynamo-mocker").unwrap();
+    let prefill = 4.21e-7 * 1e6 + 0.01518 * 1000.0 + 16.5;
+    let decode = -25.74 * 0.25 + 54.01 * 0.5 + 5.74;
+    assert!((m.step_ms(1, 1000, 0.5) - (prefill + decode)).abs() < 1e-9);
+    assert!(Timing::preset("tpu").is_none());
+}
+
+fn run_to_end(e: &mut Engine) -> (f64, Vec<(f64, Output)>) {
+    let mut now = 0.0;
+    let mut log = Vec::new();
+    for _ in 0..100_000 {
+        if e.is_idle() {
+            break;
+        }
+        let s = e.step();
+        now += s.ms;
+        log.extend(s.outputs.into_iter().map(|o| (now, o)));
+    }
+    (now, log)
+}
+
+#[test]
+fn one_request_prefills_then_decodes() {
+    let mut e = engine(64, 1000);
+    e.submit(Request { id: 1, prompt: (0..1000).collect(), max_tokens: 10 });
+    let (end, log) = run_to_end(&mut e);
+    let tokens: Vec<_> = log.iter().filter(|(_, o)| matches!(o, Output::Token { .. })).collect();
+    assert_eq!(tokens.len(), 10);
+    // First token after one prefill step of 1,000 tokens: 13 + 80 ms.
+    assert!((tokens[0].0 - 93.0).abs() < 1e-9, "ttft {}", tokens[0].0);
+    // Then one decode step each: 13 + 0.65 ms.
+    assert!((tokens[1].0 - tokens[0].0 - 13.65).abs() < 1e-9);
+    assert!((end - (93.0 + 9.0 * 13.65)).abs() < 1e-6);
+    assert!(matches!(log.last().unwrap().1, Output::Finished { id: 1 }));
+    assert_eq!(e.pool().free_blocks(), 1000, "all blocks back");
+}
+
+#[test]
+fn a_repeated_prompt_hits_the_prefix_cache() {
+    let mut e = engine(64, 1000);
+    e.submit(Request { id: 1, prompt: (0..1000).collect(), max_tokens: 2 });
+    run_to_end(&mut e);
+    e.submit(Request { id: 2, prompt: (0..1000).collect(), max_tokens: 2 });
+    let (_, log) = run_to_end(&mut e);
+    let Some((t, Output::Token { cached_tokens, .. })) = log.first() else { panic!() };
+    assert_eq!(*cached_tokens, 992, "31 full blocks of 32 (the last token is always computed)");
+    assert!((t - (13.0 + 0.08 * 8.0)).abs() < 1e-9, "only 8 tokens to prefill: {t}");
+    assert_eq!(e.pool().hits_tokens, 992);
+}
+
+#[test]
+fn running_is_bounded_by_max_num_seqs_and_everything_finishes() {
+    let mut e = engine(64, 100_000);
+    for id in 0..100 {
+        e.submit(Request { id, prompt: (0..200).map(|t| t + id as u32 * 1000).collect(), max_tokens: 20 });
+    }
+    e.step();
+    assert_eq!((e.num_running(), e.num_waiting()), (64, 36));
+    let (_, log) = run_to_end(&mut e);
+    let finished = log.iter().filter(|(_, o)| matches!(o, Output::Finished { .. })).count();
+    assert_eq!(finished, 100);
+    assert_eq!(e.pool().free_blocks(), 100_000);
+}
+
+#[test]
+fn a_full_cache_preempts_and_still_finishes() {
+    // 40 blocks of 32 tokens; 8 requests of 4 blocks each generating 3 blocks.
+    let mut e = engine(8, 40);
+    for id in 0..8 {
+        e.submit(Request { id, prompt: (0..120).map(|t| t + id as u32 * 1000).collect(), max_tokens: 96 });
+    }
+    let (_, log) = run_to_end(&mut e);
+    let finished = log.iter().filter(|(_, o)| matches!(o, Output::Finished { .. })).count();
+    assert_eq!(finished, 8);
+    assert_eq!(e.pool().free_blocks(), 40);
+}
