@@ -1,0 +1,134 @@
+//! # kvgate-tokenize
+//!
+//! Turns an OpenAI chat request into the token ids vLLM computes for it: the
+//! model's chat template rendered with minijinja, then the model's tokenizer
+//! (`tokenizers`, from a local `tokenizer.json`; no model hub anywhere) with
+//! `add_special_tokens = false`, as vLLM does for chat prompts (the
+//! template writes the BOS token itself).
+//!
+//! A model directory holds `tokenizer.json`, `chat_template.jinja` and
+//! `tokenizer_config.json` (for `bos_token` / `eos_token`), as vLLM and
+//! Hugging Face lay them out.
+//!
+//! Cost: rendering is O(prompt text); encoding is the tokenizer's BPE,
+//! roughly O(text) with a large constant (measured by the control plane's
+//! benchmark).
+#![warn(missing_docs)]
+
+use std::path::Path;
+
+use serde_json::Value;
+
+/// Why a model could not be loaded or a prompt tokenized.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// A file of the model directory could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` did not load.
+    #[error("loading tokenizer {path}: {reason}")]
+    Tokenizer {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The chat template did not compile or render.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// Encoding failed.
+    #[error("encoding: {0}")]
+    Encode(String),
+}
+
+/// A model's tokenizer and chat template.
+pub struct ChatTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    env: minijinja::Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTokenizer").field("bos_token", &self.bos_token).field("eos_token", &self.eos_token).finish()
+    }
+}
+
+fn special(config: &Value, key: &str) -> String {
+    match config.get(key) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or_default().to_owned(),
+        _ => String::new(),
+    }
+}
+
+fn read(path: &Path) -> Result<String, TokenizeError> {
+    std::fs::read_to_string(path).map_err(|source| TokenizeError::Io { path: path.display().to_string(), source })
+}
+
+impl ChatTokenizer {
+    /// Loads `tokenizer.json`, `chat_template.jinja` and (if present)
+    /// `tokenizer_config.json` from `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizeError> {
+        let tk_path = dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tk_path)
+            .map_err(|e| TokenizeError::Tokenizer { path: tk_path.display().to_string(), reason: e.to_string() })?;
+        let template = read(&dir.join("chat_template.jinja"))?;
+        let config: Value = match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
+            Ok(text) => serde_json::from_str(&text).unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        };
+        Self::new(tokenizer, template, special(&config, "bos_token"), special(&config, "eos_token"))
+    }
+
+    /// From parts.
+    pub fn new(
+        tokenizer: tokenizers::Tokenizer,
+        template: String,
+        bos_token: String,
+        eos_token: String,
+    ) -> Result<Self, TokenizeError> {
+        let mut env = minijinja::Environment::new();
+        env.add_template_owned("chat", template).map_err(|e| TokenizeError::Template(e.to_string()))?;
+        Ok(Self { tokenizer, env, bos_token, eos_token })
+    }
+
+    /// The chat template applied to `messages` (JSON message objects), with
+    /// extra template variables (`tools`, `chat_template_kwargs` entries, ...).
+    pub fn render(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, Value>,
+    ) -> Result<String, TokenizeError> {
+        let tmpl = self.env.get_template("chat").map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let mut ctx = extra.clone();
+        ctx.insert("messages".into(), Value::Array(messages.to_vec()));
+        ctx.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
+        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
+        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
+        tmpl.render(minijinja::Value::from_serialize(&ctx)).map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    /// Token ids of `text`, without adding special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let enc = self.tokenizer.encode_fast(text, false).map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a chat request, as vLLM computes them.
+    pub fn encode_chat(&self, messages: &[Value], add_generation_prompt: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(&self.render(messages, add_generation_prompt, &serde_json::Map::new())?)
+    }
+
+    /// The text of token ids (for the simulator's output).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        self.tokenizer.decode(ids, true).map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+}
