@@ -625,19 +625,12 @@ impl Index {
                 out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
                 return;
             };
-            let before = active.len();
-            active.retain(|w| {
-                let keep = set.contains(*w);
-                if !keep {
-                    out.push(Overlap { worker: *w, blocks: next as u32 });
-                }
-                keep
-            });
+            let dropped = drop_missing(&mut active, set, next, out);
             if active.is_empty() {
                 return;
             }
-            fp = active.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)));
-            if active.len() == before || set.len() != active.len() || set.fingerprint() != fp {
+            fp = fingerprint(&active);
+            if dropped == 0 || set.len() != active.len() || set.fingerprint() != fp {
                 // The set at `next` has members outside the matching set
                 // (workers with holes): finish block by block.
                 walk(table, hashes, next + 1, active, fp, out);
@@ -745,21 +738,32 @@ fn walk(
         if set.len() == active.len() && set.fingerprint() == fp {
             continue;
         }
-        let before = active.len();
-        active.retain(|w| {
-            let keep = set.contains(*w);
-            if !keep {
-                out.push(Overlap { worker: *w, blocks: i as u32 });
+        if drop_missing(&mut active, set, i, out) > 0 {
+            if active.is_empty() {
+                return;
             }
-            keep
-        });
-        if active.is_empty() {
-            return;
-        }
-        if active.len() != before {
-            fp = active.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)));
+            fp = fingerprint(&active);
         }
     }
     let depth = depth.max(start.min(hashes.len())) as u32;
     out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
+}
+
+/// Removes from `active` the workers `set` lacks, recording that they match
+/// `depth` blocks; returns how many were removed.
+fn drop_missing(active: &mut Vec<WorkerIdx>, set: &WorkerSet, depth: usize, out: &mut Vec<Overlap>) -> usize {
+    let before = active.len();
+    active.retain(|w| {
+        let keep = set.contains(*w);
+        if !keep {
+            out.push(Overlap { worker: *w, blocks: depth as u32 });
+        }
+        keep
+    });
+    before - active.len()
+}
+
+/// The fingerprint of a set of workers (as `WorkerSet::fingerprint`).
+fn fingerprint(workers: &[WorkerIdx]) -> u64 {
+    workers.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)))
 }
