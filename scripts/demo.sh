@@ -5,9 +5,10 @@
 # not exist yet are named as missing, never simulated.
 #
 # Today: nats-server, Envoy 1.40 with the local bootstrap (override_host
-# worker cluster), and the kvgate CLI (block hashes, subjects). The
-# simulator, relay, control plane, filter and benchmark join as their issues
-# land (see README "Status").
+# worker cluster), the KV event relay fed with real captured vLLM events
+# through a real libzmq publisher, and the kvgate CLI. The simulator's HTTP
+# side, control plane, filter and benchmark join as their issues land (see
+# README "Status").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -70,6 +71,25 @@ code=$(curl -s -o "$run/resp.txt" -w '%{http_code}' -X POST "http://127.0.0.1:$l
     -H 'content-type: application/json' -d '{"model":"demo","messages":[{"role":"user","content":"hi"}]}')
 echo "   POST /v1/chat/completions through Envoy -> HTTP $code ($(head -c 80 "$run/resp.txt")): no workers in the cluster yet"
 
+echo "== kvgate relay: real vLLM 0.32 KV events (captured) -> libzmq PUB -> relay -> NATS"
+shared=${KVGATE_SHARED_DIR:-$root/../shared}
+capture="$shared/vectors/vllm-kv-events/real-0.32-cpu/inst1.raw.jsonl"
+if [ -f "$capture" ]; then
+    zmq_port=$(free_port); relay_metrics=$(free_port)
+    "$kvgate" relay --zmq-endpoint "tcp://127.0.0.1:$zmq_port" --nats-url "nats://127.0.0.1:$nats_port" \
+        --model tiny-llama --endpoint 127.0.0.1:8101 --block-size 32 \
+        --listen-metrics "127.0.0.1:$relay_metrics" >"$run/relay.log" 2>&1 &
+    pids+=($!)
+    wait_http "http://127.0.0.1:$relay_metrics/metrics" 10
+    "$KVGATE_PYTHON" "$root/tests/tools/zmq_pub.py" connect "tcp://127.0.0.1:$zmq_port" "$capture" --warmup 0.5 | sed 's/^/   publisher: /'
+    sleep 0.5
+    curl -fsS "http://127.0.0.1:$relay_metrics/metrics" | grep -E '^kvgate_relay_(messages|batches_published|blocks_stored|blocks_removed|mirror_blocks|gaps|restarts)' \
+        | sed -E 's/\{[^}]*\}//; s/^/   /'
+    echo "   NATS: $(curl -fsS "http://127.0.0.1:$nats_mon/varz" | jq -c '{in_msgs, in_bytes}')"
+else
+    echo "   (skipped: $capture not found; set KVGATE_SHARED_DIR)"
+fi
+
 echo "== kvgate: block hashes of 64 token ids at block size 32 (Dynamo-compatible xxh3)"
 seq -s, 1 64 | "$kvgate" hash --block-size 32 | jq -c '{full_blocks, sequence_hashes}' | sed 's/^/   /'
 echo "== kvgate: NATS subjects for meta-llama/Llama-3.1-70B-Instruct on worker 10.0.0.7:8000"
@@ -78,9 +98,9 @@ echo "== kvgate: NATS subjects for meta-llama/Llama-3.1-70B-Instruct on worker 1
 cat <<EOT
 
 == not running yet (each arrives with its issue; nothing is faked here)
-   simulated vLLM fleet (#4), KV event relay (#5), control plane (#6),
+   simulated vLLM fleet's HTTP side (#4), control plane (#6),
    Proxy-Wasm filter (#7), benchmark and reports (#8)
 
 logs and configs: $run
-stopping nats-server and Envoy (PIDs ${pids[*]})
+stopping what this demo started (PIDs ${pids[*]})
 EOT
