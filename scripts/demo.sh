@@ -10,12 +10,8 @@
 # side, control plane, filter and benchmark join as their issues land (see
 # README "Status").
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-set -a
-# shellcheck source=/dev/null
-source .tools/env
-set +a
+# shellcheck source=scripts/env.sh
+source "$(dirname "$0")/env.sh"
 
 run="$root/.run/demo-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$run"

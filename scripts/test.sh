@@ -4,12 +4,8 @@
 # and end-to-end with real Envoy and nats-server) under cargo-nextest, whose
 # summary is the last thing printed. Usage: scripts/test.sh [--lint-only]
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-set -a
-# shellcheck source=/dev/null
-source .tools/env
-set +a
+# shellcheck source=scripts/env.sh
+source "$(dirname "$0")/env.sh"
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 
 step() { echo; echo "== $*"; }
