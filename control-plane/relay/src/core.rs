@@ -12,8 +12,7 @@
 //! | first message, `s = 0` | fresh engine | apply |
 //! | first message, `s > 0` | the relay joined late | replay from 0 if a replay socket is configured (vLLM answers with what it still buffers), else apply |
 //! | `s = l + 1` | in order | apply |
-//! | `s = l` | duplicate | count, drop |
-//! | `s < l` | the engine restarted (sequence back to 0) | publish `AllBlocksCleared`, clear the mirror, `engine_generation += 1`, apply |
+//! | `s ≤ l` | the engine restarted (sequence back to 0; ZMQ never redelivers a live message) | publish `AllBlocksCleared`, clear the mirror, `engine_generation += 1`, apply |
 //! | `s > l + 1` | batches lost | replay from `l + 1` (live messages are held until the replay ends), else clear and resync |
 //!
 //! "Clear and resync" publishes `AllBlocksCleared` and empties the mirror: the
@@ -86,7 +85,7 @@ pub struct RelayCounters {
     pub gaps: u64,
     /// Engine restarts seen.
     pub restarts: u64,
-    /// Duplicate messages dropped.
+    /// Batches received twice around a replay (replayed and held live), dropped.
     pub duplicates: u64,
     /// Replays requested.
     pub replays: u64,
@@ -202,11 +201,10 @@ impl RelayCore {
                 self.start_replay(0, f.seq, f.payload, &mut out);
                 return out;
             }
-            Some(l) if f.seq == l => {
-                self.counters.duplicates += 1;
-                return out;
-            }
-            Some(l) if f.seq < l => {
+            // ZMQ PUB/SUB never delivers a live message twice: a sequence
+            // that does not move forward is a new engine process, even when
+            // the old one had published only seq 0.
+            Some(l) if f.seq <= l => {
                 self.counters.restarts += 1;
                 self.generation += 1;
                 self.clear(&mut out);
@@ -240,6 +238,7 @@ impl RelayCore {
             Err(e) => self.decode_error(e.cause()),
             Ok(ReplayReply::Batch { seq, payload, .. }) => {
                 if seq < next {
+                    self.counters.duplicates += 1;
                     return out;
                 }
                 if seq > next {
@@ -273,7 +272,7 @@ impl RelayCore {
         let Some(r) = self.replay.take() else { return };
         for (seq, payload) in r.held {
             match self.last_seq {
-                Some(l) if seq <= l => {}
+                Some(l) if seq <= l => self.counters.duplicates += 1,
                 Some(l) if seq > l + 1 => {
                     // Still a hole after the replay: clear and resync.
                     self.counters.resyncs += 1;

@@ -39,7 +39,7 @@ pub fn render(c: &RelayCounters, g: &RelayGauges, worker: &str, model: &str) -> 
     counter("decode_errors_frames_total", "Messages without the three expected frames.", "", c.decode_errors_frames);
     counter("gaps_total", "Gaps in the engine sequence.", "", c.gaps);
     counter("restarts_total", "Engine restarts (sequence back to 0).", "", c.restarts);
-    counter("duplicates_total", "Duplicate messages dropped.", "", c.duplicates);
+    counter("duplicates_total", "Batches received twice around a replay, dropped.", "", c.duplicates);
     counter("replays_total", "Replays requested from the engine.", "", c.replays);
     counter("resyncs_total", "Clear-and-resyncs of the worker.", "", c.resyncs);
     counter("orphan_stores_total", "Stored chains whose parent was unknown (not published).", "", c.orphan_stores);
