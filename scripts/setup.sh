@@ -25,7 +25,8 @@ mkdir -p "$tools/bin" "$tools/models/deepseek-v3"
 
 # 1. Rust target for the Proxy-Wasm filter (rust-toolchain.toml pins the toolchain).
 cd "$root"
-if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
+installed_targets=$(rustup target list --installed 2>/dev/null || true)
+if ! printf '%s\n' "$installed_targets" | grep -qx wasm32-wasip1; then
     say "adding Rust target wasm32-wasip1"
     rustup target add wasm32-wasip1 >/dev/null
 fi
@@ -71,8 +72,17 @@ fi
 # 5. Check the binaries really run here, once per install.
 check="$tools/.checked-$want"
 if [ ! -f "$check" ]; then
-    "$tools/bin/envoy" --version | grep -q '1\.40\.' || { echo "setup: envoy is not 1.40" >&2; exit 1; }
-    "$tools/bin/nats-server" --version | grep -q 'v2\.' || { echo "setup: nats-server does not run" >&2; exit 1; }
+    # Capture first: `cmd | grep -q` can kill cmd with SIGPIPE, which pipefail reports.
+    envoy_version=$("$tools/bin/envoy" --version 2>&1 || true)
+    case "$envoy_version" in
+        *1.40.*) ;;
+        *) echo "setup: envoy is not 1.40: $envoy_version" >&2; exit 1 ;;
+    esac
+    nats_version=$("$tools/bin/nats-server" --version 2>&1 || true)
+    case "$nats_version" in
+        *v2.*) ;;
+        *) echo "setup: nats-server does not run: $nats_version" >&2; exit 1 ;;
+    esac
     rm -f "$tools"/.checked-*
     touch "$check"
 fi
@@ -91,4 +101,7 @@ if [ "$(cat "$env_file" 2>/dev/null)" != "$new_env" ]; then
     echo "$new_env" > "$env_file"
 fi
 
-say "ready: $("$tools/bin/envoy" --version 2>/dev/null | grep -o 'version: [^ ]*' | head -1 | cut -d/ -f2), nats-server $("$tools/bin/nats-server" --version | awk '{print $2}'), tokenizer $(du -h "$model/tokenizer.json" | cut -f1)"
+envoy_v=$("$tools/bin/envoy" --version 2>/dev/null || true)
+[[ $envoy_v =~ /([0-9]+\.[0-9]+\.[0-9]+)/ ]] && envoy_v=${BASH_REMATCH[1]}
+nats_v=$("$tools/bin/nats-server" --version 2>/dev/null || true)
+say "ready: envoy $envoy_v, ${nats_v}, tokenizer $(du -h "$model/tokenizer.json" | cut -f1)"
