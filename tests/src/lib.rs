@@ -33,6 +33,37 @@ pub fn tool(env_var: &str, name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The shared vectors and traces: `$KVGATE_SHARED_DIR`, else `<repo>/../shared`.
+/// A missing folder is an error: the vectors are the contract.
+pub fn shared_dir() -> Result<PathBuf> {
+    let dir = std::env::var_os("KVGATE_SHARED_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("../shared"));
+    ensure!(dir.join("vectors").is_dir(), "shared vectors not found at {} (set KVGATE_SHARED_DIR)", dir.display());
+    Ok(dir)
+}
+
+/// Bytes of a hex string.
+pub fn unhex(s: &str) -> Result<Vec<u8>> {
+    ensure!(s.len().is_multiple_of(2), "odd-length hex string");
+    (0..s.len()).step_by(2).map(|i| Ok(u8::from_str_radix(&s[i..i + 2], 16)?)).collect()
+}
+
+/// Path of a real vLLM 0.32 capture (`inst0`, `relay1`, ...).
+pub fn capture_path(name: &str) -> Result<PathBuf> {
+    Ok(shared_dir()?.join(format!("vectors/vllm-kv-events/real-0.32-cpu/{name}.raw.jsonl")))
+}
+
+/// The ZMQ frames of every message of a real capture, in order.
+pub fn capture_frames(name: &str) -> Result<Vec<Vec<Vec<u8>>>> {
+    let text = std::fs::read_to_string(capture_path(name)?)?;
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l)?;
+            let frames = v["frames_hex"].as_array().ok_or_else(|| anyhow!("no frames_hex"))?;
+            frames.iter().map(|f| unhex(f.as_str().ok_or_else(|| anyhow!("frame is not a string"))?)).collect()
+        })
+        .collect()
+}
+
 /// A fresh scratch directory under `target/e2e/` (kept after the test for
 /// post-mortem logs; `cargo clean` removes it).
 pub fn scratch_dir(name: &str) -> Result<PathBuf> {

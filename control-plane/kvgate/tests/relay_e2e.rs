@@ -18,10 +18,7 @@ const MODEL: &str = "tiny-llama";
 const ENDPOINT: &str = "127.0.0.1:8101";
 
 fn capture_named(name: &str) -> std::path::PathBuf {
-    let shared = std::env::var_os("KVGATE_SHARED_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("../shared"));
-    shared.join(format!("vectors/vllm-kv-events/real-0.32-cpu/{name}.raw.jsonl"))
+    kvgate_e2e::capture_path(name).unwrap()
 }
 
 fn capture_path() -> std::path::PathBuf {
@@ -29,7 +26,7 @@ fn capture_path() -> std::path::PathBuf {
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    kvgate_e2e::unhex(s).unwrap()
 }
 
 /// What the relay core publishes for the inst1 capture, offline.

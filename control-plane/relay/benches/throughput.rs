@@ -17,25 +17,8 @@ use kvgate_vllm_wire::encode::{Encoding, encode_batch};
 use kvgate_vllm_wire::{Batch, BlockRemoved, BlockStored, Event};
 use prost::Message;
 
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
-
 fn real_messages() -> Vec<Vec<Vec<u8>>> {
-    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let shared =
-        std::env::var_os("KVGATE_SHARED_DIR").map(std::path::PathBuf::from).unwrap_or_else(|| root.join("../shared"));
-    let mut out = Vec::new();
-    for name in ["inst0", "inst1", "inst2"] {
-        let text =
-            std::fs::read_to_string(shared.join(format!("vectors/vllm-kv-events/real-0.32-cpu/{name}.raw.jsonl")))
-                .unwrap();
-        for line in text.lines() {
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
-            out.push(v["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect());
-        }
-    }
-    out
+    ["inst0", "inst1", "inst2"].iter().flat_map(|n| kvgate_e2e::capture_frames(n).unwrap()).collect()
 }
 
 fn long_prompt() -> Vec<Vec<Vec<u8>>> {

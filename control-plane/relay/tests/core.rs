@@ -13,26 +13,16 @@ use kvgate_relay::{Action, RelayConfig, RelayCore};
 use serde_json::Value as Json;
 
 fn vectors() -> PathBuf {
-    std::env::var_os("KVGATE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"))
-        .join("vectors")
+    kvgate_e2e::shared_dir().unwrap().join("vectors")
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    kvgate_e2e::unhex(s).unwrap()
 }
 
 /// The frames of every message of a real capture file.
 fn capture(name: &str) -> Vec<Vec<Vec<u8>>> {
-    let text =
-        std::fs::read_to_string(vectors().join(format!("vllm-kv-events/real-0.32-cpu/{name}.raw.jsonl"))).unwrap();
-    text.lines()
-        .map(|l| {
-            let v: Json = serde_json::from_str(l).unwrap();
-            v["frames_hex"].as_array().unwrap().iter().map(|f| unhex(f.as_str().unwrap())).collect()
-        })
-        .collect()
+    kvgate_e2e::capture_frames(name).unwrap()
 }
 
 fn relay(replay: bool) -> RelayCore {

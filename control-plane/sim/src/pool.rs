@@ -80,8 +80,6 @@ pub struct Seq {
     tokens: Vec<u32>,
     /// Hash of the last full block, chained.
     last_hash: Option<u64>,
-    /// Full blocks already cached (or hit).
-    cached_blocks: usize,
     /// Prompt tokens that were cache hits.
     pub hit_tokens: usize,
 }
@@ -250,7 +248,6 @@ impl BlockPool {
             self.take_ref(*b);
         }
         Ok(Seq {
-            cached_blocks: hits.len(),
             hit_tokens: hits.len() * bs,
             last_hash: hits.last().map(|(_, h)| *h),
             tokens: prompt[..hits.len() * bs].to_vec(),
@@ -291,7 +288,6 @@ impl BlockPool {
             self.take_ref(*b);
         }
         let mut seq = Seq {
-            cached_blocks: hits.len(),
             hit_tokens: hits.len() * bs,
             last_hash: parent,
             tokens: prompt[..hits.len() * bs].to_vec(),
@@ -341,7 +337,6 @@ impl BlockPool {
                 stored_hashes.push(h);
                 stored_tokens.extend_from_slice(chunk);
                 seq.last_hash = Some(h);
-                seq.cached_blocks = i + 1;
             }
         }
         self.flush_stored(stored_parent, &mut stored_hashes, &mut stored_tokens);

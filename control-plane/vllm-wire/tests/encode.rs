@@ -2,23 +2,18 @@
 //! re-encodes byte for byte; and decode ∘ encode is the identity for any
 //! batch, in both encodings.
 
-use std::path::PathBuf;
-
 use kvgate_vllm_wire::encode::{Encoding, encode_batch};
 use kvgate_vllm_wire::msgpack::Value;
 use kvgate_vllm_wire::{Batch, BlockRemoved, BlockStored, Event, decode_batch};
 use proptest::prelude::*;
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    kvgate_e2e::unhex(s).unwrap()
 }
 
 #[test]
 fn real_payloads_reencode_byte_for_byte() {
-    let dir = std::env::var_os("KVGATE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"))
-        .join("vectors/vllm-kv-events/real-0.32-cpu");
+    let dir = kvgate_e2e::shared_dir().unwrap().join("vectors/vllm-kv-events/real-0.32-cpu");
     let mut n = 0;
     for name in ["inst0", "inst1", "inst2", "relay0", "relay1", "relay2"] {
         for line in std::fs::read_to_string(dir.join(format!("{name}.raw.jsonl"))).unwrap().lines() {

@@ -12,16 +12,11 @@ use kvgate_vllm_wire::{
 use serde_json::{Value as Json, json};
 
 fn vectors() -> PathBuf {
-    let dir = std::env::var_os("KVGATE_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"))
-        .join("vectors/vllm-kv-events");
-    assert!(dir.is_dir(), "vectors not found at {} (set KVGATE_SHARED_DIR)", dir.display());
-    dir
+    kvgate_e2e::shared_dir().unwrap().join("vectors/vllm-kv-events")
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    kvgate_e2e::unhex(s).unwrap()
 }
 
 fn to_json(v: &Value<'_>) -> Json {
