@@ -5,6 +5,7 @@
 //! launcher can start each part as `kvgate <part>`. Subcommands arrive with
 //! their issues; today:
 //!
+//! * `kvgate serve`: the control plane (gRPC Pick, live index, metrics);
 //! * `kvgate relay`: the KV event relay sidecar (vLLM ZMQ events → NATS);
 //! * `kvgate hash`: block hashes of token ids (debugging routing decisions);
 //! * `kvgate subject`: the NATS subjects of a model and worker;
@@ -53,10 +54,93 @@ enum Command {
         #[arg(long, default_value = kvgate_protocol::subject::DEFAULT_PREFIX)]
         prefix: String,
     },
+    /// Run the control plane: gRPC Pick/Report, live index from NATS, admin HTTP.
+    Serve(Box<ServeArgs>),
     /// Run the KV event relay next to one vLLM engine.
     Relay(Box<RelayArgs>),
     /// Print the version.
     Version,
+}
+
+/// `kvgate serve`: a configuration file, overridden by environment variables
+/// and flags. Without a file, one model can be given with the `--model`
+/// flags.
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// TOML configuration file (see control-plane/server/README.md).
+    #[arg(long, env = "KVGATE_CONFIG")]
+    config: Option<std::path::PathBuf>,
+    /// gRPC listen address (default 127.0.0.1:50051).
+    #[arg(long, env = "KVGATE_LISTEN_GRPC")]
+    listen_grpc: Option<String>,
+    /// Admin/metrics listen address (default 127.0.0.1:9091; "off" disables).
+    #[arg(long, env = "KVGATE_LISTEN_ADMIN")]
+    listen_admin: Option<String>,
+    /// NATS URL ("off" = static workers only).
+    #[arg(long, env = "KVGATE_NATS_URL")]
+    nats_url: Option<String>,
+    /// NATS subject prefix.
+    #[arg(long, env = "KVGATE_SUBJECT_PREFIX")]
+    subject_prefix: Option<String>,
+    /// This replica's id (default hostname-pid).
+    #[arg(long, env = "KVGATE_REPLICA_ID")]
+    replica_id: Option<String>,
+    /// Snapshot timeout in milliseconds.
+    #[arg(long, env = "KVGATE_SNAPSHOT_TIMEOUT_MS")]
+    snapshot_timeout_ms: Option<u64>,
+    /// A model served without a file (or added to it).
+    #[arg(long, env = "KVGATE_MODEL")]
+    model: Option<String>,
+    /// Tokenizer directory of --model (tokenizer.json, chat_template.jinja).
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR", requires = "model")]
+    tokenizer_dir: Option<std::path::PathBuf>,
+    /// Block size of --model.
+    #[arg(long, env = "KVGATE_BLOCK_SIZE", requires = "model")]
+    block_size: Option<u32>,
+    /// Routing mode of --model.
+    #[arg(long, env = "KVGATE_MODE", requires = "model")]
+    mode: Option<String>,
+    /// Heartbeat timeout of --model in ms (0 = 3 intervals).
+    #[arg(long, env = "KVGATE_HEARTBEAT_TIMEOUT_MS", requires = "model")]
+    heartbeat_timeout_ms: Option<u64>,
+    /// Static workers of --model, `id=ip:port`, repeatable.
+    #[arg(long = "worker", requires = "model")]
+    workers: Vec<String>,
+}
+
+fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
+    let mut raw = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            kvgate_server::RawConfig::from_toml(&text, &path.display().to_string())?
+        }
+        None => kvgate_server::RawConfig::default(),
+    };
+    macro_rules! over {
+        ($($f:ident),*) => { $( if a.$f.is_some() { raw.$f = a.$f.clone(); } )* };
+    }
+    over!(listen_grpc, listen_admin, nats_url, subject_prefix, replica_id, snapshot_timeout_ms);
+    if let Some(name) = a.model {
+        let mut workers = Vec::new();
+        for w in &a.workers {
+            let (id, endpoint) = w.split_once('=').with_context(|| format!("--worker {w:?}: expected id=ip:port"))?;
+            workers.push(kvgate_server::config::RawWorker { id: id.into(), endpoint: endpoint.into() });
+        }
+        let m = kvgate_server::config::RawModel {
+            name,
+            tokenizer_dir: a.tokenizer_dir,
+            block_size: a.block_size,
+            mode: a.mode,
+            heartbeat_timeout_ms: a.heartbeat_timeout_ms,
+            workers,
+            ..Default::default()
+        };
+        match raw.models.iter_mut().find(|x| x.name == m.name) {
+            Some(existing) => *existing = m,
+            None => raw.models.push(m),
+        }
+    }
+    Ok(kvgate_server::Config::validate(raw)?)
 }
 
 /// `kvgate relay`: flags, each also settable from the environment.
@@ -183,6 +267,21 @@ fn main() -> Result<()> {
             println!("snapshot:   {}", s.snapshot(&model, &worker));
             println!("inflight:   {}", s.inflight(&model));
             println!("subscribe:  {}  {}", s.model(SubjectKind::KvEvents, &model), s.all(SubjectKind::KvEvents));
+        }
+        Command::Serve(args) => {
+            let config = serve_config(*args)?;
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_env("KVGATE_LOG")
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            rt.block_on(kvgate_server::run(config, kvgate_server::server::shutdown_signal(), |b, _| {
+                // One machine-readable line for launchers and tests.
+                eprintln!("kvgate serve: grpc={} admin={}", b.grpc, b.admin.map(|a| a.to_string()).unwrap_or_default());
+            }))?;
         }
         Command::Relay(args) => {
             let opts = relay_options(*args)?;

@@ -45,6 +45,7 @@ struct WorkerLoad {
     inflight: u32,
     prefill_pending_blocks: u64,
     prompt_blocks: Map<SequenceHash, u32>,
+    counted_prompt_blocks: u64,
     output_blocks: u64,
     measured: Option<Measured>,
 }
@@ -53,6 +54,7 @@ struct WorkerLoad {
 struct Inflight {
     worker: WorkerIdx,
     prompt: Box<[SequenceHash]>,
+    counted_prompt_blocks: u64,
     new_prefill_blocks: u64,
     output_blocks: u64,
     prefilling: bool,
@@ -108,6 +110,40 @@ impl LoadTracker {
         slot.insert(Inflight {
             worker,
             prompt: prompt.into(),
+            counted_prompt_blocks: 0,
+            new_prefill_blocks,
+            output_blocks,
+            prefilling: true,
+            added_ms: now_ms,
+        });
+        Ok(())
+    }
+
+    /// A request routed by another control-plane replica, known only by its
+    /// block counts (replica sync carries no hashes): its prompt blocks are
+    /// counted without deduplication against other requests.
+    pub fn added_counted(
+        &mut self,
+        request_id: &str,
+        worker: WorkerIdx,
+        prompt_blocks: u32,
+        overlap_blocks: u32,
+        output_blocks: u64,
+        now_ms: u64,
+    ) -> Result<(), LifecycleError> {
+        let Entry::Vacant(slot) = self.requests.entry(request_id.to_owned()) else {
+            return Err(LifecycleError::Duplicate);
+        };
+        let new_prefill_blocks = u64::from(prompt_blocks.saturating_sub(overlap_blocks));
+        let w = self.workers.entry(worker).or_default();
+        w.inflight += 1;
+        w.prefill_pending_blocks += new_prefill_blocks;
+        w.output_blocks += output_blocks;
+        w.counted_prompt_blocks += u64::from(prompt_blocks);
+        slot.insert(Inflight {
+            worker,
+            prompt: Box::new([]),
+            counted_prompt_blocks: u64::from(prompt_blocks),
             new_prefill_blocks,
             output_blocks,
             prefilling: true,
@@ -141,6 +177,7 @@ impl LoadTracker {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
         }
         w.output_blocks = w.output_blocks.saturating_sub(r.output_blocks);
+        w.counted_prompt_blocks = w.counted_prompt_blocks.saturating_sub(r.counted_prompt_blocks);
         for h in r.prompt.iter() {
             if let Entry::Occupied(mut o) = w.prompt_blocks.entry(*h) {
                 *o.get_mut() -= 1;
@@ -196,7 +233,7 @@ impl LoadTracker {
         Load {
             inflight: w.inflight,
             prefill_pending_blocks: w.prefill_pending_blocks,
-            active_blocks: w.prompt_blocks.len() as u64 + w.output_blocks,
+            active_blocks: w.prompt_blocks.len() as u64 + w.counted_prompt_blocks + w.output_blocks,
             measured_running: m.map(|m| m.running),
             measured_waiting: m.map(|m| m.waiting),
             measured_active_blocks: m.map(|m| (f64::from(m.kv_usage) * m.capacity_blocks as f64).round() as u64),

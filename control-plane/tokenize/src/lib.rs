@@ -52,6 +52,10 @@ pub struct ChatTokenizer {
     env: minijinja::Environment<'static>,
     bos_token: String,
     eos_token: String,
+    add_bos_token: bool,
+    /// Contents of the added (special) tokens, longest first: the tokenizer
+    /// splits them out before BPE, so no merge crosses them.
+    added: Vec<String>,
 }
 
 impl std::fmt::Debug for ChatTokenizer {
@@ -84,7 +88,9 @@ impl ChatTokenizer {
             Ok(text) => serde_json::from_str(&text).unwrap_or(Value::Null),
             Err(_) => Value::Null,
         };
-        Self::new(tokenizer, template, special(&config, "bos_token"), special(&config, "eos_token"))
+        let mut this = Self::new(tokenizer, template, special(&config, "bos_token"), special(&config, "eos_token"))?;
+        this.add_bos_token = config.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        Ok(this)
     }
 
     /// From parts.
@@ -96,7 +102,14 @@ impl ChatTokenizer {
     ) -> Result<Self, TokenizeError> {
         let mut env = minijinja::Environment::new();
         env.add_template_owned("chat", template).map_err(|e| TokenizeError::Template(e.to_string()))?;
-        Ok(Self { tokenizer, env, bos_token, eos_token })
+        let mut added: Vec<String> = tokenizer
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| !t.content.is_empty() && !t.lstrip && !t.rstrip)
+            .map(|t| t.content.clone())
+            .collect();
+        added.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        Ok(Self { tokenizer, env, bos_token, eos_token, add_bos_token: false, added })
     }
 
     /// The chat template applied to `messages` (JSON message objects), with
@@ -120,6 +133,33 @@ impl ChatTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         let enc = self.tokenizer.encode_fast(text, false).map_err(|e| TokenizeError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` with the tokenizer's special tokens added (its
+    /// post-processor: BOS for most models), as vLLM tokenizes the `prompt`
+    /// string of `/v1/completions`.
+    /// `tokenizer_config.json`'s `add_bos_token` is honoured when the
+    /// post-processor does not add the BOS itself (as transformers does).
+    pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let enc = self.tokenizer.encode_fast(text, true).map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        if self.add_bos_token
+            && let Some(bos) = self.tokenizer.token_to_id(&self.bos_token)
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// Whether tokenizing `before` and `after` separately gives the ids of
+    /// `before + after`, as far as the tokenizer's structure guarantees it:
+    /// an added token (split out before any merge) ends `before` or starts
+    /// `after`, or one side is empty.
+    pub fn boundary_safe(&self, before: &str, after: &str) -> bool {
+        before.is_empty()
+            || after.is_empty()
+            || self.added.iter().any(|t| after.starts_with(t.as_str()) || before.ends_with(t.as_str()))
     }
 
     /// Token ids of a chat request, as vLLM computes them.

@@ -4,7 +4,12 @@
 //! prost code is generated here (with `protox`, a protobuf compiler written in
 //! Rust) and checked in at `filter/protocol/src/gen/kvgate.v1.rs`.
 //!
-//! * `cargo run -p kvgate-protocol-codegen` (or `make proto`) rewrites it.
+//! The control plane's tonic service code (server and client of
+//! `kvgate.v1.Router`, referring to the protocol crate's messages) is
+//! generated here too and checked in at
+//! `control-plane/server/src/gen/kvgate.v1.tonic.rs`.
+//!
+//! * `cargo run -p kvgate-protocol-codegen` (or `make proto`) rewrites both.
 //! * The test `checked_in_code_matches_proto` fails when the `.proto` files
 //!   and the checked-in code have drifted apart.
 
@@ -28,11 +33,23 @@ pub fn generated_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../src/gen").join(format!("{PACKAGE}.rs"))
 }
 
+/// `control-plane/server/src/gen/kvgate.v1.tonic.rs`, the checked-in
+/// service code.
+pub fn service_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../control-plane/server/src/gen")
+        .join(format!("{PACKAGE}.tonic.rs"))
+}
+
+fn compile(root: &Path) -> Result<prost_types::FileDescriptorSet> {
+    let files: Vec<PathBuf> = PROTO_FILES.iter().map(|f| root.join(f)).collect();
+    protox::compile(&files, [root]).context("compiling the .proto files")
+}
+
 /// Compiles the proto files found under `root` and returns the Rust code
 /// prost generates for [`PACKAGE`].
 pub fn generate(root: &Path) -> Result<String> {
-    let files: Vec<PathBuf> = PROTO_FILES.iter().map(|f| root.join(f)).collect();
-    let fds = protox::compile(&files, [root]).context("compiling the .proto files")?;
+    let fds = compile(root)?;
     let out = tempdir()?;
     let mut config = prost_build::Config::new();
     // BTreeMap for map fields: HashMap does not exist in no_std.
@@ -42,6 +59,41 @@ pub fn generate(root: &Path) -> Result<String> {
     let code = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let _ = std::fs::remove_dir_all(&out);
     Ok(format!("{HEADER}{code}"))
+}
+
+/// The tonic server and client code of the services in [`PACKAGE`], with
+/// messages taken from `kvgate_protocol::pb` (not generated again).
+pub fn generate_service(root: &Path) -> Result<String> {
+    let fds = compile(root)?;
+    let out = tempdir()?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .build_transport(true)
+        .out_dir(&out)
+        .extern_path(".kvgate.v1", "::kvgate_protocol::pb")
+        .compile_fds(fds)
+        .context("generating tonic code")?;
+    let path = out.join(format!("{PACKAGE}.rs"));
+    let code = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let _ = std::fs::remove_dir_all(&out);
+    Ok(format!("{HEADER}{code}"))
+}
+
+/// Every generated file: (checked-in path, fresh code).
+pub fn generate_all(root: &Path) -> Result<Vec<(PathBuf, String)>> {
+    Ok(vec![(generated_path(), generate(root)?), (service_path(), generate_service(root)?)])
+}
+
+/// Checks every generated file against its checked-in copy.
+pub fn check_all(root: &Path) -> Result<()> {
+    for (path, fresh) in generate_all(root)? {
+        let current = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        if let Some(diff) = first_difference(&current, &fresh) {
+            bail!("{} is out of date with the .proto files ({diff}); run `make proto`", path.display());
+        }
+    }
+    Ok(())
 }
 
 /// Prepended to the generated file.

@@ -262,7 +262,7 @@ impl PickReason {
 pub struct BlockStored {
     /// Engine block hashes, one per block, in chain order. Opaque ids used only
     /// for removals and parent links, normalized to u64: an unsigned int as is,
-    /// a negative int (vLLM < 0.10.2) as its two's complement, a 32-byte digest
+    /// a negative int (vLLM \< 0.10.2) as its two's complement, a 32-byte digest
     /// as its last 8 bytes read big-endian (what vLLM's int form is).
     #[prost(fixed64, repeated, tag = "1")]
     pub engine_hashes: ::prost::alloc::vec::Vec<u64>,

@@ -1,0 +1,623 @@
+//! Prompt → token ids, with a bounded cache keyed by the filter's chained
+//! segment hashes (ARCHITECTURE §7).
+//!
+//! # Algorithm
+//!
+//! A chat prompt is `render(messages, add_generation_prompt)`. For a
+//! template that is *prefix-stable* (rendering messages `0..=k` gives a prefix
+//! of rendering more messages) and a tokenizer that does not merge across the
+//! end of a rendered message, the prompt's ids are the concatenation of the
+//! ids of each message's rendered text plus the ids of the generation-prompt
+//! suffix. The cache stores *chunks*:
+//!
+//! ```text
+//! key h[k] → Chunk { prev: key of the chunk before (None = starts at 0),
+//!                    rendered_len / rendered_hash of render(0..=k),
+//!                    tokens of render(0..=k)[prev.rendered_len..],
+//!                    gen_suffix: ids of the generation prompt after k (when seen) }
+//! ```
+//!
+//! * **Full hit** (`h[n-1]` cached with its suffix): ids = chain of chunks +
+//!   suffix. No JSON parse, no render; cost O(prompt ids) to copy, plus
+//!   re-hashing the message bytes.
+//! * **Partial hit** (longest cached `h[k]`, k < n-1): render the whole
+//!   conversation once without and once with the generation prompt, check
+//!   that the render starts with the cached text (xxh3 of the first
+//!   `rendered_len` bytes), and tokenize only the new text. A new chunk is
+//!   stored at `h[n-1]`.
+//! * **Miss**: as a partial hit from nothing; chunks are stored at the first
+//!   message (system prompts and shared documents are commonly there) and at
+//!   the last.
+//!
+//! A boundary is used only where the tokenizer cannot merge across it: an
+//! added (special) token ends the text before it or starts the text after
+//! it (`ChatTokenizer::boundary_safe`). Two system messages rendered back to
+//! back without a marker, for instance, are not split.
+//!
+//! A self-test at model load compares chunked with whole-prompt tokenization
+//! on sample conversations; when they differ, the model tokenizes whole
+//! prompts (no cache). Every `verify_every`-th chunked result is also checked
+//! against a whole-prompt tokenization, and a mismatch switches the model to
+//! whole prompts at run time (counted in metrics).
+//!
+//! # Complexity
+//!
+//! | path | cost |
+//! |---|---|
+//! | full hit | O(message bytes) hashing + O(ids) copy |
+//! | partial hit | O(prompt text) render ×2 + BPE of the new text only |
+//! | miss / whole | O(prompt text) render + BPE of everything |
+//! | memory | bounded by `budget_tokens` × 4 bytes (+ entry overhead) |
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use kvgate_protocol::SegmentHash;
+use kvgate_tokenize::{ChatTokenizer, TokenizeError};
+use parking_lot::Mutex;
+use serde_json::{Map, Value};
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Why a prompt could not be tokenized.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    /// `template_context_json` is not a JSON object.
+    #[error("template context is not a JSON object: {0}")]
+    Context(String),
+    /// A message is not a JSON object.
+    #[error("message {index} is not a JSON object: {reason}")]
+    Message {
+        /// Position in the request.
+        index: usize,
+        /// Why.
+        reason: String,
+    },
+    /// Rendering or encoding failed.
+    #[error(transparent)]
+    Tokenize(#[from] TokenizeError),
+}
+
+/// How a prompt was tokenized (for metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every message and the generation prompt came from the cache.
+    FullHit,
+    /// Some leading messages came from the cache.
+    PartialHit,
+    /// Nothing came from the cache.
+    Miss,
+    /// The whole prompt was tokenized at once (cache off for this model or
+    /// this request).
+    Whole,
+    /// Token ids given by the client.
+    Given,
+}
+
+impl Outcome {
+    /// Label value in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::FullHit => "full_hit",
+            Self::PartialHit => "partial_hit",
+            Self::Miss => "miss",
+            Self::Whole => "whole",
+            Self::Given => "given",
+        }
+    }
+}
+
+/// Token ids of a prompt and how they were obtained.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokenized {
+    /// The ids, as vLLM computes them.
+    pub ids: Vec<u32>,
+    /// How.
+    pub outcome: Outcome,
+    /// Bytes of text that went through the tokenizer for this request.
+    pub encoded_bytes: usize,
+}
+
+/// One chat message as received: chained hash and raw JSON.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentRef<'a> {
+    /// `Segment.chain_hash` from the filter.
+    pub chain_hash: u64,
+    /// `Segment.message_json`.
+    pub message_json: &'a [u8],
+}
+
+#[derive(Debug)]
+struct Chunk {
+    prev: Option<u64>,
+    rendered_len: usize,
+    rendered_hash: u64,
+    tokens: Box<[u32]>,
+    gen_suffix: Option<Box<[u32]>>,
+}
+
+impl Chunk {
+    fn cost(&self) -> usize {
+        self.tokens.len() + self.gen_suffix.as_ref().map_or(0, |s| s.len()) + 16
+    }
+}
+
+struct Cache {
+    lru: lru::LruCache<u64, Arc<Chunk>>,
+    used: usize,
+    budget: usize,
+}
+
+impl Cache {
+    fn insert(&mut self, key: u64, chunk: Chunk) {
+        let cost = chunk.cost();
+        if cost > self.budget {
+            return;
+        }
+        if let Some(old) = self.lru.put(key, Arc::new(chunk)) {
+            self.used -= old.cost();
+        }
+        self.used += cost;
+        while self.used > self.budget {
+            match self.lru.pop_lru() {
+                Some((_, c)) => self.used -= c.cost(),
+                None => break,
+            }
+        }
+    }
+}
+
+/// Cache statistics (monotonic, for metrics).
+#[derive(Debug, Default)]
+pub struct TokenStats {
+    /// Requests per [`Outcome`]: full_hit, partial_hit, miss, whole, given.
+    pub outcomes: [AtomicU64; 5],
+    /// Requests whose chain hashes did not match their bytes (cache bypassed).
+    pub hash_mismatches: AtomicU64,
+    /// Cached text that no longer prefixed the render (prefix-unstable template).
+    pub prefix_unstable: AtomicU64,
+    /// Message boundaries where the tokenizer could merge across (no added
+    /// token on either side): not used as chunk boundaries.
+    pub unsafe_boundaries: AtomicU64,
+    /// Sampled verifications that found chunked ≠ whole tokenization.
+    pub verify_failures: AtomicU64,
+    /// Bytes through the tokenizer.
+    pub encoded_bytes: AtomicU64,
+}
+
+/// Settings of a [`PromptTokenizer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenCacheConfig {
+    /// Token ids kept in the cache (4 bytes each).
+    pub budget_tokens: usize,
+    /// Every n-th chunked tokenization is checked against a whole-prompt
+    /// one (0 = never).
+    pub verify_every: u64,
+}
+
+impl Default for TokenCacheConfig {
+    fn default() -> Self {
+        Self { budget_tokens: 8 << 20, verify_every: 1000 }
+    }
+}
+
+/// A model's tokenizer with the segment cache.
+pub struct PromptTokenizer {
+    tk: ChatTokenizer,
+    cache: Mutex<Cache>,
+    segmented: AtomicBool,
+    verify_every: u64,
+    counter: AtomicU64,
+    /// Statistics.
+    pub stats: TokenStats,
+    self_test: String,
+}
+
+impl std::fmt::Debug for PromptTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptTokenizer").field("segmented", &self.segmented()).finish()
+    }
+}
+
+struct Context {
+    extra: Map<String, Value>,
+    add_generation_prompt: bool,
+    cacheable: bool,
+}
+
+fn parse_context(json: &[u8]) -> Result<Context, PromptError> {
+    let mut ctx = Context { extra: Map::new(), add_generation_prompt: true, cacheable: true };
+    if json.is_empty() {
+        return Ok(ctx);
+    }
+    let v: Value = serde_json::from_slice(json).map_err(|e| PromptError::Context(e.to_string()))?;
+    let Value::Object(map) = v else { return Err(PromptError::Context("not an object".into())) };
+    for (k, v) in map {
+        match k.as_str() {
+            "add_generation_prompt" => ctx.add_generation_prompt = v.as_bool().unwrap_or(true),
+            // Continuing the last message renders it unterminated: not a
+            // prefix of anything cached; tokenize whole.
+            "continue_final_message" => {
+                if v.as_bool() == Some(true) {
+                    ctx.cacheable = false;
+                    ctx.add_generation_prompt = false;
+                }
+            }
+            "chat_template_kwargs" => {
+                if let Value::Object(kw) = v {
+                    ctx.extra.extend(kw);
+                }
+            }
+            // A per-request template is refused by vLLM unless
+            // --trust-request-chat-template; kvgate renders the model's.
+            "chat_template" => {}
+            _ => {
+                ctx.extra.insert(k, v);
+            }
+        }
+    }
+    Ok(ctx)
+}
+
+fn parse_messages(segments: &[SegmentRef<'_>]) -> Result<Vec<Value>, PromptError> {
+    segments
+        .iter()
+        .enumerate()
+        .map(|(index, s)| match serde_json::from_slice::<Value>(s.message_json) {
+            Ok(v @ Value::Object(_)) => Ok(v),
+            Ok(_) => Err(PromptError::Message { index, reason: "not an object".into() }),
+            Err(e) => Err(PromptError::Message { index, reason: e.to_string() }),
+        })
+        .collect()
+}
+
+/// Sample conversations for the load-time self-test: boundaries after
+/// whitespace, punctuation, digits, non-ASCII text and empty contents.
+fn self_test_conversations() -> Vec<Vec<Value>> {
+    use serde_json::json;
+    let texts = [
+        "You are a helpful assistant.",
+        "Hello there ",
+        "line one\nline two\n\n",
+        "1234",
+        "",
+        "  leading and trailing  ",
+        "Grüße, 世界! こんにちは。",
+        "ends with a dot.",
+        "tab\tseparated\t",
+        "```rust\nfn main() {}\n```",
+    ];
+    let mut out = Vec::new();
+    for (i, t) in texts.iter().enumerate() {
+        let next = texts[(i + 3) % texts.len()];
+        let other = texts[(i + 7) % texts.len()];
+        out.push(vec![json!({"role": "user", "content": t})]);
+        out.push(vec![json!({"role": "system", "content": t}), json!({"role": "user", "content": next})]);
+        out.push(vec![
+            json!({"role": "system", "content": other}),
+            json!({"role": "user", "content": t}),
+            json!({"role": "assistant", "content": next}),
+            json!({"role": "user", "content": other}),
+        ]);
+    }
+    out
+}
+
+impl PromptTokenizer {
+    /// Loads a model directory (see [`ChatTokenizer::from_dir`]) and runs
+    /// the self-test.
+    pub fn from_dir(dir: &Path, config: TokenCacheConfig) -> Result<Self, TokenizeError> {
+        Ok(Self::new(ChatTokenizer::from_dir(dir)?, config))
+    }
+
+    /// Wraps a tokenizer and runs the self-test.
+    pub fn new(tk: ChatTokenizer, config: TokenCacheConfig) -> Self {
+        let mut this = Self {
+            tk,
+            cache: Mutex::new(Cache { lru: lru::LruCache::unbounded(), used: 0, budget: config.budget_tokens.max(1) }),
+            segmented: AtomicBool::new(false),
+            verify_every: config.verify_every,
+            counter: AtomicU64::new(0),
+            stats: TokenStats::default(),
+            self_test: String::new(),
+        };
+        match this.run_self_test() {
+            Ok(n) => {
+                this.self_test = format!("passed on {n} conversations");
+                this.segmented.store(true, Ordering::Relaxed);
+            }
+            Err(why) => this.self_test = format!("failed ({why}): whole-prompt tokenization"),
+        }
+        this
+    }
+
+    /// The underlying tokenizer.
+    pub fn inner(&self) -> &ChatTokenizer {
+        &self.tk
+    }
+
+    /// Whether the segment cache is in use.
+    pub fn segmented(&self) -> bool {
+        self.segmented.load(Ordering::Relaxed)
+    }
+
+    /// Result of the load-time self-test, for logs and the admin endpoint.
+    pub fn self_test_result(&self) -> &str {
+        &self.self_test
+    }
+
+    /// Cached ids and entries.
+    pub fn cache_size(&self) -> (usize, usize) {
+        let c = self.cache.lock();
+        (c.used, c.lru.len())
+    }
+
+    fn run_self_test(&self) -> Result<usize, String> {
+        let convs = self_test_conversations();
+        for conv in &convs {
+            for gen_prompt in [true, false] {
+                let whole = self.whole(conv, gen_prompt, &Map::new()).map_err(|e| e.to_string())?;
+                let mut chunked = Vec::new();
+                let mut prev = String::new();
+                for k in 0..conv.len() {
+                    let r = self.tk.render(&conv[..=k], false, &Map::new()).map_err(|e| e.to_string())?;
+                    let Some(delta) = r.strip_prefix(prev.as_str()) else {
+                        return Err(format!("template is not prefix-stable at message {k}"));
+                    };
+                    chunked.extend(self.tk.encode(delta).map_err(|e| e.to_string())?);
+                    prev = r;
+                }
+                let full = self.tk.render(conv, gen_prompt, &Map::new()).map_err(|e| e.to_string())?;
+                let Some(suffix) = full.strip_prefix(prev.as_str()) else {
+                    return Err("generation prompt is not a suffix".into());
+                };
+                chunked.extend(self.tk.encode(suffix).map_err(|e| e.to_string())?);
+                if chunked != whole {
+                    return Err(format!("chunked ids differ from whole-prompt ids on {conv:?}"));
+                }
+            }
+        }
+        Ok(convs.len())
+    }
+
+    fn whole(&self, messages: &[Value], gen_prompt: bool, extra: &Map<String, Value>) -> Result<Vec<u32>, PromptError> {
+        Ok(self.whole_counted(messages, gen_prompt, extra)?.ids)
+    }
+
+    fn whole_counted(
+        &self,
+        messages: &[Value],
+        gen_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<Tokenized, PromptError> {
+        let text = self.tk.render(messages, gen_prompt, extra)?;
+        self.stats.encoded_bytes.fetch_add(text.len() as u64, Ordering::Relaxed);
+        Ok(Tokenized { ids: self.tk.encode(&text)?, outcome: Outcome::Whole, encoded_bytes: text.len() })
+    }
+
+    fn count(&self, t: &Tokenized) {
+        let i = match t.outcome {
+            Outcome::FullHit => 0,
+            Outcome::PartialHit => 1,
+            Outcome::Miss => 2,
+            Outcome::Whole => 3,
+            Outcome::Given => 4,
+        };
+        self.stats.outcomes[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Token ids of a `/v1/completions` text prompt: vLLM tokenizes it with
+    /// special tokens (the BOS of models that have one).
+    pub fn completion(&self, prompt: &str) -> Result<Tokenized, PromptError> {
+        let ids = self.tk.encode_with_special(prompt)?;
+        self.stats.encoded_bytes.fetch_add(prompt.len() as u64, Ordering::Relaxed);
+        let t = Tokenized { ids, outcome: Outcome::Whole, encoded_bytes: prompt.len() };
+        self.count(&t);
+        Ok(t)
+    }
+
+    /// Token ids of a chat prompt.
+    pub fn chat(&self, context_json: &[u8], segments: &[SegmentRef<'_>]) -> Result<Tokenized, PromptError> {
+        let t = self.chat_inner(context_json, segments)?;
+        self.count(&t);
+        Ok(t)
+    }
+
+    fn chat_inner(&self, context_json: &[u8], segments: &[SegmentRef<'_>]) -> Result<Tokenized, PromptError> {
+        let ctx = parse_context(context_json)?;
+        // The chain must match the bytes: a wrong hash would return another
+        // conversation's tokens.
+        let mut chain_ok = true;
+        let mut h = SegmentHash::context(context_json);
+        for s in segments {
+            h = h.chain(s.message_json);
+            if h.0 != s.chain_hash {
+                chain_ok = false;
+                break;
+            }
+        }
+        if !chain_ok {
+            self.stats.hash_mismatches.fetch_add(1, Ordering::Relaxed);
+        }
+        if !(chain_ok && ctx.cacheable && self.segmented()) || segments.is_empty() {
+            let messages = parse_messages(segments)?;
+            return self.whole_counted(&messages, ctx.add_generation_prompt, &ctx.extra);
+        }
+
+        // Longest cached prefix and its chain of chunks.
+        let gen_prompt = ctx.add_generation_prompt;
+        let n = segments.len();
+        let (hit, chunks) = {
+            let mut cache = self.cache.lock();
+            let mut found = None;
+            for k in (0..n).rev() {
+                let key = segments[k].chain_hash;
+                if let Some(chunk) = cache.lru.get(&key).cloned() {
+                    let mut chain = vec![chunk];
+                    let mut complete = true;
+                    while let Some(prev) = chain.last().and_then(|c| c.prev) {
+                        match cache.lru.get(&prev).cloned() {
+                            Some(c) => chain.push(c),
+                            None => {
+                                complete = false;
+                                break;
+                            }
+                        }
+                    }
+                    if complete {
+                        chain.reverse();
+                        found = Some((k, chain));
+                        break;
+                    }
+                }
+            }
+            match found {
+                Some((k, chain)) => (Some(k), chain),
+                None => (None, Vec::new()),
+            }
+        };
+
+        // Full hit: no render needed when the suffix for this flag is known.
+        if hit == Some(n - 1) {
+            let last = chunks.last();
+            let suffix: Option<&[u32]> =
+                if gen_prompt { last.and_then(|c| c.gen_suffix.as_deref()) } else { Some(&[]) };
+            if let Some(suffix) = suffix {
+                let total: usize = chunks.iter().map(|c| c.tokens.len()).sum::<usize>() + suffix.len();
+                let mut ids = Vec::with_capacity(total);
+                for c in &chunks {
+                    ids.extend_from_slice(&c.tokens);
+                }
+                ids.extend_from_slice(suffix);
+                return Ok(Tokenized { ids, outcome: Outcome::FullHit, encoded_bytes: 0 });
+            }
+        }
+
+        let messages = parse_messages(segments)?;
+        let no_gen = self.tk.render(&messages, false, &ctx.extra)?;
+        let with_gen = if gen_prompt { self.tk.render(&messages, true, &ctx.extra)? } else { no_gen.clone() };
+        let suffix_text = with_gen.strip_prefix(no_gen.as_str());
+        if suffix_text.is_some_and(|t| !self.tk.boundary_safe(&no_gen, t)) {
+            self.stats.unsafe_boundaries.fetch_add(1, Ordering::Relaxed);
+        }
+        let Some(suffix_text) = suffix_text.filter(|t| self.tk.boundary_safe(&no_gen, t)) else {
+            // The generation prompt changes earlier text: not chunkable.
+            self.stats.prefix_unstable.fetch_add(1, Ordering::Relaxed);
+            let ids = self.tk.encode(&with_gen)?;
+            self.stats.encoded_bytes.fetch_add(with_gen.len() as u64, Ordering::Relaxed);
+            return Ok(Tokenized { ids, outcome: Outcome::Whole, encoded_bytes: with_gen.len() });
+        };
+
+        // Where the cached text ends, if it still prefixes the render.
+        let mut start = 0usize;
+        let mut ids: Vec<u32> = Vec::new();
+        let mut prev_key = None;
+        let mut outcome = Outcome::Miss;
+        if let (Some(k), Some(last)) = (hit, chunks.last()) {
+            let len = last.rendered_len;
+            let matches = no_gen.len() >= len
+                && no_gen.is_char_boundary(len)
+                && xxh3_64(&no_gen.as_bytes()[..len]) == last.rendered_hash;
+            let safe = matches && self.tk.boundary_safe(&no_gen[..len], &no_gen[len..]);
+            if matches && !safe {
+                self.stats.unsafe_boundaries.fetch_add(1, Ordering::Relaxed);
+            }
+            if safe {
+                for c in &chunks {
+                    ids.extend_from_slice(&c.tokens);
+                }
+                start = len;
+                prev_key = Some(segments[k].chain_hash);
+                outcome = Outcome::PartialHit;
+            } else if !matches {
+                self.stats.prefix_unstable.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+
+        let mut encoded = 0usize;
+        let mut new_chunks: Vec<(u64, Chunk)> = Vec::new();
+        // On a miss, a boundary after the first message too (shared system
+        // prompts and documents), when the template renders it as a prefix.
+        let first_new = 0;
+        if outcome == Outcome::Miss && n > 1 {
+            let first = self.tk.render(&messages[..=first_new], false, &ctx.extra)?;
+            if no_gen.starts_with(first.as_str())
+                && first.len() > start
+                && self.tk.boundary_safe(&first, &no_gen[first.len()..])
+            {
+                let toks = self.tk.encode(&first[start..])?;
+                encoded += first.len() - start;
+                ids.extend_from_slice(&toks);
+                new_chunks.push((
+                    segments[first_new].chain_hash,
+                    Chunk {
+                        prev: prev_key,
+                        rendered_len: first.len(),
+                        rendered_hash: xxh3_64(first.as_bytes()),
+                        tokens: toks.into(),
+                        gen_suffix: None,
+                    },
+                ));
+                prev_key = Some(segments[first_new].chain_hash);
+                start = first.len();
+            }
+        }
+        let rest = no_gen.get(start..).unwrap_or_default();
+        let toks = self.tk.encode(rest)?;
+        encoded += rest.len();
+        ids.extend_from_slice(&toks);
+        let suffix = self.tk.encode(suffix_text)?;
+        encoded += suffix_text.len();
+        ids.extend_from_slice(&suffix);
+        new_chunks.push((
+            segments[n - 1].chain_hash,
+            Chunk {
+                prev: prev_key,
+                rendered_len: no_gen.len(),
+                rendered_hash: xxh3_64(no_gen.as_bytes()),
+                tokens: toks.into(),
+                gen_suffix: gen_prompt.then(|| suffix.into()),
+            },
+        ));
+        self.stats.encoded_bytes.fetch_add(encoded as u64, Ordering::Relaxed);
+
+        // Sampled verification against the whole prompt.
+        let nth = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.verify_every > 0 && nth.is_multiple_of(self.verify_every) {
+            let whole = self.tk.encode(&with_gen)?;
+            if whole != ids {
+                self.stats.verify_failures.fetch_add(1, Ordering::Relaxed);
+                self.segmented.store(false, Ordering::Relaxed);
+                self.cache.lock().lru.clear();
+                return Ok(Tokenized { ids: whole, outcome: Outcome::Whole, encoded_bytes: with_gen.len() });
+            }
+        }
+
+        let mut cache = self.cache.lock();
+        for (key, chunk) in new_chunks {
+            cache.insert(key, chunk);
+        }
+        Ok(Tokenized { ids, outcome, encoded_bytes: encoded })
+    }
+
+    /// Whole-prompt ids of a chat request, bypassing the cache (reference
+    /// for tests and the benchmark).
+    pub fn chat_uncached(&self, context_json: &[u8], segments: &[SegmentRef<'_>]) -> Result<Vec<u32>, PromptError> {
+        let ctx = parse_context(context_json)?;
+        let messages = parse_messages(segments)?;
+        self.whole(&messages, ctx.add_generation_prompt, &ctx.extra)
+    }
+}
+
+/// Chained hashes for messages (what the filter computes), for tests and
+/// benchmarks.
+pub fn chain_hashes(context_json: &[u8], messages: &[&[u8]]) -> Vec<u64> {
+    let mut h = SegmentHash::context(context_json);
+    messages
+        .iter()
+        .map(|m| {
+            h = h.chain(m);
+            h.0
+        })
+        .collect()
+}
