@@ -52,11 +52,11 @@ pub struct Service {
 #[tonic::async_trait]
 impl Router for Service {
     async fn pick(&self, request: Request<pb::PickRequest>) -> Result<Response<pb::PickResponse>, Status> {
+        // Errors are counted by the response layer (they travel in headers).
         let r = self.app.pick(request.get_ref());
-        self.app.count_status(match &r {
-            Ok(_) => tonic::Code::Ok,
-            Err(s) => s.code(),
-        });
+        if r.is_ok() {
+            self.app.count_status(tonic::Code::Ok);
+        }
         r.map(Response::new)
     }
 
@@ -137,7 +137,18 @@ pub async fn run(
     let svc = RouterServer::new(Service { app: app.clone() })
         .max_decoding_message_size(app.config.max_prompt_bytes + (1 << 20));
     let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+    // Every error status (ours, and tonic's own for undecodable requests) is
+    // a trailers-only response: count it from the headers.
+    let app_l = app.clone();
+    let count_errors = tower::util::MapResponseLayer::new(move |resp: http::Response<tonic::body::Body>| {
+        if let Some(code) = resp.headers().get("grpc-status").and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok())
+        {
+            app_l.count_status(tonic::Code::from_i32(code));
+        }
+        resp
+    });
     let result = tonic::transport::Server::builder()
+        .layer(count_errors)
         .add_service(health_service)
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, shutdown)
