@@ -13,7 +13,6 @@ pub mod config;
 pub mod metrics;
 pub mod model;
 pub mod server;
-pub mod tokens;
 
 /// Generated tonic code of `kvgate.v1.Router` (checked in; `make proto`).
 #[allow(missing_docs, unreachable_pub, clippy::all)]
@@ -21,6 +20,10 @@ mod generated {
     include!("gen/kvgate.v1.tonic.rs");
 }
 pub use generated::{router_client, router_server};
+
+/// Prompt tokenization with the segment cache (lives in `kvgate-tokenize`,
+/// shared with the simulator).
+pub use kvgate_tokenize::prompt as tokens;
 
 pub use app::App;
 pub use config::{Config, ConfigError, RawConfig};

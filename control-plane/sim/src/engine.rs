@@ -92,6 +92,9 @@ pub struct Step {
     pub prefill_tokens: usize,
     /// Decode tokens generated.
     pub decode_tokens: usize,
+    /// Requests admitted from the waiting queue in this step (for the
+    /// queue-time metric).
+    pub admitted: Vec<u64>,
 }
 
 /// The deterministic token a request generates at `index`.
@@ -137,6 +140,21 @@ impl Engine {
         self.waiting.push_back(req);
     }
 
+    /// Drops a request (the client went away), freeing its blocks. Returns
+    /// whether it was queued or running.
+    pub fn abort(&mut self, id: u64) -> bool {
+        if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|r| r.req.id == id) {
+            let r = self.running.remove(i);
+            self.pool.free(r.seq);
+            return true;
+        }
+        false
+    }
+
     /// Requests running (`vllm:num_requests_running`).
     pub fn num_running(&self) -> usize {
         self.running.len()
@@ -163,6 +181,7 @@ impl Engine {
                 Ok(seq) => {
                     let Some(req) = self.waiting.pop_front() else { break };
                     let cached = seq.hit_tokens;
+                    step.admitted.push(req.id);
                     self.running.push(Running { req, prefilled: cached, generated: 0, cached_tokens: cached, seq });
                 }
                 Err(_) => break,

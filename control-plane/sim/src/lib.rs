@@ -14,3 +14,6 @@
 pub mod engine;
 pub mod pool;
 pub mod timing;
+
+#[cfg(feature = "server")]
+pub mod server;

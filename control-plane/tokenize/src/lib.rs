@@ -15,6 +15,8 @@
 //! benchmark).
 #![warn(missing_docs)]
 
+pub mod prompt;
+
 use std::path::Path;
 
 use serde_json::Value;

@@ -53,8 +53,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use crate::{ChatTokenizer, TokenizeError};
 use kvgate_protocol::SegmentHash;
-use kvgate_tokenize::{ChatTokenizer, TokenizeError};
 use parking_lot::Mutex;
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::xxh3_64;

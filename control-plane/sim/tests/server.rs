@@ -1,0 +1,255 @@
+//! The simulated worker at its interfaces: the real `openai` Python SDK
+//! against its HTTP API (streaming and not), its `/metrics` against the
+//! usage it reported, and its ZMQ KV events through the real relay core
+//! against its block pool.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_sim::engine::EngineConfig;
+use kvgate_sim::server::{WorkerOptions, run_worker};
+use kvgate_sim::timing::Timing;
+use kvgate_tokenize::prompt::{PromptTokenizer, TokenCacheConfig};
+use kvgate_vllm_wire::encode::Encoding;
+use serde_json::Value;
+
+fn tokenizer() -> Arc<PromptTokenizer> {
+    let dir = std::env::var_os("KVGATE_TOKENIZER_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"));
+    Arc::new(PromptTokenizer::from_dir(&dir, TokenCacheConfig::default()).unwrap())
+}
+
+struct Worker {
+    http: SocketAddr,
+    zmq: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _thread: std::thread::JoinHandle<()>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+fn start(speedup: f64, num_blocks: usize) -> Worker {
+    let zport = kvgate_e2e::free_port().unwrap();
+    let rport = kvgate_e2e::free_port().unwrap();
+    let zmq = format!("tcp://127.0.0.1:{zport}");
+    let opts = WorkerOptions {
+        id: "w0".into(),
+        model: "deepseek-v3".into(),
+        http: "127.0.0.1:0".parse().unwrap(),
+        zmq_pub: Some(zmq.clone()),
+        zmq_replay: Some(format!("tcp://127.0.0.1:{rport}")),
+        topic: "kv-events".into(),
+        encoding: Encoding::Map,
+        engine: EngineConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+            num_blocks,
+            block_size: 16,
+            timing: Timing::H200_LLAMA70B_FP8,
+        },
+        speedup,
+        tokenizer: tokenizer(),
+        default_max_tokens: 16,
+        max_model_len: 32_768,
+        replay_buffer: 1000,
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (btx, brx) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async move {
+            run_worker(
+                opts,
+                async move {
+                    let _ = rx.await;
+                },
+                move |a| {
+                    let _ = btx.send(a);
+                },
+            )
+            .await
+            .unwrap();
+        });
+    });
+    let http = brx.recv_timeout(Duration::from_secs(10)).unwrap();
+    Worker { http, zmq, stop: Some(tx), _thread: thread }
+}
+
+fn python() -> std::path::PathBuf {
+    std::env::var("KVGATE_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| kvgate_e2e::repo_root().join(".tools/venv/bin/python"))
+}
+
+fn get(addr: SocketAddr, path: &str) -> kvgate_e2e::HttpResponse {
+    kvgate_e2e::http_request(addr, "GET", path, &[], b"").unwrap()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+const SDK_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=30)
+out = {}
+out["models"] = [m.id for m in c.models.list().data]
+system = "You are a careful assistant who answers briefly. " * 30
+msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What is a KV cache?"}]
+r1 = c.chat.completions.create(model="deepseek-v3", messages=msgs, max_tokens=12)
+r2 = c.chat.completions.create(model="deepseek-v3", messages=msgs, max_tokens=12)
+out["chat"] = [
+    {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason,
+     "prompt": r.usage.prompt_tokens, "completion": r.usage.completion_tokens,
+     "cached": r.usage.prompt_tokens_details.cached_tokens, "object": r.object}
+    for r in (r1, r2)]
+chunks = list(c.chat.completions.create(model="deepseek-v3", messages=msgs, max_tokens=9, stream=True,
+                                        stream_options={"include_usage": True}))
+out["stream"] = {
+    "n": len(chunks),
+    "role": chunks[0].choices[0].delta.role,
+    "text": "".join((ch.choices[0].delta.content or "") for ch in chunks if ch.choices),
+    "finish": [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1],
+    "usage": chunks[-1].usage.model_dump() if chunks[-1].usage else None,
+    "last_choices": len(chunks[-1].choices),
+}
+cp = c.completions.create(model="deepseek-v3", prompt="Once upon a time", max_tokens=5)
+out["completion"] = {"text": cp.choices[0].text, "completion": cp.usage.completion_tokens, "object": cp.object}
+cs = list(c.completions.create(model="deepseek-v3", prompt=[1, 2, 3, 4, 5], max_tokens=4, stream=True))
+out["completion_stream"] = {"text": "".join(ch.choices[0].text for ch in cs if ch.choices), "n": len(cs)}
+try:
+    c.chat.completions.create(model="nope", messages=msgs, max_tokens=2)
+    out["unknown_model"] = None
+except Exception as e:
+    out["unknown_model"] = getattr(e, "status_code", None)
+try:
+    c.chat.completions.create(model="deepseek-v3", messages=[], max_tokens=2)
+    out["empty"] = None
+except Exception as e:
+    out["empty"] = getattr(e, "status_code", None)
+print(json.dumps(out))
+"#;
+
+#[test]
+fn the_openai_sdk_streams_and_non_streams_against_it() {
+    let w = start(50.0, 4096);
+    let out = std::process::Command::new(python())
+        .arg("-c")
+        .arg(SDK_SCRIPT)
+        .arg(format!("http://{}/v1", w.http))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["models"], serde_json::json!(["deepseek-v3"]));
+    let (a, b) = (&v["chat"][0], &v["chat"][1]);
+    assert_eq!(a["object"], "chat.completion");
+    assert_eq!(a["completion"], 12);
+    assert_eq!(a["finish"], "length");
+    assert_eq!(a["text"], b["text"].as_str().map(|_| a["text"].clone()).unwrap(), "deterministic text");
+    assert_eq!(a["cached"], 0, "first request: nothing cached");
+    let prompt = b["prompt"].as_u64().unwrap();
+    // Every full block of the repeated prompt is a hit (vLLM recomputes the
+    // last block when the prompt is block-aligned).
+    let want = if prompt % 16 == 0 { prompt - 16 } else { prompt / 16 * 16 };
+    assert_eq!(b["cached"].as_u64().unwrap(), want, "{v}");
+    let s = &v["stream"];
+    assert_eq!(s["role"], "assistant");
+    assert_eq!(s["finish"], "length");
+    assert_eq!(s["last_choices"], 0, "usage arrives in a final chunk without choices");
+    assert_eq!(s["usage"]["completion_tokens"], 9);
+    assert_eq!(s["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), want);
+    assert!(!s["text"].as_str().unwrap().is_empty());
+    assert_eq!(v["completion"]["object"], "text_completion");
+    assert_eq!(v["completion"]["completion"], 5);
+    assert_eq!(v["completion_stream"]["n"].as_u64().unwrap(), 5);
+    assert_eq!(v["unknown_model"], 404);
+    assert_eq!(v["empty"], 400);
+
+    // /metrics agrees with the usage the API reported.
+    let m = String::from_utf8(get(w.http, "/metrics").body).unwrap();
+    let hits = metric(&m, "vllm:prefix_cache_hits_total");
+    assert_eq!(hits as u64, 2 * want, "two cached requests of `want` tokens each\n{m}");
+    assert_eq!(metric(&m, "vllm:num_requests_running"), 0.0);
+    assert_eq!(metric(&m, "vllm:num_requests_waiting"), 0.0);
+    assert!(m.contains("vllm:cache_config_info{block_size=\"16\""), "{m}");
+    assert!(m.contains("num_gpu_blocks=\"4096\""), "{m}");
+    // Five generations: two chats, one chat stream, two completions.
+    assert_eq!(metric(&m, "vllm:time_to_first_token_seconds_count"), 5.0);
+    assert_eq!(get(w.http, "/health").status, 200);
+}
+
+#[test]
+fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
+    let w = start(200.0, 256);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        use zeromq::{Socket as _, SocketRecv as _};
+        let mut sub = zeromq::SubSocket::new();
+        sub.connect(&w.zmq).await.unwrap();
+        sub.subscribe("").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut core = kvgate_relay::core::RelayCore::new(kvgate_relay::core::RelayConfig {
+            worker_id: "w0".into(),
+            model: "deepseek-v3".into(),
+            replay: false,
+            relay_epoch: 1,
+        });
+        // Enough distinct prompts to overflow 256 blocks: stores and evictions.
+        let http = w.http;
+        let load = tokio::task::spawn_blocking(move || {
+            for i in 0..40 {
+                let body = format!(
+                    r#"{{"model":"deepseek-v3","prompt":"request number {i}: {}","max_tokens":8}}"#,
+                    "lorem ipsum dolor sit amet ".repeat(30)
+                );
+                let r = kvgate_e2e::http_request(
+                    http,
+                    "POST",
+                    "/v1/completions",
+                    &[("content-type", "application/json")],
+                    body.as_bytes(),
+                )
+                .unwrap();
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            }
+        });
+        let mut batches = 0;
+        loop {
+            tokio::select! {
+                m = sub.recv() => {
+                    let m = m.unwrap();
+                    let frames: Vec<&[u8]> = m.iter().map(|f| f.as_ref()).collect();
+                    let _ = core.on_live(&frames);
+                    batches += 1;
+                }
+                _ = tokio::time::sleep(Duration::from_millis(800)) => {
+                    if load.is_finished() { break; }
+                }
+            }
+        }
+        load.await.unwrap();
+        let c = core.counters();
+        assert!(batches > 10, "{batches} batches");
+        assert_eq!(c.decode_errors_msgpack + c.decode_errors_shape + c.decode_errors_frames, 0, "{c:?}");
+        assert_eq!(c.gaps, 0, "{c:?}");
+        assert!(c.blocks_removed > 0, "the cache overflowed, so blocks were evicted: {c:?}");
+        assert_eq!(c.orphan_stores + c.unknown_removals, 0, "every event continues the stream: {c:?}");
+        // The relay's mirror holds exactly the blocks the engine caches.
+        let sim: Value = serde_json::from_slice(&get(w.http, "/kvgate/sim/cache").body).unwrap();
+        assert_eq!(core.mirror().len() as u64, sim["cached_blocks"].as_u64().unwrap(), "{sim}");
+    });
+}
