@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp clean-tools
+.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim clean-tools
 
 help:
 	@echo "make demo   - start the local stack and run the benchmark (main job)"
@@ -15,6 +15,7 @@ help:
 	@echo "make wasm-profile - measure size/speed of Wasm profile choices"
 	@echo "make bench-index - kvgate index vs dynamo-kv-router 1.6.1 on the Mooncake trace"
 	@echo "make bench-relay - relay decode+publish throughput (blocks/s, one core)"
+	@echo "make bench-sim - simulator scale: 8 workers x 64 streams on one core, CPU use"
 	@echo "make bench-cp - control plane Pick latency/throughput (8K/100K tokens, 10/100 workers, cold/warm)"
 	@echo "make bench-routing - criterion: ingest, lookup, pick (8K/100K tokens, 10/100/1000 workers)"
 
@@ -54,6 +55,9 @@ bench-index:
 
 bench-relay: setup
 	set -a; . .tools/env; set +a; cargo bench -p kvgate-relay --bench throughput
+
+bench-sim: setup
+	set -a; . .tools/env; set +a; cargo bench -p kvgate-sim --bench scale
 
 bench-cp: setup
 	set -a; . .tools/env; set +a; cargo bench -p kvgate-server --bench control_plane
