@@ -73,9 +73,9 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let dir = std::env::var_os("KVGATE_TOKENIZER_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.tools/models/deepseek-v3"));
+    let dir = std::env::var_os("KVGATE_TOKENIZER_DIR").map(std::path::PathBuf::from).unwrap_or_else(|| {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.tools/models/deepseek-v3")
+    });
     let tokenizer = Arc::new(PromptTokenizer::from_dir(&dir, TokenCacheConfig::default()).expect("tokenizer"));
 
     // The simulator: one thread, one current-thread runtime, eight workers.

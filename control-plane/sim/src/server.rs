@@ -525,7 +525,13 @@ async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool) -> Response {
     let prompt_tokens = p.prompt.len();
     sh.stats.lock().prompt_tokens += prompt_tokens as u64;
     let req = Request { id, prompt: p.prompt, max_tokens: p.max_tokens };
-    if sh.submit.send(Submit { req, tx, at: Instant::now() }).is_err() {
+    let at = Instant::now();
+    // The frontend's share of time to first token (see the timing preset).
+    let overhead = sh.opts.engine.timing.first_token_overhead_ms() / 1000.0 / sh.opts.speedup.max(1e-3);
+    if overhead > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(overhead)).await;
+    }
+    if sh.submit.send(Submit { req, tx, at }).is_err() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
     }
     let rid = if chat { format!("chatcmpl-{id:032x}") } else { format!("cmpl-{id:032x}") };

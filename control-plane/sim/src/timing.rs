@@ -8,6 +8,10 @@
 //! | `h200-llama70b-fp8` | `13 ms + 0.65 ms × decode_seqs + 0.08 ms × prefill_tokens` |
 //! | `dynamo-mocker` | `decode(p) + prefill(T)`: prefill ms = 4.21e-7·T² + 0.01518·T + 16.5 when T > 0; decode ms = max(1, −25.74·p² + 54.01·p + 5.74) for KV fill fraction p |
 //!
+//! Both presets also have a [`Timing::first_token_overhead_ms`]: time
+//! before the engine sees a request (frontend), added by the simulated
+//! worker before submission.
+//!
 //! `h200-llama70b-fp8` is calibrated on the DOKS demo (REFERENCE-RESULTS.md §A:
 //! 3× H200, Llama-3.1-70B FP8, max batch 64). Inter-token latency was ~26 ms at ~20
 //! running requests and ~52 ms near 60, which fixes 13 ms + 0.65 ms per
@@ -61,6 +65,20 @@ impl Timing {
                 let decode = if decode_seqs > 0 { (-25.74 * p * p + 54.01 * p + 5.74).max(1.0) } else { 0.0 };
                 (prefill + decode).max(if decode_seqs + prefill_tokens > 0 { 1.0 } else { 0.0 })
             }
+        }
+    }
+
+    /// Latency a request spends before the engine can schedule it (API
+    /// server, tokenization, KV block setup), in simulated ms; it does not
+    /// occupy the engine. `h200-llama70b-fp8`: 200 ms, fitted so that
+    /// TTFT p50 at the DOKS demo's lowest load (60 conversations, ~20 per
+    /// worker, ~95 % prefix hits) matches the published 249 ms: with that
+    /// many hits the engine's own share of TTFT is ~35 ms
+    /// (`tests/calibration.rs`). `dynamo-mocker`: 0 (Dynamo's model has none).
+    pub fn first_token_overhead_ms(&self) -> f64 {
+        match self {
+            Timing::Linear { .. } => 200.0,
+            Timing::DynamoMocker => 0.0,
         }
     }
 }
