@@ -1,0 +1,67 @@
+//! Arbitrary bytes as NATS messages (KV batches, heartbeats, replica sync)
+//! and as Pick / Report requests, into one control plane with a tokenizer:
+//! nothing may panic, whatever the bytes.
+#![no_main]
+
+use std::sync::{Arc, LazyLock};
+
+use kvgate_protocol::pb;
+use kvgate_server::config::{RawConfig, RawModel, RawWorker};
+use kvgate_server::{App, Config};
+use libfuzzer_sys::fuzz_target;
+use prost::Message as _;
+
+static APP: LazyLock<Arc<App>> = LazyLock::new(|| {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../.tools/models/deepseek-v3");
+    let raw = RawConfig {
+        nats_url: Some("nats://127.0.0.1:1".into()),
+        models: vec![RawModel {
+            name: "m".into(),
+            block_size: Some(4),
+            tokenizer_dir: dir.join("tokenizer.json").exists().then_some(dir),
+            workers: vec![RawWorker { id: "s".into(), endpoint: "127.0.0.1:1".into() }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    App::new(Config::validate(raw).expect("config")).expect("app").0
+});
+
+fuzz_target!(|data: &[u8]| {
+    let app = &*APP;
+    let Some((&sel, rest)) = data.split_first() else { return };
+    let s = &app.subjects;
+    match sel % 6 {
+        0 => drop(app.on_nats(&s.kv_events("m", "w0"), rest)),
+        1 => drop(app.on_nats(&s.heartbeat("m", "w0"), rest)),
+        2 => drop(app.on_nats(&s.inflight("m"), rest)),
+        3 => {
+            if let Ok(req) = pb::PickRequest::decode(rest) {
+                let _ = app.pick(&req);
+            }
+        }
+        4 => {
+            if let Ok(b) = pb::CompletionReportBatch::decode(rest) {
+                let _ = app.report(&b);
+            }
+        }
+        _ => {
+            // A chat request whose messages are arbitrary bytes.
+            let segs: Vec<pb::Segment> = rest
+                .split(|b| *b == 0)
+                .take(8)
+                .map(|m| pb::Segment { chain_hash: 0, role: String::new(), message_json: m.to_vec() })
+                .collect();
+            let req = pb::PickRequest {
+                model: "m".into(),
+                api: pb::ApiKind::ChatCompletions as i32,
+                segments: segs,
+                ..Default::default()
+            };
+            let _ = app.pick(&req);
+        }
+    }
+    if sel & 0x80 != 0 {
+        app.tick();
+    }
+});
