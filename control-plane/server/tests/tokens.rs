@@ -83,6 +83,32 @@ fn multi_turn_conversation_hits_the_cache_and_equals_whole_prompt() {
     assert_eq!(t.ids, tk.chat_uncached(&r.context, &r.segs()).unwrap());
 }
 
+/// Regression (found by `cached_equals_whole` in CI): a conversation whose
+/// last message is a cached *inner* boundary (no generation-prompt suffix
+/// stored) once made a chunk that named itself as its predecessor, and the
+/// next lookup walked that cycle forever.
+#[test]
+fn a_cached_inner_boundary_as_the_last_message_terminates_and_is_exact() {
+    let tk = tokenizer(TokenCacheConfig { verify_every: 1, ..Default::default() });
+    let a = json!({"role": "system", "content": "Shared instructions for every tenant."});
+    let b = json!({"role": "user", "content": "First question"});
+    // [a, b] is a miss: chunks at a (inner boundary, no suffix) and at b.
+    let r = Req::new(b"", &[a.clone(), b]);
+    assert_eq!(tk.chat(&r.context, &r.segs()).unwrap().outcome, Outcome::Miss);
+    // [a] alone: cached up to its last message, suffix missing.
+    let r = Req::new(b"", std::slice::from_ref(&a));
+    let whole = tk.chat_uncached(&r.context, &r.segs()).unwrap();
+    let t = tk.chat(&r.context, &r.segs()).unwrap();
+    assert_eq!((t.outcome, &t.ids), (Outcome::PartialHit, &whole));
+    // Now with its suffix: a full hit, and again after more turns.
+    let t = tk.chat(&r.context, &r.segs()).unwrap();
+    assert_eq!((t.outcome, &t.ids), (Outcome::FullHit, &whole));
+    let r2 = Req::new(b"", &[a, json!({"role": "user", "content": "Second question"})]);
+    let t = tk.chat(&r2.context, &r2.segs()).unwrap();
+    assert_eq!(t.ids, tk.chat_uncached(&r2.context, &r2.segs()).unwrap());
+    assert_eq!(tk.stats.verify_failures.load(Ordering::Relaxed), 0);
+}
+
 #[test]
 fn wrong_chain_hash_bypasses_the_cache() {
     let tk = tokenizer(TokenCacheConfig::default());
@@ -147,6 +173,30 @@ proptest! {
         for (role, content) in &turns {
             msgs.push(json!({"role": role, "content": content}));
             let r = Req::new(b"", &msgs);
+            let t = tk.chat(&r.context, &r.segs()).unwrap();
+            prop_assert_eq!(&t.ids, &tk.chat_uncached(&r.context, &r.segs()).unwrap());
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    /// Prefixes of one conversation requested in any order (shorter after
+    /// longer, repeats, jumps), with or without the generation prompt:
+    /// cached ids always equal whole-prompt ids.
+    #[test]
+    fn any_order_of_prefixes_equals_whole(
+        turns in proptest::collection::vec(("(system|user|assistant)", "[ -~\n\u{e9}]{0,24}"), 1..7),
+        order in proptest::collection::vec((0usize..7, any::<bool>()), 1..12),
+    ) {
+        static TK: std::sync::LazyLock<PromptTokenizer> =
+            std::sync::LazyLock::new(|| tokenizer(TokenCacheConfig { budget_tokens: 2048, verify_every: 0 }));
+        let tk = &*TK;
+        let msgs: Vec<Value> = turns.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
+        for (len, gen_prompt) in order {
+            let len = len.min(msgs.len() - 1) + 1;
+            let ctx: &[u8] = if gen_prompt { b"" } else { br#"{"add_generation_prompt":false}"# };
+            let r = Req::new(ctx, &msgs[..len]);
             let t = tk.chat(&r.context, &r.segs()).unwrap();
             prop_assert_eq!(&t.ids, &tk.chat_uncached(&r.context, &r.segs()).unwrap());
         }

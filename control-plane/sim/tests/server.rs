@@ -24,6 +24,7 @@ fn tokenizer() -> Arc<PromptTokenizer> {
 struct Worker {
     http: SocketAddr,
     zmq: String,
+    replay: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     _thread: std::thread::JoinHandle<()>,
 }
@@ -40,12 +41,13 @@ fn start(speedup: f64, num_blocks: usize) -> Worker {
     let zport = kvgate_e2e::free_port().unwrap();
     let rport = kvgate_e2e::free_port().unwrap();
     let zmq = format!("tcp://127.0.0.1:{zport}");
+    let replay = format!("tcp://127.0.0.1:{rport}");
     let opts = WorkerOptions {
         id: "w0".into(),
         model: "deepseek-v3".into(),
         http: "127.0.0.1:0".parse().unwrap(),
         zmq_pub: Some(zmq.clone()),
-        zmq_replay: Some(format!("tcp://127.0.0.1:{rport}")),
+        zmq_replay: Some(replay.clone()),
         topic: "kv-events".into(),
         encoding: Encoding::Map,
         engine: EngineConfig {
@@ -80,7 +82,7 @@ fn start(speedup: f64, num_blocks: usize) -> Worker {
         });
     });
     let http = brx.recv_timeout(Duration::from_secs(10)).unwrap();
-    Worker { http, zmq, stop: Some(tx), _thread: thread }
+    Worker { http, zmq, replay, stop: Some(tx), _thread: thread }
 }
 
 fn python() -> std::path::PathBuf {
@@ -251,5 +253,37 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
         // The relay's mirror holds exactly the blocks the engine caches.
         let sim: Value = serde_json::from_slice(&get(w.http, "/kvgate/sim/cache").body).unwrap();
         assert_eq!(core.mirror().len() as u64, sim["cached_blocks"].as_u64().unwrap(), "{sim}");
+
+        // Replay from the start over the ROUTER socket (a DEALER client, as
+        // the relay uses): the same batches, ending with the end marker, and
+        // a relay core fed only the replay reaches the same mirror.
+        use zeromq::SocketSend as _;
+        let mut dealer = zeromq::DealerSocket::new();
+        dealer.connect(&w.replay).await.unwrap();
+        let [empty, start] = kvgate_vllm_wire::replay_request(0);
+        let mut req = zeromq::ZmqMessage::from(empty);
+        req.push_back(start.into());
+        dealer.send(req).await.unwrap();
+        let mut replayed = kvgate_relay::core::RelayCore::new(kvgate_relay::core::RelayConfig {
+            worker_id: "w0".into(),
+            model: "deepseek-v3".into(),
+            replay: false,
+            relay_epoch: 2,
+        });
+        let mut n = 0;
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(5), dealer.recv()).await.unwrap().unwrap();
+            let frames: Vec<&[u8]> = m.iter().map(|f| f.as_ref()).collect();
+            match kvgate_vllm_wire::decode_replay_reply(&frames).unwrap() {
+                kvgate_vllm_wire::ReplayReply::Batch { seq, payload, .. } => {
+                    let seq = seq.to_be_bytes();
+                    let _ = replayed.on_live(&[b"kv-events", &seq, payload]);
+                    n += 1;
+                }
+                kvgate_vllm_wire::ReplayReply::End => break,
+            }
+        }
+        assert_eq!(n, batches, "every published batch is replayed");
+        assert_eq!(replayed.mirror().len(), core.mirror().len());
     });
 }

@@ -456,6 +456,12 @@ impl PromptTokenizer {
                     let mut chain = vec![chunk];
                     let mut complete = true;
                     while let Some(prev) = chain.last().and_then(|c| c.prev) {
+                        // A chain is never longer than the conversation: a
+                        // longer one would be a cycle (hash collision).
+                        if chain.len() > k + 1 {
+                            complete = false;
+                            break;
+                        }
                         match cache.lru.get(&prev).cloned() {
                             Some(c) => chain.push(c),
                             None => {
@@ -569,16 +575,33 @@ impl PromptTokenizer {
         let suffix = self.tk.encode(suffix_text)?;
         encoded += suffix_text.len();
         ids.extend_from_slice(&suffix);
-        new_chunks.push((
-            segments[n - 1].chain_hash,
-            Chunk {
-                prev: prev_key,
-                rendered_len: no_gen.len(),
-                rendered_hash: xxh3_64(no_gen.as_bytes()),
-                tokens: toks.into(),
-                gen_suffix: gen_prompt.then(|| suffix.into()),
-            },
-        ));
+        let last_key = segments[n - 1].chain_hash;
+        match chunks.last() {
+            // Cached up to the last message, only the generation prompt was
+            // missing (the chunk was a boundary of a longer conversation):
+            // the same chunk, now with its suffix. (A new chunk here would
+            // name itself as its predecessor.)
+            Some(last) if outcome == Outcome::PartialHit && prev_key == Some(last_key) => new_chunks.push((
+                last_key,
+                Chunk {
+                    prev: last.prev,
+                    rendered_len: last.rendered_len,
+                    rendered_hash: last.rendered_hash,
+                    tokens: last.tokens.clone(),
+                    gen_suffix: gen_prompt.then(|| suffix.into()),
+                },
+            )),
+            _ => new_chunks.push((
+                last_key,
+                Chunk {
+                    prev: prev_key,
+                    rendered_len: no_gen.len(),
+                    rendered_hash: xxh3_64(no_gen.as_bytes()),
+                    tokens: toks.into(),
+                    gen_suffix: gen_prompt.then(|| suffix.into()),
+                },
+            )),
+        }
         self.stats.encoded_bytes.fetch_add(encoded as u64, Ordering::Relaxed);
 
         // Sampled verification against the whole prompt.
