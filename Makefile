@@ -9,7 +9,7 @@ help:
 	@echo "make test   - install tools, lint, build the Wasm target, run all tests"
 	@echo "make setup  - install Envoy, nats-server, tokenizer, wasm target into .tools/"
 	@echo "make lint   - rustfmt --check and clippy -D warnings (native and wasm32)"
-	@echo "make wasm   - build the Wasm-side crates for wasm32-wasip1 (profile wasm)"
+	@echo "make wasm   - build the filter for wasm32-wasip1 (target/wasm32-wasip1/wasm/kvgate_filter.wasm)"
 	@echo "make proto  - regenerate filter/protocol/src/gen from the .proto files"
 	@echo "make fuzz   - run every cargo-fuzz target briefly (FUZZ_SECS=30)"
 	@echo "make wasm-profile - measure size/speed of Wasm profile choices"
@@ -32,7 +32,7 @@ lint: setup
 	@scripts/test.sh --lint-only
 
 wasm: setup
-	cargo build --profile wasm --target wasm32-wasip1 -p kvgate-protocol
+	cargo build --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 
 proto:
 	cargo run -q -p kvgate-protocol-codegen

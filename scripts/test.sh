@@ -17,12 +17,13 @@ step "clippy (native, all targets)"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
 step "clippy (wasm32-wasip1, filter-side crates)"
-cargo clippy --target wasm32-wasip1 -p kvgate-protocol --quiet -- -D warnings
+cargo clippy --target wasm32-wasip1 -p kvgate-protocol -p kvgate-filter-core -p kvgate-filter-wasm --quiet -- -D warnings
 
 [ "${1:-}" = "--lint-only" ] && exit 0
 
-step "build for wasm32-wasip1 (release)"
-cargo build --release --target wasm32-wasip1 -p kvgate-protocol --quiet
+step "build the filter for wasm32-wasip1 (profile wasm; the end-to-end tests load it into Envoy)"
+cargo build --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm --quiet
+ls -l target/wasm32-wasip1/wasm/kvgate_filter.wasm
 
 step "tests"
 profile=default

@@ -329,20 +329,68 @@ pub fn render_template(template: &str, vars: &BTreeMap<&str, String>) -> Result<
 /// Renders `envoy/local.yaml` for a listener, an admin port and workers.
 pub fn render_local_envoy(listen: u16, admin: u16, workers: &[SocketAddr]) -> Result<String> {
     let template = std::fs::read_to_string(repo_root().join("envoy/local.yaml"))?;
+    let vars = BTreeMap::from([
+        ("LISTEN_PORT", listen.to_string()),
+        ("ADMIN_PORT", admin.to_string()),
+        ("WORKER_ENDPOINTS", endpoints_yaml(workers)),
+    ]);
+    render_template(&template, &vars)
+}
+
+fn endpoints_yaml(addrs: &[SocketAddr]) -> String {
     let mut endpoints = String::new();
-    for w in workers {
+    for w in addrs {
         endpoints.push_str(&format!(
             "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
             w.ip(),
             w.port()
         ));
     }
+    endpoints.trim_end().to_owned()
+}
+
+/// Where the built filter is: `KVGATE_WASM`, else the `wasm` profile's
+/// output (`cargo build --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm`,
+/// which `make test` runs before the tests).
+pub fn filter_wasm() -> Result<PathBuf> {
+    let p = std::env::var_os("KVGATE_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target/wasm32-wasip1/wasm/kvgate_filter.wasm"));
+    ensure!(
+        p.exists(),
+        "{} not built: run `cargo build --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm` (make test does)",
+        p.display()
+    );
+    Ok(p)
+}
+
+/// Renders `envoy/kvgate.yaml`: the listener with the kvgate filter
+/// (`filter_config` is its JSON configuration, on one line, without single
+/// quotes), the workers and the control plane.
+pub fn render_kvgate_envoy(
+    listen: u16,
+    admin: u16,
+    workers: &[SocketAddr],
+    control_plane: &[SocketAddr],
+    filter_config: &str,
+) -> Result<String> {
+    ensure!(!filter_config.contains(['\'', '\n']), "filter config must be one line without single quotes");
+    let template = std::fs::read_to_string(repo_root().join("envoy/kvgate.yaml"))?;
     let vars = BTreeMap::from([
         ("LISTEN_PORT", listen.to_string()),
         ("ADMIN_PORT", admin.to_string()),
-        ("WORKER_ENDPOINTS", endpoints.trim_end().to_owned()),
+        ("WORKER_ENDPOINTS", endpoints_yaml(workers)),
+        ("CONTROL_PLANE_ENDPOINTS", endpoints_yaml(control_plane)),
+        ("WASM_PATH", filter_wasm()?.display().to_string()),
+        ("FILTER_CONFIG", filter_config.to_owned()),
     ]);
     render_template(&template, &vars)
+}
+
+/// FNV-1a of a body: what [`EchoUpstream`] reports as `body_fnv`, so that a
+/// test can tell a body arrived byte for byte.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Runs `envoy --mode validate -c <config>`; the error carries Envoy's output.
@@ -443,7 +491,8 @@ pub fn http_request(
     parse_response(&raw)
 }
 
-fn parse_response(raw: &[u8]) -> Result<HttpResponse> {
+/// Parses a raw HTTP/1.1 response (chunked bodies are decoded).
+pub fn parse_response(raw: &[u8]) -> Result<HttpResponse> {
     let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| anyhow!("no header end in response"))?;
     let head = std::str::from_utf8(&raw[..end])?;
     let mut lines = head.split("\r\n");
@@ -605,9 +654,10 @@ fn serve_echo(conn: TcpStream, name: &str, served: &AtomicU64) -> Result<()> {
         served.fetch_add(1, Ordering::Relaxed);
         let hdrs: Vec<String> = headers.iter().map(|(k, v)| format!("{:?}:{:?}", k, v)).collect();
         let resp_body = format!(
-            "{{\"upstream\":{name:?},\"request\":{:?},\"body_bytes\":{},\"headers\":{{{}}}}}",
+            "{{\"upstream\":{name:?},\"request\":{:?},\"body_bytes\":{},\"body_fnv\":{},\"headers\":{{{}}}}}",
             request_line.trim_end(),
             body.len(),
+            fnv1a(&body),
             hdrs.join(",")
         );
         write!(

@@ -1,0 +1,435 @@
+//! The kvgate Proxy-Wasm filter, built for wasm32-wasip1, inside the real
+//! Envoy 1.40 (`envoy/kvgate.yaml`), on 127.0.0.1.
+//!
+//! * With a stub control plane (a real gRPC server whose answers the test
+//!   sets) and echo upstreams: the request lands where the control plane
+//!   said, a spoofed header is ignored, every failure (error, slow, unknown
+//!   model, unusable answer, control plane down) still gives 200 through the
+//!   fallback with bounded added latency, fail-closed answers 503/400,
+//!   oversized and malformed bodies and other paths pass untouched, and
+//!   the filter's Envoy stats count it all.
+//! * With the real fleet (`kvgate sim` workers, relays, NATS, `kvgate serve`):
+//!   a conversation through Envoy follows its cache, SSE streams pass
+//!   unbuffered, and completion reports reach the control plane with the
+//!   engine's cached-token counts.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{BLOCK, Fleet, MODEL, prom, until};
+use kvgate_e2e::{
+    EchoUpstream, Envoy, HttpResponse, envoy_validate, fnv1a, free_port, http_request, render_kvgate_envoy, scratch_dir,
+};
+use kvgate_protocol::pb;
+use kvgate_server::router_server::{Router, RouterServer};
+use serde_json::{Value, json};
+use tonic::{Request, Response, Status};
+
+// ---------------------------------------------------------------- stub --
+
+#[derive(Debug, Clone)]
+enum Behave {
+    /// Answer with this endpoint and fallbacks.
+    Answer(String, Vec<String>),
+    /// Sleep, then answer like `Answer`.
+    Slow(Duration, String),
+    /// Fail with this status.
+    Fail(tonic::Code),
+    /// OK with no endpoint.
+    Empty,
+}
+
+#[derive(Clone)]
+struct Stub {
+    behave: Arc<Mutex<Behave>>,
+    picks: Arc<Mutex<Vec<pb::PickRequest>>>,
+    reports: Arc<Mutex<Vec<pb::CompletionReport>>>,
+}
+
+#[tonic::async_trait]
+impl Router for Stub {
+    async fn pick(&self, request: Request<pb::PickRequest>) -> Result<Response<pb::PickResponse>, Status> {
+        self.picks.lock().unwrap().push(request.into_inner());
+        let b = self.behave.lock().unwrap().clone();
+        let answer = |endpoint: String, fallbacks: Vec<String>| pb::PickResponse {
+            endpoint,
+            fallbacks,
+            worker_id: "stub-worker".into(),
+            matched_blocks: 1,
+            total_blocks: 2,
+            reason: pb::PickReason::Kv as i32,
+            mode: "kv".into(),
+        };
+        match b {
+            Behave::Answer(e, f) => Ok(Response::new(answer(e, f))),
+            Behave::Slow(d, e) => {
+                tokio::time::sleep(d).await;
+                Ok(Response::new(answer(e, vec![])))
+            }
+            Behave::Fail(code) => Err(Status::new(code, "stub says no")),
+            Behave::Empty => Ok(Response::new(pb::PickResponse::default())),
+        }
+    }
+
+    async fn report(&self, request: Request<pb::CompletionReportBatch>) -> Result<Response<pb::ReportAck>, Status> {
+        let batch = request.into_inner();
+        let n = batch.reports.len() as u32;
+        self.reports.lock().unwrap().extend(batch.reports);
+        Ok(Response::new(pb::ReportAck { accepted: n }))
+    }
+}
+
+struct StubServer {
+    stub: Stub,
+    addr: SocketAddr,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl StubServer {
+    fn start() -> StubServer {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let stub = Stub { behave: Arc::new(Mutex::new(Behave::Empty)), picks: Arc::default(), reports: Arc::default() };
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let svc = RouterServer::new(stub.clone());
+        rt.spawn(async move {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            let _ = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming).await;
+        });
+        StubServer { stub, addr, _rt: rt }
+    }
+
+    fn set(&self, b: Behave) {
+        *self.stub.behave.lock().unwrap() = b;
+    }
+
+    fn picks(&self) -> usize {
+        self.stub.picks.lock().unwrap().len()
+    }
+}
+
+// ---------------------------------------------------------------- stack --
+
+struct Gateway {
+    envoy: Envoy,
+    listen: SocketAddr,
+}
+
+fn start_gateway(dir: &std::path::Path, workers: &[SocketAddr], cp: SocketAddr, filter_config: &Value) -> Gateway {
+    let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
+    let config = dir.join("envoy.yaml");
+    std::fs::write(&config, render_kvgate_envoy(listen, admin, workers, &[cp], &filter_config.to_string()).unwrap())
+        .unwrap();
+    envoy_validate(&config).unwrap();
+    let envoy = Envoy::start(&config, admin, dir).unwrap();
+    Gateway { envoy, listen: ([127, 0, 0, 1], listen).into() }
+}
+
+impl Gateway {
+    fn post(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
+        let mut h = vec![("content-type", "application/json")];
+        h.extend_from_slice(headers);
+        http_request(self.listen, "POST", path, &h, body).unwrap()
+    }
+
+    fn stat(&self, name: &str) -> u64 {
+        self.envoy.stat(&format!("wasmcustom.kvgate.{name}")).unwrap_or(0)
+    }
+}
+
+fn chat_body(text: &str) -> Vec<u8> {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}).to_string().into_bytes()
+}
+
+/// The echo upstream's view of the request.
+fn echoed(r: &HttpResponse) -> Value {
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+fn upstreams(n: usize) -> (Vec<EchoUpstream>, Vec<SocketAddr>) {
+    let ups: Vec<EchoUpstream> = (0..n).map(|i| EchoUpstream::start(&format!("w{i}")).unwrap()).collect();
+    let addrs = ups.iter().map(|u| u.addr).collect();
+    (ups, addrs)
+}
+
+// ---------------------------------------------------------------- tests --
+
+#[test]
+fn kvgate_envoy_config_validates() {
+    let dir = scratch_dir("gw-validate").unwrap();
+    let config = dir.join("envoy.yaml");
+    let workers: Vec<SocketAddr> = vec!["127.0.0.1:9001".parse().unwrap(), "[::1]:9002".parse().unwrap()];
+    let cp: SocketAddr = "127.0.0.1:9100".parse().unwrap();
+    let text = render_kvgate_envoy(10000, 10001, &workers, &[cp], r#"{"failure_mode":"open"}"#).unwrap();
+    for must in ["allow_on_headers_stop_iteration: true", "FAIL_RELOAD", "envoy.wasm.runtime.v8", "override_host"] {
+        assert!(text.contains(must), "{must}");
+    }
+    std::fs::write(&config, text).unwrap();
+    envoy_validate(&config).unwrap();
+}
+
+#[test]
+fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
+    let dir = scratch_dir("gw-stub").unwrap();
+    let (ups, addrs) = upstreams(3);
+    let stub = StubServer::start();
+    let timeout_ms = 100;
+    let gw = start_gateway(
+        &dir,
+        &addrs,
+        stub.addr,
+        &json!({"control_plane": {"timeout_ms": timeout_ms}, "max_body_bytes": 65536, "debug_headers": true,
+                "reports": {"interval_ms": 50}}),
+    );
+
+    // The control plane's choice wins over a spoofed header; fallbacks ride along.
+    for (i, u) in ups.iter().enumerate() {
+        let other = addrs[(i + 1) % 3].to_string();
+        stub.set(Behave::Answer(u.addr.to_string(), vec![other.clone()]));
+        let spoof = addrs[(i + 2) % 3].to_string();
+        let r = gw.post("/v1/chat/completions", &[("x-gateway-destination-endpoint", &spoof)], &chat_body("hi"));
+        let e = echoed(&r);
+        assert_eq!(e["upstream"], format!("w{i}"));
+        assert_eq!(e["headers"]["x-gateway-destination-endpoint"], format!("{},{other}", u.addr));
+        assert_eq!(r.header("x-kvgate-worker"), Some("stub-worker"));
+        assert_eq!(r.header("x-kvgate-blocks"), Some("1/2"));
+    }
+    assert_eq!(gw.stat("steered"), 3);
+    assert_eq!(gw.stat("spoofed_header_removed"), 3);
+    {
+        let picks = stub.stub.picks.lock().unwrap();
+        let p = &picks[0];
+        assert_eq!((p.model.as_str(), p.api, p.max_tokens), (MODEL, pb::ApiKind::ChatCompletions as i32, Some(4)));
+        // The message's bytes exactly as sent (serde_json sorts the keys).
+        assert_eq!(p.segments[0].message_json, br#"{"content":"hi","role":"user"}"#);
+        assert_eq!(p.segments[0].role, "user");
+        assert!(!p.request_id.is_empty(), "x-request-id from Envoy");
+    }
+
+    // Every failure: still 200 through the fallback, with its cause.
+    let cases = [
+        (Behave::Fail(tonic::Code::Internal), "grpc_error"),
+        (Behave::Fail(tonic::Code::NotFound), "unknown_model"),
+        (Behave::Fail(tonic::Code::Unavailable), "unavailable"),
+        (Behave::Empty, "unusable_answer"),
+        (Behave::Answer("not-an-endpoint".into(), vec![]), "unusable_answer"),
+        (Behave::Slow(Duration::from_millis(1500), addrs[0].to_string()), "timeout"),
+    ];
+    for (b, cause) in cases {
+        stub.set(b);
+        let t = Instant::now();
+        let r = gw.post("/v1/chat/completions", &[], &chat_body("fallback"));
+        let took = t.elapsed();
+        echoed(&r);
+        assert_eq!(r.header("x-kvgate-fallback"), Some(cause));
+        assert!(r.header("x-kvgate-worker").is_none());
+        // Added latency is bounded by the Pick timeout (plus slack for a
+        // loaded 2-core machine).
+        assert!(took < Duration::from_millis(timeout_ms + 900), "{cause}: {took:?}");
+    }
+    assert_eq!(gw.stat("fallback.timeout"), 1);
+    assert_eq!(gw.stat("fallback.unusable_answer"), 2);
+    assert_eq!(gw.stat("fallback.grpc_error"), 1);
+
+    // Bodies the filter does not route pass through byte for byte, unasked.
+    let picks_before = stub.picks();
+    let big = chat_body(&"x".repeat(200_000));
+    let malformed = br#"{"model": "deepseek-v3", "messages": [ {"role": "user""#.to_vec();
+    let batch = br#"{"model":"deepseek-v3","prompt":["a","b"]}"#.to_vec();
+    for (path, body, cause) in [
+        ("/v1/chat/completions", &big, "body_too_large"),
+        ("/v1/chat/completions", &malformed, "malformed"),
+        ("/v1/completions", &batch, "unsupported"),
+    ] {
+        let r = gw.post(path, &[], body);
+        let e = echoed(&r);
+        assert_eq!(e["body_bytes"], body.len(), "{cause}");
+        assert_eq!(e["body_fnv"], fnv1a(body), "{cause}");
+        assert_eq!(r.header("x-kvgate-fallback"), Some(cause));
+    }
+    assert_eq!(stub.picks(), picks_before, "no Pick for unroutable bodies");
+
+    // Other paths and methods: untouched, but never steered by the client.
+    stub.set(Behave::Answer(addrs[0].to_string(), vec![]));
+    let spoof = ("x-gateway-destination-endpoint", addrs[2].to_string());
+    for (method, path) in [("GET", "/v1/models"), ("POST", "/v1/embeddings"), ("GET", "/v1/chat/completions")] {
+        let r = http_request(gw.listen, method, path, &[(spoof.0, &spoof.1)], b"{}").unwrap();
+        let e = echoed(&r);
+        assert!(e["headers"].get("x-gateway-destination-endpoint").is_none(), "{method} {path}: {e}");
+        assert!(r.header("x-kvgate-reason").is_none());
+    }
+    assert_eq!(stub.picks(), picks_before);
+    assert_eq!(gw.stat("requests"), 3 + 6 + 3);
+
+    // Completion reports of everything that went through the steering path.
+    until(10, "completion reports", || stub.stub.reports.lock().unwrap().len() >= 12);
+    let reports = stub.stub.reports.lock().unwrap().clone();
+    let steered: Vec<_> = reports.iter().filter(|r| r.worker_id == "stub-worker").collect();
+    assert_eq!(steered.len(), 3);
+    for r in &steered {
+        assert_eq!(r.status_code, 200);
+        assert!(r.ttfb_us > 0 && r.total_us >= r.ttfb_us, "{r:?}");
+        assert!(r.endpoint.starts_with("127.0.0.1:"));
+    }
+    assert!(gw.stat("reports_sent") >= 12);
+    let hist = http_request(
+        ([127, 0, 0, 1], gw.envoy.admin_port).into(),
+        "GET",
+        "/stats?filter=wasmcustom.kvgate.pick_latency_us",
+        &[],
+        b"",
+    )
+    .unwrap();
+    let hist = String::from_utf8_lossy(&hist.body);
+    assert!(hist.contains("wasmcustom.kvgate.pick_latency_us"), "latency histogram: {hist}");
+}
+
+#[test]
+fn control_plane_down_fails_open_quickly() {
+    let dir = scratch_dir("gw-down").unwrap();
+    let (_ups, addrs) = upstreams(2);
+    // Nothing listens on the control plane's port.
+    let cp: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();
+    let gw = start_gateway(&dir, &addrs, cp, &json!({"debug_headers": true, "reports": {"interval_ms": 50}}));
+    let mut seen = BTreeMap::<String, usize>::new();
+    for _ in 0..10 {
+        let t = Instant::now();
+        let r = gw.post("/v1/chat/completions", &[], &chat_body("anyone there?"));
+        assert!(t.elapsed() < Duration::from_millis(1000), "{:?}", t.elapsed());
+        *seen.entry(echoed(&r)["upstream"].as_str().unwrap().to_owned()).or_default() += 1;
+        let cause = r.header("x-kvgate-fallback").unwrap();
+        assert!(["unavailable", "timeout"].contains(&cause), "{cause}");
+    }
+    assert_eq!(seen.values().sum::<usize>(), 10);
+    assert_eq!(gw.stat("fallback.unavailable") + gw.stat("fallback.timeout"), 10);
+    // Reports cannot be delivered: they wait (bounded), the errors are counted.
+    until(5, "report errors counted", || gw.stat("report_errors") > 0);
+    gw.envoy.stat("listener_manager.total_listeners_active").unwrap();
+}
+
+#[test]
+fn fail_closed_answers_locally() {
+    let dir = scratch_dir("gw-closed").unwrap();
+    let (ups, addrs) = upstreams(1);
+    let stub = StubServer::start();
+    stub.set(Behave::Fail(tonic::Code::Unavailable));
+    let gw = start_gateway(&dir, &addrs, stub.addr, &json!({"failure_mode": "closed"}));
+    let r = gw.post("/v1/chat/completions", &[], &chat_body("hi"));
+    assert_eq!(r.status, 503);
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["kvgate_cause"], "unavailable");
+    let r = gw.post("/v1/chat/completions", &[], b"{oops");
+    assert_eq!(r.status, 400);
+    assert_eq!(ups[0].served.load(std::sync::atomic::Ordering::Relaxed), 0, "nothing reached the worker");
+    // And a good answer still steers.
+    stub.set(Behave::Answer(addrs[0].to_string(), vec![]));
+    assert_eq!(echoed(&gw.post("/v1/chat/completions", &[], &chat_body("hi")))["upstream"], "w0");
+}
+
+/// Sends a streaming request over raw HTTP/1.1 and returns (time to the
+/// first SSE event, time to the end, the raw response).
+fn stream(addr: SocketAddr, body: &[u8]) -> (Duration, Duration, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let t = Instant::now();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    let mut first = None;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        if first.is_none() && raw.windows(6).any(|w| w == b"data: ") {
+            first = Some(t.elapsed());
+        }
+    }
+    (first.unwrap(), t.elapsed(), String::from_utf8(raw).unwrap())
+}
+
+#[test]
+fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
+    let dir = scratch_dir("gw-fleet").unwrap();
+    // Real time (speedup 1): streams take long enough to see them flow.
+    let mut fleet = Fleet::start(&dir, 2, "1");
+    let gw = start_gateway(
+        &dir,
+        &fleet.http,
+        fleet.grpc,
+        &json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true, "reports": {"interval_ms": 100}}),
+    );
+    let mut messages = json!([
+        {"role": "system", "content": "You are a network engineer. ".repeat(60)},
+        {"role": "user", "content": "How does Envoy pick an upstream host?"},
+    ]);
+    let mut workers = Vec::new();
+    let mut client_cached = 0;
+    for turn in 0..3 {
+        let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8}).to_string();
+        let r = gw.post("/v1/chat/completions", &[], body.as_bytes());
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: Value = serde_json::from_slice(&r.body).unwrap();
+        let worker = r.header("x-kvgate-worker").unwrap().to_owned();
+        let endpoint = r.header("x-kvgate-endpoint").unwrap();
+        assert_eq!(endpoint, fleet.http[worker[1..].parse::<usize>().unwrap()].to_string());
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let blocks: Vec<u64> = r.header("x-kvgate-blocks").unwrap().split('/').map(|x| x.parse().unwrap()).collect();
+        if turn > 0 {
+            assert_eq!(worker, workers[0], "turn {turn} follows the conversation's cache");
+            assert!(blocks[0] > 0, "turn {turn}: {blocks:?}");
+            assert_eq!(cached, blocks[0] * BLOCK, "prediction = engine's cached tokens");
+        }
+        client_cached += cached;
+        workers.push(worker);
+        // Its completion report releases the request's load in the control
+        // plane (until then the worker counts it as busy prefilling).
+        let series = format!("kvgate_reports_total{{model=\"{MODEL}\",kind=\"all\"}}");
+        until(10, "the turn's report", || prom(&fleet.metrics(), &series) == Some(f64::from(turn + 1)));
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let w = workers[0][1..].parse::<usize>().unwrap();
+        until(20, "the turn's blocks in the index", || fleet.blocks(w) >= prompt / BLOCK);
+        let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+        messages.as_array_mut().unwrap().push(json!({"role": "assistant", "content": reply}));
+        messages.as_array_mut().unwrap().push(json!({"role": "user", "content": format!("And then {turn}?")}));
+    }
+
+    // A stream passes through as it is produced: the first event arrives
+    // long before the last.
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 40, "stream": true,
+                      "stream_options": {"include_usage": true}})
+    .to_string();
+    let (first, total, raw) = stream(gw.listen, body.as_bytes());
+    assert!(raw.contains("data: [DONE]"), "{raw}");
+    assert!(raw.contains("x-kvgate-worker: "), "{raw}");
+    assert!(first + Duration::from_millis(500) < total, "first event {first:?}, end {total:?}");
+    let body = String::from_utf8(kvgate_e2e::parse_response(raw.as_bytes()).unwrap().body).unwrap();
+    let usage_line = body.lines().rev().find(|l| l.contains("\"usage\":{")).unwrap();
+    let usage: Value = serde_json::from_str(usage_line.trim_start_matches("data: ")).unwrap();
+    client_cached += usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(client_cached > 0);
+
+    // The control plane received every report, with the engine's counts.
+    let series = format!("kvgate_report_cached_tokens_total{{model=\"{MODEL}\",source=\"reported\"}}");
+    until(10, "reports in the control plane", || prom(&fleet.metrics(), &series) == Some(client_cached as f64));
+    let m = fleet.metrics();
+    let all = prom(&m, &format!("kvgate_reports_total{{model=\"{MODEL}\",kind=\"all\"}}")).unwrap();
+    let accurate = prom(&m, &format!("kvgate_reports_total{{model=\"{MODEL}\",kind=\"accurate\"}}")).unwrap();
+    assert_eq!(all, 4.0, "{m}");
+    assert_eq!(accurate, 4.0, "every prediction within one block: {m}");
+    assert_eq!(gw.stat("steered"), 4);
+    fleet.check();
+}

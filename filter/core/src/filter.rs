@@ -1,0 +1,580 @@
+//! The per-request state machine.
+//!
+//! ```text
+//!  headers ──not POST to a steered path──▶ Ignored (destination header stripped)
+//!     │ Content-Length > limit / no body ──▶ fail(cause)
+//!     ▼ Pause
+//!  Buffering ──body > limit──▶ fail(body_too_large)
+//!     │ end of body: extract + encode + dispatch_pick   (fail(malformed | unsupported | dispatch_failed))
+//!     ▼ Pause
+//!  Picking ──gRPC answer──▶ usable: set header, resume ─▶ Forwarded
+//!                           else fail(timeout | unavailable | unknown_model | grpc_error | unusable_answer)
+//!
+//!  fail(cause): count it; fail-open → no header, continue/resume (Envoy's
+//!  fallback LB picks); fail-closed → local reply (cause.status(), JSON).
+//! ```
+//!
+//! The response side never delays data: the first body byte stamps the time
+//! to first byte, each chunk's last bytes feed a bounded [`Tail`], and at the
+//! end [`RequestFilter::finish`] builds the completion report.
+
+use std::rc::Rc;
+
+use kvgate_protocol::{DESTINATION_HEADER, pb};
+
+use crate::config::{Config, FailureMode};
+use crate::extract::{Api, extract};
+use crate::host::{Action, Cause, Host, Metric};
+use crate::pick::{Decision, RequestMeta, decide, encode_pick};
+use crate::usage::{Tail, find_usage};
+
+/// Debug response headers (`debug_headers: true`).
+pub const DEBUG_ENDPOINT: &str = "x-kvgate-endpoint";
+/// Worker id of the primary endpoint.
+pub const DEBUG_WORKER: &str = "x-kvgate-worker";
+/// Pick reason, or `fallback`.
+pub const DEBUG_REASON: &str = "x-kvgate-reason";
+/// `matched/total` prompt blocks.
+pub const DEBUG_BLOCKS: &str = "x-kvgate-blocks";
+/// The failure cause of a request that was not steered.
+pub const DEBUG_FALLBACK: &str = "x-kvgate-fallback";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not a steered request.
+    Ignored,
+    /// Waiting for the whole body.
+    Buffering,
+    /// Waiting for the Pick answer.
+    Picking,
+    /// Sent upstream (steered or failed open).
+    Forwarded,
+    /// Answered locally (fail-closed).
+    Local,
+}
+
+/// One HTTP request through the filter.
+#[derive(Debug)]
+pub struct RequestFilter {
+    cfg: Rc<Config>,
+    state: State,
+    api: Api,
+    request_id: String,
+    model: String,
+    stream: bool,
+    decision: Option<Decision>,
+    cause: Option<Cause>,
+    token: Option<u32>,
+    t_start: u64,
+    t_pick: u64,
+    t_first_byte: Option<u64>,
+    status: u32,
+    tail: Option<Tail>,
+}
+
+fn steered_api(cfg: &Config, path: &str) -> Option<Api> {
+    let path = path.split('?').next().unwrap_or(path);
+    if cfg.chat_paths.iter().any(|p| p == path) {
+        Some(Api::Chat)
+    } else if cfg.completions_paths.iter().any(|p| p == path) {
+        Some(Api::Completions)
+    } else {
+        None
+    }
+}
+
+impl RequestFilter {
+    /// A filter for a new request.
+    pub fn new(cfg: Rc<Config>) -> Self {
+        Self {
+            cfg,
+            state: State::Ignored,
+            api: Api::Chat,
+            request_id: String::new(),
+            model: String::new(),
+            stream: false,
+            decision: None,
+            cause: None,
+            token: None,
+            t_start: 0,
+            t_pick: 0,
+            t_first_byte: None,
+            status: 0,
+            tail: None,
+        }
+    }
+
+    /// The failure cause, if the request took the failure path.
+    pub fn cause(&self) -> Option<Cause> {
+        self.cause
+    }
+
+    /// The decision, if the request was steered.
+    pub fn decision(&self) -> Option<&Decision> {
+        self.decision.as_ref()
+    }
+
+    /// The token of the Pick call in flight.
+    pub fn pick_token(&self) -> Option<u32> {
+        self.token
+    }
+
+    /// Request headers.
+    pub fn on_request_headers(&mut self, host: &impl Host, end_of_stream: bool) -> Action {
+        // The client never chooses the worker.
+        if host.request_header(DESTINATION_HEADER).is_some() {
+            host.set_request_header(DESTINATION_HEADER, None);
+            host.metric(Metric::SpoofedHeaders, 1);
+        }
+        let post = host.request_header(":method").is_some_and(|m| m == "POST");
+        let api = if post { host.request_header(":path").and_then(|p| steered_api(&self.cfg, &p)) } else { None };
+        let Some(api) = api else {
+            return Action::Continue;
+        };
+        self.api = api;
+        self.t_start = host.now_ns();
+        self.request_id = host.request_header("x-request-id").unwrap_or_default();
+        host.metric(Metric::Requests, 1);
+        if end_of_stream {
+            return self.fail(host, Cause::Malformed, false);
+        }
+        let too_long = host
+            .request_header("content-length")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > self.cfg.max_body_bytes as u64);
+        if too_long {
+            return self.fail(host, Cause::BodyTooLarge, false);
+        }
+        self.state = State::Buffering;
+        Action::Pause
+    }
+
+    /// A request body callback; `body_size` is all body buffered so far.
+    pub fn on_request_body(&mut self, host: &impl Host, body_size: usize, end_of_stream: bool) -> Action {
+        if self.state != State::Buffering {
+            return match self.state {
+                State::Picking | State::Local => Action::Pause,
+                _ => Action::Continue,
+            };
+        }
+        if body_size > self.cfg.max_body_bytes {
+            return self.fail(host, Cause::BodyTooLarge, false);
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let Some(body) = host.request_body(0, body_size) else {
+            return self.fail(host, Cause::Malformed, false);
+        };
+        let e = match extract(&body, self.api) {
+            Ok(e) => e,
+            Err(crate::extract::ExtractError::Unsupported(_)) => return self.fail(host, Cause::Unsupported, false),
+            Err(_) => return self.fail(host, Cause::Malformed, false),
+        };
+        let (model, lora) = match self.cfg.lora_adapters.get(e.model.as_ref()) {
+            Some(base) => (base.as_str(), e.model.as_ref()),
+            None => (e.model.as_ref(), ""),
+        };
+        let meta = RequestMeta {
+            request_id: &self.request_id,
+            lora_name: lora,
+            model,
+            body_bytes: u32::try_from(body_size).unwrap_or(u32::MAX),
+        };
+        let msg = encode_pick(&e, self.api, &meta);
+        self.model.push_str(&e.model);
+        self.stream = e.stream;
+        drop(e);
+        drop(body);
+        self.t_pick = host.now_ns();
+        match host.dispatch_pick(&self.cfg.grpc_service, &msg, self.cfg.timeout_ms) {
+            Some(token) => {
+                self.token = Some(token);
+                self.state = State::Picking;
+                Action::Pause
+            }
+            None => self.fail(host, Cause::DispatchFailed, false),
+        }
+    }
+
+    /// The Pick call ended: gRPC `status` (0 = OK) and, when OK, the
+    /// encoded answer.
+    pub fn on_pick_response(&mut self, host: &impl Host, token: u32, status: u32, answer: Option<&[u8]>) {
+        if self.state != State::Picking || self.token != Some(token) {
+            return;
+        }
+        self.token = None;
+        let now = host.now_ns();
+        let elapsed_us = now.saturating_sub(self.t_pick) / 1000;
+        host.metric(Metric::PickLatencyUs, elapsed_us);
+        let cause = match status {
+            0 => match answer.and_then(|a| decide(a, self.cfg.max_fallbacks)) {
+                Some(d) => {
+                    host.set_request_header(DESTINATION_HEADER, Some(&d.header));
+                    host.metric(Metric::Steered, 1);
+                    self.decision = Some(d);
+                    self.state = State::Forwarded;
+                    host.resume_request();
+                    return;
+                }
+                None => Cause::UnusableAnswer,
+            },
+            // DEADLINE_EXCEEDED, or UNAVAILABLE once the deadline has passed
+            // (how Envoy reports its own timeout).
+            4 => Cause::Timeout,
+            14 if elapsed_us + 500 >= u64::from(self.cfg.timeout_ms) * 1000 => Cause::Timeout,
+            14 => Cause::Unavailable,
+            5 => Cause::UnknownModel,
+            _ => Cause::GrpcError,
+        };
+        self.fail(host, cause, true);
+    }
+
+    /// The one failure path.
+    fn fail(&mut self, host: &impl Host, cause: Cause, paused: bool) -> Action {
+        self.cause = Some(cause);
+        host.metric(Metric::Fallback(cause), 1);
+        match self.cfg.failure_mode {
+            FailureMode::Open => {
+                self.state = State::Forwarded;
+                if paused {
+                    host.resume_request();
+                }
+                Action::Continue
+            }
+            FailureMode::Closed => {
+                self.state = State::Local;
+                let mut headers: [(&str, &str); 2] = [("content-type", "application/json"), ("", "")];
+                let n = if self.cfg.debug_headers {
+                    if let Some(h) = headers.get_mut(1) {
+                        *h = (DEBUG_FALLBACK, cause.name());
+                    }
+                    2
+                } else {
+                    1
+                };
+                host.send_local_response(cause.status(), headers.get(..n).unwrap_or(&[]), cause.error_body());
+                Action::Pause
+            }
+        }
+    }
+
+    /// Response headers.
+    pub fn on_response_headers(&mut self, host: &impl Host) -> Action {
+        if self.state != State::Forwarded {
+            return Action::Continue;
+        }
+        self.status = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        if self.cfg.reports.enabled && (200..300).contains(&self.status) {
+            self.tail = Some(Tail::new(self.cfg.reports.tail_bytes));
+        }
+        if self.cfg.debug_headers {
+            match (&self.decision, self.cause) {
+                (Some(d), _) => {
+                    host.add_response_header(DEBUG_ENDPOINT, d.endpoint());
+                    host.add_response_header(DEBUG_WORKER, &d.worker_id);
+                    host.add_response_header(DEBUG_REASON, d.reason);
+                    let mut blocks = String::with_capacity(24);
+                    push_u32(&mut blocks, d.matched_blocks);
+                    blocks.push('/');
+                    push_u32(&mut blocks, d.total_blocks);
+                    host.add_response_header(DEBUG_BLOCKS, &blocks);
+                }
+                (None, Some(c)) => {
+                    host.add_response_header(DEBUG_REASON, "fallback");
+                    host.add_response_header(DEBUG_FALLBACK, c.name());
+                }
+                (None, None) => {}
+            }
+        }
+        Action::Continue
+    }
+
+    /// A response body chunk of `chunk_size` bytes (never delayed).
+    pub fn on_response_body(&mut self, host: &impl Host, chunk_size: usize, _end_of_stream: bool) -> Action {
+        if self.state != State::Forwarded {
+            return Action::Continue;
+        }
+        if chunk_size > 0 && self.t_first_byte.is_none() {
+            self.t_first_byte = Some(host.now_ns());
+        }
+        if let Some(tail) = self.tail.as_mut() {
+            let want = tail.wanted(chunk_size);
+            if want > 0
+                && let Some(bytes) = host.response_body(chunk_size - want, want)
+            {
+                tail.push(&bytes);
+            }
+        }
+        Action::Continue
+    }
+
+    /// The stream is over: the completion report of a request that went
+    /// upstream through the steering path (steered or failed open).
+    pub fn finish(&mut self, host: &impl Host) -> Option<pb::CompletionReport> {
+        if self.state != State::Forwarded || !self.cfg.reports.enabled {
+            return None;
+        }
+        let now = host.now_ns();
+        let usage = self.tail.as_ref().and_then(|t| find_usage(t.bytes())).unwrap_or_default();
+        let (worker_id, endpoint) = match self.decision.take() {
+            Some(d) => {
+                let mut h = d.header;
+                h.truncate(d.primary_len);
+                (d.worker_id, h)
+            }
+            None => (String::new(), String::new()),
+        };
+        Some(pb::CompletionReport {
+            request_id: std::mem::take(&mut self.request_id),
+            model: std::mem::take(&mut self.model),
+            worker_id,
+            endpoint,
+            status_code: self.status,
+            ttfb_us: self.t_first_byte.map_or(0, |t| t.saturating_sub(self.t_start) / 1000),
+            total_us: now.saturating_sub(self.t_start) / 1000,
+            output_tokens: usage.completion_tokens,
+            prompt_tokens: usage.prompt_tokens,
+            cached_tokens: usage.cached_tokens,
+            stream: self.stream,
+        })
+    }
+}
+
+fn push_u32(s: &mut String, mut v: u32) {
+    let mut d = [0u8; 10];
+    let mut i = d.len();
+    loop {
+        i -= 1;
+        if let Some(x) = d.get_mut(i) {
+            *x = b'0' + (v % 10) as u8;
+        }
+        v /= 10;
+        if v == 0 || i == 0 {
+            break;
+        }
+    }
+    for &b in d.get(i..).unwrap_or(&[]) {
+        s.push(char::from(b));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mock::{Call, MockHost};
+    use prost::Message as _;
+
+    fn cfg(extra: &str) -> Rc<Config> {
+        Rc::new(Config::parse(format!("{{\"debug_headers\":true{extra}}}").as_bytes()).unwrap())
+    }
+
+    const CHAT: &[u8] = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hello"}]}"#;
+
+    fn answer(endpoint: &str) -> Vec<u8> {
+        pb::PickResponse {
+            endpoint: endpoint.into(),
+            fallbacks: vec!["10.0.0.9:80".into()],
+            worker_id: "w1".into(),
+            matched_blocks: 2,
+            total_blocks: 3,
+            reason: pb::PickReason::Kv as i32,
+            mode: "kv".into(),
+        }
+        .encode_to_vec()
+    }
+
+    /// Runs a request up to the Pick call; returns its token.
+    fn to_pick(f: &mut RequestFilter, h: &MockHost, body: &[u8]) -> u32 {
+        assert_eq!(f.on_request_headers(h, false), Action::Pause);
+        h.set_body(body);
+        assert_eq!(f.on_request_body(h, body.len() / 2, false), Action::Pause);
+        assert_eq!(f.on_request_body(h, body.len(), true), Action::Pause);
+        f.pick_token().unwrap()
+    }
+
+    #[test]
+    fn steers_and_reports() {
+        let h = MockHost::post("/v1/chat/completions?x=1");
+        h.set_request_header("x-gateway-destination-endpoint", Some("6.6.6.6:1"));
+        h.set_request_header("x-request-id", Some("r1"));
+        let mut f = RequestFilter::new(cfg(""));
+        let t = to_pick(&mut f, &h, CHAT);
+        assert_eq!(h.request_header(DESTINATION_HEADER), None, "spoofed header removed");
+        let sent = h.picks();
+        let req = pb::PickRequest::decode(sent[0].as_slice()).unwrap();
+        assert_eq!((req.request_id.as_str(), req.model.as_str(), req.stream), ("r1", "m", true));
+        assert_eq!(req.segments[0].message_json, br#"{"role":"user","content":"hello"}"#);
+        h.advance_us(300);
+        f.on_pick_response(&h, t, 0, Some(&answer("10.0.0.1:8000")));
+        assert_eq!(h.request_header(DESTINATION_HEADER).as_deref(), Some("10.0.0.1:8000,10.0.0.9:80"));
+        assert!(h.calls().contains(&Call::Resume));
+        assert_eq!(h.metric_value(Metric::Steered), 1);
+        assert_eq!(h.metric_value(Metric::SpoofedHeaders), 1);
+        assert_eq!(h.metric_value(Metric::PickLatencyUs), 300);
+        // Response: SSE through, usage at the end.
+        h.set_response_header(":status", "200");
+        assert_eq!(f.on_response_headers(&h), Action::Continue);
+        assert_eq!(h.response_headers_added(DEBUG_BLOCKS).as_deref(), Some("2/3"));
+        assert_eq!(h.response_headers_added(DEBUG_REASON).as_deref(), Some("kv"));
+        h.advance_us(1000);
+        let first = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        h.set_response_chunk(first);
+        assert_eq!(f.on_response_body(&h, first.len(), false), Action::Continue);
+        h.advance_us(5000);
+        let last = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\ndata: [DONE]\n\n";
+        h.set_response_chunk(last);
+        assert_eq!(f.on_response_body(&h, last.len(), true), Action::Continue);
+        let r = f.finish(&h).unwrap();
+        assert_eq!((r.worker_id.as_str(), r.endpoint.as_str(), r.status_code), ("w1", "10.0.0.1:8000", 200));
+        assert_eq!((r.ttfb_us, r.total_us), (1300, 6300));
+        assert_eq!((r.prompt_tokens, r.output_tokens, r.cached_tokens), (Some(9), Some(4), Some(0)));
+        assert!(r.stream);
+    }
+
+    #[test]
+    fn every_grpc_failure_fails_open_with_its_cause() {
+        for (status, answer_bytes, after_us, cause) in [
+            (14, None, 50_000, Cause::Timeout),
+            (4, None, 10, Cause::Timeout),
+            (14, None, 100, Cause::Unavailable),
+            (5, None, 100, Cause::UnknownModel),
+            (13, None, 100, Cause::GrpcError),
+            (0, Some(answer("")), 100, Cause::UnusableAnswer),
+            (0, Some(vec![0xff; 3]), 100, Cause::UnusableAnswer),
+        ] {
+            let h = MockHost::post("/v1/chat/completions");
+            let mut f = RequestFilter::new(cfg(""));
+            let t = to_pick(&mut f, &h, CHAT);
+            h.advance_us(after_us);
+            f.on_pick_response(&h, t, status, answer_bytes.as_deref());
+            assert_eq!(f.cause(), Some(cause), "status {status}");
+            assert_eq!(h.request_header(DESTINATION_HEADER), None);
+            assert!(h.calls().contains(&Call::Resume));
+            assert_eq!(h.metric_value(Metric::Fallback(cause)), 1);
+            h.set_response_header(":status", "200");
+            f.on_response_headers(&h);
+            assert_eq!(h.response_headers_added(DEBUG_FALLBACK).as_deref(), Some(cause.name()));
+            let r = f.finish(&h).unwrap();
+            assert_eq!(r.worker_id, "");
+        }
+    }
+
+    #[test]
+    fn fail_closed_answers_locally() {
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg(r#","failure_mode":"closed""#));
+        let t = to_pick(&mut f, &h, CHAT);
+        f.on_pick_response(&h, t, 14, None);
+        let (status, body) = h.local_response().unwrap();
+        assert_eq!(status, 503);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["kvgate_cause"], "unavailable");
+        assert!(!h.calls().contains(&Call::Resume));
+        assert!(f.finish(&h).is_none());
+        // Malformed body, fail-closed: a precise 400 at end of body.
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg(r#","failure_mode":"closed""#));
+        f.on_request_headers(&h, false);
+        h.set_body(b"{nope");
+        assert_eq!(f.on_request_body(&h, 5, true), Action::Pause);
+        assert_eq!(h.local_response().unwrap().0, 400);
+    }
+
+    #[test]
+    fn body_problems_pass_through_untouched() {
+        // Malformed, unsupported, too large (by header and by size), no body.
+        let cases: [(&[u8], Cause); 3] = [
+            (b"{not json", Cause::Malformed),
+            (br#"{"model":"m","messages":"x"}"#, Cause::Malformed),
+            (br#"{"model":"m","prompt":["a","b"]}"#, Cause::Unsupported),
+        ];
+        for (body, cause) in cases {
+            let path = if cause == Cause::Unsupported { "/v1/completions" } else { "/v1/chat/completions" };
+            let h = MockHost::post(path);
+            let mut f = RequestFilter::new(cfg(""));
+            f.on_request_headers(&h, false);
+            h.set_body(body);
+            assert_eq!(f.on_request_body(&h, body.len(), true), Action::Continue);
+            assert_eq!(f.cause(), Some(cause));
+            assert!(h.picks().is_empty());
+            assert!(h.calls().iter().all(|c| !matches!(c, Call::SetRequestHeader(..) | Call::Local(..))));
+        }
+        let h = MockHost::post("/v1/chat/completions");
+        h.set_request_header("content-length", Some("99999999"));
+        let mut f = RequestFilter::new(cfg(r#","max_body_bytes":1024"#));
+        assert_eq!(f.on_request_headers(&h, false), Action::Continue);
+        assert_eq!(f.cause(), Some(Cause::BodyTooLarge));
+        assert_eq!(f.on_request_body(&h, 5000, false), Action::Continue);
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg(r#","max_body_bytes":1024"#));
+        assert_eq!(f.on_request_headers(&h, false), Action::Pause);
+        assert_eq!(f.on_request_body(&h, 1000, false), Action::Pause);
+        assert_eq!(f.on_request_body(&h, 2000, false), Action::Continue);
+        assert_eq!(f.cause(), Some(Cause::BodyTooLarge));
+        assert_eq!(f.on_request_body(&h, 3000, true), Action::Continue);
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg(""));
+        assert_eq!(f.on_request_headers(&h, true), Action::Continue);
+        assert_eq!(f.cause(), Some(Cause::Malformed));
+    }
+
+    #[test]
+    fn other_paths_and_methods_are_untouched_but_lose_a_spoofed_header() {
+        for (method, path) in [("GET", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/models")] {
+            let h = MockHost::new(method, path);
+            h.set_request_header(DESTINATION_HEADER, Some("1.2.3.4:5"));
+            let mut f = RequestFilter::new(cfg(""));
+            assert_eq!(f.on_request_headers(&h, false), Action::Continue);
+            assert_eq!(f.on_request_body(&h, 10, true), Action::Continue);
+            assert_eq!(h.request_header(DESTINATION_HEADER), None);
+            assert_eq!(h.metric_value(Metric::Requests), 0);
+            h.set_response_header(":status", "200");
+            f.on_response_headers(&h);
+            assert!(f.finish(&h).is_none());
+        }
+    }
+
+    #[test]
+    fn lora_adapter_asks_for_its_base_model() {
+        let h = MockHost::post("/v1/completions");
+        let mut f = RequestFilter::new(cfg(r#","lora_adapters":{"sql":"base"}"#));
+        to_pick(&mut f, &h, br#"{"model":"sql","prompt":[1,2,3],"max_tokens":5}"#);
+        let req = pb::PickRequest::decode(h.picks()[0].as_slice()).unwrap();
+        assert_eq!((req.model.as_str(), req.lora_name.as_str(), req.max_tokens), ("base", "sql", Some(5)));
+        assert_eq!(req.prompt, Some(pb::pick_request::Prompt::PromptTokenIds(pb::TokenIds { ids: vec![1, 2, 3] })));
+    }
+
+    #[test]
+    fn a_stale_or_unknown_token_is_ignored() {
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg(""));
+        let t = to_pick(&mut f, &h, CHAT);
+        f.on_pick_response(&h, t + 1, 0, Some(&answer("1.1.1.1:1")));
+        assert_eq!(h.request_header(DESTINATION_HEADER), None);
+        f.on_pick_response(&h, t, 0, Some(&answer("1.1.1.1:1")));
+        f.on_pick_response(&h, t, 14, None);
+        assert_eq!(f.cause(), None);
+        assert_eq!(h.calls().iter().filter(|c| **c == Call::Resume).count(), 1);
+    }
+
+    #[test]
+    fn dispatch_failure() {
+        let h = MockHost::post("/v1/chat/completions");
+        h.refuse_dispatch();
+        let mut f = RequestFilter::new(cfg(""));
+        f.on_request_headers(&h, false);
+        h.set_body(CHAT);
+        assert_eq!(f.on_request_body(&h, CHAT.len(), true), Action::Continue);
+        assert_eq!(f.cause(), Some(Cause::DispatchFailed));
+    }
+
+    #[test]
+    fn numbers_print() {
+        for v in [0u32, 7, 10, 4_294_967_295] {
+            let mut s = String::new();
+            push_u32(&mut s, v);
+            assert_eq!(s, v.to_string());
+        }
+    }
+}
