@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim clean-tools
+.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway clean-tools
 
 help:
 	@echo "make demo   - start the local stack and run the benchmark (main job)"
@@ -17,6 +17,7 @@ help:
 	@echo "make bench-relay - relay decode+publish throughput (blocks/s, one core)"
 	@echo "make bench-sim - simulator scale: 8 workers x 64 streams on one core, CPU use"
 	@echo "make bench-cp - control plane Pick latency/throughput (8K/100K tokens, 10/100 workers, cold/warm)"
+	@echo "make bench-gateway - added latency and Envoy CPU of the filter + control plane vs plain Envoy (8K/100K tokens)"
 	@echo "make bench-routing - criterion: ingest, lookup, pick (8K/100K tokens, 10/100/1000 workers)"
 
 setup:
@@ -61,6 +62,10 @@ bench-sim: setup
 
 bench-cp: setup
 	set -a; . .tools/env; set +a; cargo bench -p kvgate-server --bench control_plane
+
+bench-gateway: setup
+	cargo build --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm --quiet
+	set -a; . .tools/env; set +a; cargo bench -p kvgate --bench gateway
 
 bench-routing:
 	cargo bench -p kvgate-scheduler --bench routing -- --warm-up-time 1 --measurement-time 2

@@ -393,6 +393,59 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// Provenance of a benchmark result: the short commit of `HEAD` (with
+/// `-dirty` when the tree has changes) and the machine (arch, cores, CPU).
+pub fn bench_provenance() -> (String, String) {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(repo_root())
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default()
+    };
+    let mut commit = git(&["rev-parse", "--short", "HEAD"]);
+    if !git(&["status", "--porcelain", "--untracked-files=no"]).is_empty() {
+        commit.push_str("-dirty");
+    }
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("")
+        .trim()
+        .to_owned();
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    (commit, format!("{} {} cores, {}", std::env::consts::ARCH, cores, cpu))
+}
+
+/// Deterministic English-like text of `n` words (benchmark prompts).
+pub fn bench_words(seed: u64, n: usize) -> String {
+    const W: &[&str] = &[
+        "the", "kv", "cache", "router", "prefix", "token", "block", "worker", "latency", "throughput", "envoy",
+        "filter", "model", "request", "stream", "prompt", "system", "user", "assistant", "tool", "answer",
+        "question", "gateway", "cluster", "endpoint", "header", "hash", "index", "radix", "tree", "load",
+        "decode", "prefill", "batch", "memory", "gpu", "h200", "vllm", "nats", "event", "relay", "snapshot",
+    ];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = String::with_capacity(n * 7);
+    for i in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if i > 0 {
+            out.push(if i % 17 == 0 { '.' } else { ' ' });
+            if i % 17 == 0 {
+                out.push(' ');
+            }
+        }
+        out.push_str(W[(x % W.len() as u64) as usize]);
+    }
+    out
+}
+
 /// Runs `envoy --mode validate -c <config>`; the error carries Envoy's output.
 pub fn envoy_validate(config: &Path) -> Result<()> {
     let out = Command::new(tool("KVGATE_ENVOY", "envoy")?)
@@ -625,6 +678,7 @@ impl Drop for EchoUpstream {
 fn serve_echo(conn: TcpStream, name: &str, served: &AtomicU64) -> Result<()> {
     conn.set_nonblocking(false)?;
     conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+    conn.set_nodelay(true)?;
     let mut reader = BufReader::new(conn.try_clone()?);
     let mut writer = conn;
     loop {
@@ -660,11 +714,13 @@ fn serve_echo(conn: TcpStream, name: &str, served: &AtomicU64) -> Result<()> {
             fnv1a(&body),
             hdrs.join(",")
         );
-        write!(
-            writer,
+        // One write (with TCP_NODELAY): a response split over several
+        // small writes would meet Nagle and delayed ACKs (+40 ms).
+        let resp = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-upstream: {name}\r\ncontent-length: {}\r\n\r\n{resp_body}",
             resp_body.len()
-        )?;
+        );
+        writer.write_all(resp.as_bytes())?;
         writer.flush()?;
         if headers.iter().any(|(k, v)| k == "connection" && v.eq_ignore_ascii_case("close")) {
             let _ = writer.shutdown(Shutdown::Both);

@@ -120,26 +120,13 @@ fn main() {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default();
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("")
-        .trim()
-        .to_owned();
+    let (commit, machine) = kvgate_e2e::bench_provenance();
     let result = serde_json::json!({
         "rows": rows,
         "goal_blocks_per_s": 1_000_000,
         "threads": 1,
         "commit": commit,
-        "machine": format!("{} {} cores, {}", std::env::consts::ARCH, std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), cpu),
+        "machine": machine,
     });
     let out = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/relay-throughput.json");
     std::fs::write(&out, serde_json::to_string_pretty(&result).unwrap() + "\n").unwrap();

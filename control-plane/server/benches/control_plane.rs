@@ -363,20 +363,7 @@ fn main() {
         rt.block_on(handle.stop()).unwrap();
     }
 
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default();
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("")
-        .trim()
-        .to_owned();
+    let (commit, machine) = kvgate_e2e::bench_provenance();
     let goal = rows
         .iter()
         .find(|r| r["tokens"] == 8192 && r["workers"] == 100 && r["cache"] == "warm")
@@ -391,7 +378,7 @@ fn main() {
         "block_size": BS,
         "blocks_per_worker": BLOCKS_PER_WORKER,
         "commit": commit,
-        "machine": format!("{} {} cores, {}", std::env::consts::ARCH, std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), cpu),
+        "machine": machine,
     });
     let out = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/control-plane.json");
     std::fs::write(&out, serde_json::to_string_pretty(&result).unwrap() + "\n").unwrap();

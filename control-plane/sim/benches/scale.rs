@@ -184,20 +184,7 @@ fn main() {
     let p = |q: f64| gaps.get(((gaps.len() as f64 - 1.0) * q) as usize).copied().unwrap_or(f64::NAN) * 1e3;
     let reqs = done_requests.load(Ordering::Relaxed);
     let toks = done_tokens.load(Ordering::Relaxed);
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default();
-    let cpu_name = std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("")
-        .trim()
-        .to_owned();
+    let (commit, machine) = kvgate_e2e::bench_provenance();
     let result = serde_json::json!({
         "workers": WORKERS,
         "streams_per_worker": STREAMS,
@@ -213,7 +200,7 @@ fn main() {
         "client_inter_token_ms": {"p50": (p(0.5) * 10.0).round() / 10.0, "p90": (p(0.9) * 10.0).round() / 10.0, "p99": (p(0.99) * 10.0).round() / 10.0},
         "expected_inter_token_ms_at_64_running": 13.0 + 0.65 * 64.0,
         "commit": commit,
-        "machine": format!("{} {} cores, {}", std::env::consts::ARCH, std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), cpu_name),
+        "machine": machine,
     });
     let out = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/sim-scale.json");
     std::fs::write(&out, serde_json::to_string_pretty(&result).unwrap() + "\n").unwrap();
