@@ -12,6 +12,7 @@ use std::borrow::Cow;
 
 use crate::json::{JsonError, Kind, Raw, Scanner, key_is};
 
+
 /// Which OpenAI endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -103,38 +104,72 @@ fn opt_u32(v: &Raw<'_>, field: &'static str) -> Result<Option<u32>, ExtractError
 }
 
 /// Extracts the routing fields of a request body for `api`.
+///
+/// One validating pass over the body: top-level members are scanned once,
+/// and `messages` is walked (not skipped and re-read), so each byte of a
+/// long conversation is looked at once.
 pub fn extract(body: &[u8], api: Api) -> Result<Extracted<'_>, ExtractError> {
-    let doc = Scanner::document(body)?;
-    if doc.kind != Kind::Object {
-        return Err(ExtractError::Shape("body is not a JSON object"));
+    let mut s = Scanner::new(body);
+    if s.peek_value() != Some(b'{') {
+        // Tell "not JSON" from "JSON, but not an object".
+        return match Scanner::document(body) {
+            Ok(_) => Err(ExtractError::Shape("body is not a JSON object")),
+            Err(e) => Err(ExtractError::Json(e)),
+        };
     }
     let mut model = None;
-    let mut messages = None;
+    let mut messages: Option<Result<Vec<Message<'_>>, &'static str>> = None;
     let mut prompt = None;
-    let mut stream = false;
+    let mut stream = None;
     let mut max_tokens = None;
     let mut max_completion_tokens = None;
-    let mut cache_salt = Cow::Borrowed("");
+    let mut cache_salt = None;
     let mut context: [Option<Raw<'_>>; 6] = [None; 6];
-    for (k, v) in doc.members()? {
-        // Cheap dispatch on the key's length and first byte before comparing.
+    s.object(0, |s, k| {
+        if key_is(&k, "messages") && api == Api::Chat && s.peek_value() == Some(b'[') {
+            let mut list = Vec::new();
+            let mut bad = None;
+            s.array(1, |s| {
+                if s.peek_value() != Some(b'{') {
+                    s.value(2)?;
+                    bad = Some("a message must be an object");
+                    return Ok(());
+                }
+                let start = s.pos();
+                let mut role = None;
+                s.object(2, |s, k| {
+                    let v = s.value(3)?;
+                    if key_is(&k, "role") {
+                        role = Some(v);
+                    }
+                    Ok(())
+                })?;
+                let json = body.get(start..s.pos()).unwrap_or(&[]);
+                let role = role.and_then(|r| r.str()).unwrap_or(Cow::Borrowed(""));
+                list.push(Message { json, role });
+                Ok(())
+            })?;
+            messages = Some(match bad {
+                Some(b) => Err(b),
+                None => Ok(list),
+            });
+            return Ok(());
+        }
+        let v = s.value(1)?;
         if key_is(&k, "model") {
-            model = Some(v.str().ok_or(ExtractError::Shape("model must be a string"))?);
+            model = Some(v);
         } else if key_is(&k, "messages") {
-            messages = Some(v);
+            messages = Some(Err("messages must be an array"));
         } else if key_is(&k, "prompt") {
             prompt = Some(v);
         } else if key_is(&k, "stream") {
-            stream =
-                if v.is_null() { false } else { v.bool().ok_or(ExtractError::Shape("stream must be a boolean"))? };
+            stream = Some(v);
         } else if key_is(&k, "max_tokens") {
-            max_tokens = opt_u32(&v, "max_tokens must be a non-negative integer")?;
+            max_tokens = Some(v);
         } else if key_is(&k, "max_completion_tokens") {
-            max_completion_tokens = opt_u32(&v, "max_completion_tokens must be a non-negative integer")?;
+            max_completion_tokens = Some(v);
         } else if key_is(&k, "cache_salt") {
-            if !v.is_null() {
-                cache_salt = v.str().ok_or(ExtractError::Shape("cache_salt must be a string"))?;
-            }
+            cache_salt = Some(v);
         } else {
             for (slot, name) in context.iter_mut().zip(TEMPLATE_CONTEXT_KEYS) {
                 if key_is(&k, name) {
@@ -142,8 +177,29 @@ pub fn extract(body: &[u8], api: Api) -> Result<Extracted<'_>, ExtractError> {
                 }
             }
         }
-    }
+        Ok(())
+    })?;
+    s.end()?;
+
     let model = model.ok_or(ExtractError::Shape("no model"))?;
+    let model = model.str().ok_or(ExtractError::Shape("model must be a string"))?;
+    let stream = match stream {
+        None => false,
+        Some(v) if v.is_null() => false,
+        Some(v) => v.bool().ok_or(ExtractError::Shape("stream must be a boolean"))?,
+    };
+    let max_tokens = match max_tokens {
+        Some(v) => opt_u32(&v, "max_tokens must be a non-negative integer")?,
+        None => None,
+    };
+    let max_completion_tokens = match max_completion_tokens {
+        Some(v) => opt_u32(&v, "max_completion_tokens must be a non-negative integer")?,
+        None => None,
+    };
+    let cache_salt = match cache_salt {
+        Some(v) if !v.is_null() => v.str().ok_or(ExtractError::Shape("cache_salt must be a string"))?,
+        _ => Cow::Borrowed(""),
+    };
     let mut out = Extracted {
         model,
         messages: Vec::new(),
@@ -155,20 +211,7 @@ pub fn extract(body: &[u8], api: Api) -> Result<Extracted<'_>, ExtractError> {
     };
     match api {
         Api::Chat => {
-            let m = messages.ok_or(ExtractError::Shape("no messages"))?;
-            let els = m.elements().map_err(|_| ExtractError::Shape("messages must be an array"))?;
-            for el in els {
-                if el.kind != Kind::Object {
-                    return Err(ExtractError::Shape("a message must be an object"));
-                }
-                let mut role = Cow::Borrowed("");
-                for (k, v) in el.members()? {
-                    if key_is(&k, "role") {
-                        role = v.str().unwrap_or(Cow::Borrowed(""));
-                    }
-                }
-                out.messages.push(Message { json: el.bytes, role });
-            }
+            out.messages = messages.ok_or(ExtractError::Shape("no messages"))?.map_err(ExtractError::Shape)?;
             if out.messages.is_empty() {
                 return Err(ExtractError::Shape("messages is empty"));
             }

@@ -9,8 +9,7 @@
 //!
 //! | operation | cost |
 //! |---|---|
-//! | [`Scanner::new`] (UTF-8 check of the whole input) | O(n) |
-//! | skipping a value | O(len), strings 8 bytes per step (SWAR) |
+//! | skipping or walking a value (validates JSON and UTF-8 in one pass) | O(len), strings 8 bytes per step (SWAR) |
 //! | [`Raw::str`] | O(len); allocates only when the string has escapes |
 //!
 //! Nesting deeper than [`MAX_DEPTH`] is an error, never a stack overflow.
@@ -201,7 +200,8 @@ pub struct Scanner<'a> {
 const ONES: u64 = 0x0101_0101_0101_0101;
 const HIGHS: u64 = 0x8080_8080_8080_8080;
 
-/// Nonzero when some byte of `w` is `"`, `\` or below 0x20.
+/// Nonzero when some byte of `w` is `"`, `\`, below 0x20 or above 0x7f;
+/// the lowest set bit marks the first such byte.
 #[inline]
 fn special(w: u64) -> u64 {
     let q = w ^ (ONES * u64::from(b'"'));
@@ -209,32 +209,114 @@ fn special(w: u64) -> u64 {
     let has_q = q.wrapping_sub(ONES) & !q;
     let has_s = s.wrapping_sub(ONES) & !s;
     let has_ctl = w.wrapping_sub(ONES * 0x20) & !w;
-    (has_q | has_s | has_ctl) & HIGHS
+    // Non-ASCII bytes stop the fast loop too: they are checked as UTF-8.
+    ((has_q | has_s | has_ctl) & HIGHS) | (w & HIGHS)
 }
 
 impl<'a> Scanner<'a> {
-    /// A scanner over a whole document; checks UTF-8 once.
-    pub fn new(b: &'a [u8]) -> Result<Self, JsonError> {
-        std::str::from_utf8(b).map_err(|_| JsonError::Utf8)?;
-        Ok(Self { b, pos: 0 })
-    }
-
-    /// A scanner that skips the up-front UTF-8 check (for a response tail
-    /// that may start inside a character). Strings are still checked when
-    /// they are read with [`Raw::str`].
-    pub fn unchecked_utf8(b: &'a [u8]) -> Self {
+    /// A scanner at the start of `b`. UTF-8 is checked where it can occur
+    /// (inside strings; anywhere else a non-ASCII byte is a syntax error),
+    /// in the same pass as the JSON.
+    pub fn new(b: &'a [u8]) -> Self {
         Self { b, pos: 0 }
     }
 
     /// Parses the whole input as one value (with surrounding whitespace).
     pub fn document(b: &'a [u8]) -> Result<Raw<'a>, JsonError> {
-        let mut s = Self::new(b)?;
+        let mut s = Self::new(b);
         let v = s.value(0)?;
-        s.ws();
-        if s.pos != b.len() {
-            return Err(JsonError::Syntax(s.pos));
-        }
+        s.end()?;
         Ok(v)
+    }
+
+    /// Only whitespace is left.
+    pub fn end(&mut self) -> Result<(), JsonError> {
+        self.ws();
+        if self.pos != self.b.len() {
+            return Err(JsonError::Syntax(self.pos));
+        }
+        Ok(())
+    }
+
+    /// Byte offset.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// The next non-whitespace byte, without consuming it.
+    pub fn peek_value(&mut self) -> Option<u8> {
+        self.ws();
+        self.peek()
+    }
+
+    /// Walks an object (after whitespace) in one validating pass: for each
+    /// member, `f` gets the key and must consume the value (with
+    /// [`Self::value`], or by walking it).
+    pub fn object(
+        &mut self,
+        depth: u32,
+        mut f: impl FnMut(&mut Self, Raw<'a>) -> Result<(), JsonError>,
+    ) -> Result<(), JsonError> {
+        if depth >= MAX_DEPTH {
+            return Err(JsonError::TooDeep);
+        }
+        self.ws();
+        self.expect(b'{')?;
+        self.ws();
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            return Ok(());
+        }
+        loop {
+            self.ws();
+            if self.peek() != Some(b'"') {
+                return Err(self.err_here());
+            }
+            let start = self.pos;
+            let escaped = self.string()?;
+            let key = Raw { bytes: self.b.get(start..self.pos).ok_or(JsonError::Eof)?, kind: Kind::String, escaped };
+            self.ws();
+            self.expect(b':')?;
+            f(self, key)?;
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                Some(_) => return Err(JsonError::Syntax(self.pos)),
+                None => return Err(JsonError::Eof),
+            }
+        }
+    }
+
+    /// Walks an array (after whitespace) in one validating pass: `f` must
+    /// consume each element.
+    pub fn array(&mut self, depth: u32, mut f: impl FnMut(&mut Self) -> Result<(), JsonError>) -> Result<(), JsonError> {
+        if depth >= MAX_DEPTH {
+            return Err(JsonError::TooDeep);
+        }
+        self.ws();
+        self.expect(b'[')?;
+        self.ws();
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            return Ok(());
+        }
+        loop {
+            f(self)?;
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                Some(_) => return Err(JsonError::Syntax(self.pos)),
+                None => return Err(JsonError::Eof),
+            }
+        }
     }
 
     /// A scanner inside an already validated value.
@@ -397,6 +479,16 @@ impl<'a> Scanner<'a> {
                     }
                 }
                 Some(c) if c < 0x20 => return Err(JsonError::Syntax(self.pos)),
+                Some(c) if c >= 0x80 => {
+                    // A run of non-ASCII bytes: UTF-8 sequences never
+                    // contain ASCII bytes, so the run must be valid alone.
+                    let start = self.pos;
+                    while self.peek().is_some_and(|c| c >= 0x80) {
+                        self.pos += 1;
+                    }
+                    let run = self.b.get(start..self.pos).ok_or(JsonError::Eof)?;
+                    std::str::from_utf8(run).map_err(|_| JsonError::Utf8)?;
+                }
                 Some(_) => self.pos += 1,
             }
         }

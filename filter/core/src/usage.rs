@@ -80,7 +80,7 @@ pub fn find_usage(tail: &[u8]) -> Option<Usage> {
             continue;
         }
         let value = rest.get(colon + 1..)?;
-        let mut s = Scanner::unchecked_utf8(value);
+        let mut s = Scanner::new(value);
         let Ok(obj) = s.value(0) else { continue };
         if obj.kind != Kind::Object {
             continue;

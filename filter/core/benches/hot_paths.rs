@@ -1,0 +1,71 @@
+//! Criterion benches of the filter's per-request hot paths, natively (the
+//! Wasm build runs the same code; `make bench-gateway` measures it inside
+//! Envoy). Bodies: a chat request with an ~8K- and an ~100K-token system
+//! prompt (~44 KB and ~550 KB of JSON) and a short question.
+//!
+//! * `extract`: UTF-8 check + JSON scan + field extraction;
+//! * `encode_pick`: segment hashing + PickRequest encoding from the spans;
+//! * `request_path`: the state machine from headers to the Pick call, with
+//!   the mock host (includes copying the body out of the host);
+//! * `usage_tail`: finding `usage` in a 16 KiB response tail.
+
+use std::hint::black_box;
+use std::rc::Rc;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvgate_filter_core::extract::{Api, extract};
+use kvgate_filter_core::mock::MockHost;
+use kvgate_filter_core::pick::{RequestMeta, encode_pick};
+use kvgate_filter_core::usage::find_usage;
+use kvgate_filter_core::{Config, RequestFilter};
+
+fn body(words: usize) -> Vec<u8> {
+    const W: &[&str] = &["the", "kv", "cache", "router", "prefix", "token", "block", "worker", "latency", "envoy"];
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut text = String::new();
+    for i in 0..words {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        text.push_str(W[(x % W.len() as u64) as usize]);
+        text.push(if i % 17 == 16 { '\n' } else { ' ' });
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "m", "max_tokens": 16, "messages": [
+        {"role": "system", "content": text},
+        {"role": "user", "content": "Which worker holds the prefix?"},
+    ]}))
+    .unwrap()
+}
+
+fn benches(c: &mut Criterion) {
+    for (label, words) in [("8k", 6_500), ("100k", 80_000)] {
+        let b = body(words);
+        let mut g = c.benchmark_group(label);
+        g.throughput(Throughput::Bytes(b.len() as u64));
+        g.bench_function("extract", |bench| bench.iter(|| extract(black_box(&b), Api::Chat).unwrap().messages.len()));
+        let e = extract(&b, Api::Chat).unwrap();
+        let meta = RequestMeta { request_id: "0123456789abcdef", lora_name: "", model: "m", body_bytes: 1 };
+        g.bench_function("encode_pick", |bench| bench.iter(|| encode_pick(black_box(&e), Api::Chat, &meta).len()));
+        let cfg = Rc::new(Config::parse(b"{}").unwrap());
+        g.bench_function("request_path", |bench| {
+            bench.iter(|| {
+                let h = MockHost::post("/v1/chat/completions");
+                h.set_body(&b);
+                let mut f = RequestFilter::new(cfg.clone());
+                f.on_request_headers(&h, false);
+                f.on_request_body(&h, b.len(), true);
+                f.pick_token()
+            })
+        });
+        g.finish();
+    }
+    let mut tail = Vec::new();
+    while tail.len() < 16 << 10 {
+        tail.extend_from_slice(b"data: {\"choices\":[{\"delta\":{\"content\":\"tok\"}}],\"usage\":null}\n\n");
+    }
+    tail.extend_from_slice(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":100,\"completion_tokens\":16,\"prompt_tokens_details\":{\"cached_tokens\":96}}}\n\ndata: [DONE]\n\n");
+    c.bench_function("usage_tail_16k", |bench| bench.iter(|| find_usage(black_box(&tail))));
+}
+
+criterion_group!(filter, benches);
+criterion_main!(filter);
