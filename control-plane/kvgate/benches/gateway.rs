@@ -33,7 +33,6 @@ use kvgate_e2e::{
     EchoUpstream, Envoy, Proc, bench_provenance, bench_words, envoy_validate, free_port, render_kvgate_envoy,
     render_local_envoy, scratch_dir, wait_for_tcp,
 };
-use kvgate_protocol::pb;
 use kvgate_server::router_client::RouterClient;
 use serde_json::{Value, json};
 
@@ -115,19 +114,7 @@ fn body(system: &str, i: usize) -> Vec<u8> {
 /// Prompt tokens of a request, from the control plane's own answer.
 fn prompt_tokens(rt: &tokio::runtime::Runtime, grpc: SocketAddr, b: &[u8]) -> u64 {
     let v: Value = serde_json::from_slice(b).unwrap();
-    let msgs: Vec<Vec<u8>> = v["messages"].as_array().unwrap().iter().map(|m| serde_json::to_vec(m).unwrap()).collect();
-    let refs: Vec<&[u8]> = msgs.iter().map(Vec::as_slice).collect();
-    let hashes = kvgate_server::tokens::chain_hashes(b"", &refs);
-    let req = pb::PickRequest {
-        model: MODEL.into(),
-        api: pb::ApiKind::ChatCompletions as i32,
-        segments: msgs
-            .iter()
-            .zip(hashes)
-            .map(|(m, h)| pb::Segment { chain_hash: h, role: String::new(), message_json: m.clone() })
-            .collect(),
-        ..Default::default()
-    };
+    let req = kvgate_server::chat_pick_request(MODEL, "", v["messages"].as_array().unwrap(), None);
     let r = rt.block_on(async {
         let mut c = RouterClient::connect(format!("http://{grpc}")).await.unwrap();
         c.pick(req).await.unwrap().into_inner()
@@ -144,6 +131,38 @@ fn start_envoy(dir: &Path, name: &str, yaml: String, admin: u16) -> Envoy {
     Envoy::start(&config, admin, &d).unwrap()
 }
 
+/// One side of the comparison: an Envoy, and a client on it.
+struct Arm {
+    name: &'static str,
+    envoy: Envoy,
+    client: Client,
+    lat: Vec<f64>,
+    cpu0: u64,
+}
+
+fn start_serve(dir: &Path, name: &str, tokenizer: Option<&Path>, workers: &[SocketAddr]) -> (Proc, SocketAddr) {
+    let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
+    let grpc: SocketAddr = ([127, 0, 0, 1], gp).into();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    cmd.args(["serve", "--nats-url", "off", "--model", MODEL, "--block-size", "16"]).args([
+        "--listen-grpc",
+        &grpc.to_string(),
+        "--listen-admin",
+        &format!("127.0.0.1:{ap}"),
+    ]);
+    // (`.tools/env` exports KVGATE_TOKENIZER_DIR, which `serve` reads.)
+    cmd.env_remove("KVGATE_TOKENIZER_DIR");
+    if let Some(t) = tokenizer {
+        cmd.arg("--tokenizer-dir").arg(t);
+    }
+    for (i, a) in workers.iter().enumerate() {
+        cmd.args(["--worker", &format!("w{i}={a}")]);
+    }
+    let p = Proc::spawn(name, cmd, dir).unwrap();
+    wait_for_tcp(grpc, Duration::from_secs(30)).unwrap();
+    (p, grpc)
+}
+
 fn main() {
     // `cargo bench` passes --bench; nothing else is accepted.
     let quick = std::env::var_os("KVGATE_BENCH_QUICK").is_some();
@@ -151,26 +170,13 @@ fn main() {
     let ups: Vec<EchoUpstream> = (0..2).map(|i| EchoUpstream::start(&format!("w{i}")).unwrap()).collect();
     let addrs: Vec<SocketAddr> = ups.iter().map(|u| u.addr).collect();
 
-    // The real control plane, static workers.
+    // The real control plane, static workers; and one without a tokenizer
+    // (it decodes and answers by load: the callout without tokenization).
     let tk = std::env::var_os("KVGATE_TOKENIZER_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"));
-    let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
-    let grpc: SocketAddr = ([127, 0, 0, 1], gp).into();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
-    cmd.args(["serve", "--nats-url", "off", "--model", MODEL, "--block-size", "16", "--tokenizer-dir"])
-        .arg(&tk)
-        .args(["--listen-grpc", &grpc.to_string(), "--listen-admin", &format!("127.0.0.1:{ap}")]);
-    for (i, a) in addrs.iter().enumerate() {
-        cmd.args(["--worker", &format!("w{i}={a}")]);
-    }
-    let serve = Proc::spawn("serve", cmd, &dir).unwrap();
-    wait_for_tcp(grpc, Duration::from_secs(30)).unwrap();
-
-    let (lb, ab, lk, ak) = (free_port().unwrap(), free_port().unwrap(), free_port().unwrap(), free_port().unwrap());
-    let base = start_envoy(&dir, "baseline", render_local_envoy(lb, ab, &addrs).unwrap(), ab);
-    let filter_config = json!({"control_plane": {"timeout_ms": 1000}, "reports": {"interval_ms": 1000}}).to_string();
-    let kv = start_envoy(&dir, "kvgate", render_kvgate_envoy(lk, ak, &addrs, &[grpc], &filter_config).unwrap(), ak);
+    let (serve, grpc) = start_serve(&dir, "serve", Some(&tk), &addrs);
+    let (serve_lo, grpc_lo) = start_serve(&dir, "serve-load-only", None, &addrs);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
 
     let mut rows = serde_json::Map::new();
@@ -186,61 +192,119 @@ fn main() {
         let system = bench_words(7, words);
         let tokens = prompt_tokens(&rt, grpc, &body(&system, 0));
         let bodies: Vec<Vec<u8>> = (0..pairs + 20).map(|i| body(&system, i)).collect();
-        let (mut a, mut b) = (Client::connect(([127, 0, 0, 1], lb).into()), Client::connect(([127, 0, 0, 1], lk).into()));
-        for x in bodies.iter().take(20) {
-            a.post(x);
-            b.post(x);
+
+        // Fresh Envoys per size, so that their stats are this size's.
+        let filter = |cp_timeout: u32| {
+            json!({"control_plane": {"timeout_ms": cp_timeout}, "reports": {"interval_ms": 1000}}).to_string()
+        };
+        let mut arms: Vec<Arm> = Vec::new();
+        for (name, cp) in [
+            ("baseline", None),
+            ("filter_no_callout", Some(None)),
+            ("filter_load_only_cp", Some(Some(grpc_lo))),
+            ("kvgate", Some(Some(grpc))),
+        ] {
+            let (l, a) = (free_port().unwrap(), free_port().unwrap());
+            let yaml = match cp {
+                None => render_local_envoy(l, a, &addrs).unwrap(),
+                // A cluster that does not exist: the callout fails at
+                // dispatch and the request fails open (filter work only).
+                Some(None) => render_kvgate_envoy(l, a, &addrs, &[grpc], &filter(1000))
+                    .unwrap()
+                    .replace("\"cluster\":\"kvgate_control_plane\"", "")
+                    .replace("{\"control_plane\":{", "{\"control_plane\":{\"cluster\":\"no_such_cluster\","),
+                Some(Some(cp)) => render_kvgate_envoy(l, a, &addrs, &[cp], &filter(1000)).unwrap(),
+            };
+            let envoy = start_envoy(&dir, &format!("{label}-{name}"), yaml, a);
+            let client = Client::connect(([127, 0, 0, 1], l).into());
+            arms.push(Arm { name, envoy, client, lat: Vec::with_capacity(pairs), cpu0: 0 });
         }
-        let steered0 = kv.stat("wasmcustom.kvgate.steered").unwrap_or(0);
-        let (ca0, cb0, cs0) = (cpu_ns(base.proc.pid()), cpu_ns(kv.proc.pid()), cpu_ns(serve.pid()));
-        let (mut la, mut lb_) = (Vec::with_capacity(pairs), Vec::with_capacity(pairs));
-        for (i, x) in bodies.iter().skip(20).enumerate() {
-            if i % 2 == 0 {
-                la.push(a.post(x).as_secs_f64() * 1e6);
-                lb_.push(b.post(x).as_secs_f64() * 1e6);
-            } else {
-                lb_.push(b.post(x).as_secs_f64() * 1e6);
-                la.push(a.post(x).as_secs_f64() * 1e6);
+        for x in bodies.iter().take(20) {
+            for arm in &mut arms {
+                arm.client.post(x);
             }
         }
-        let (ca1, cb1, cs1) = (cpu_ns(base.proc.pid()), cpu_ns(kv.proc.pid()), cpu_ns(serve.pid()));
-        let steered = kv.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered0;
-        assert_eq!(steered, pairs as u64, "every kvgate request must be steered (no fallback)");
-        la.sort_by(f64::total_cmp);
-        lb_.sort_by(f64::total_cmp);
+        let steered0: Vec<u64> = arms.iter().map(|a| a.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0)).collect();
+        for arm in &mut arms {
+            arm.cpu0 = cpu_ns(arm.envoy.proc.pid());
+        }
+        let (cs0, cl0) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()));
+        let n = arms.len();
+        for (i, x) in bodies.iter().skip(20).enumerate() {
+            // Rotate the order every request: no arm always goes first.
+            for j in 0..n {
+                let arm = &mut arms[(i + j) % n];
+                let d = arm.client.post(x);
+                arm.lat.push(d.as_secs_f64() * 1e6);
+            }
+        }
+        let (cs1, cl1) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()));
+        let per = |d: u64| ((d as f64 / pairs as f64 / 1000.0) * 10.0).round() / 10.0;
         let r = |x: f64| (x * 10.0).round() / 10.0;
-        let (b50, b99, k50, k99) = (pct(&la, 0.5), pct(&la, 0.99), pct(&lb_, 0.5), pct(&lb_, 0.99));
-        let per = |d: u64| r(d as f64 / pairs as f64 / 1000.0);
+        let mut stats = serde_json::Map::new();
+        for (k, arm) in arms.iter_mut().enumerate() {
+            arm.lat.sort_by(f64::total_cmp);
+            let cpu = per(cpu_ns(arm.envoy.proc.pid()) - arm.cpu0);
+            let steered = arm.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered0[k];
+            match arm.name {
+                "kvgate" | "filter_load_only_cp" => {
+                    assert_eq!(steered, pairs as u64, "{}: every request must be steered", arm.name)
+                }
+                "filter_no_callout" => assert_eq!(
+                    arm.envoy.stat("wasmcustom.kvgate.fallback.dispatch_failed").unwrap_or(0),
+                    (pairs + 20) as u64
+                ),
+                _ => {}
+            }
+            let cp_cx = arm.envoy.stat("cluster.kvgate_control_plane.upstream_cx_total").unwrap_or(0);
+            let cp_rq = arm.envoy.stat("cluster.kvgate_control_plane.upstream_rq_total").unwrap_or(0);
+            stats.insert(
+                arm.name.into(),
+                json!({"p50_us": r(pct(&arm.lat, 0.5)), "p99_us": r(pct(&arm.lat, 0.99)), "envoy_cpu_us_per_req": cpu,
+                       "control_plane_connections": cp_cx, "control_plane_requests": cp_rq}),
+            );
+        }
+        let g = |arm: &str, k: &str| stats[arm][k].as_f64().unwrap();
+        let (b50, b99, k50, k99) =
+            (g("baseline", "p50_us"), g("baseline", "p99_us"), g("kvgate", "p50_us"), g("kvgate", "p99_us"));
         let row = json!({
             "prompt_tokens": tokens,
             "body_bytes": bodies[20].len(),
             "requests_per_side": pairs,
-            "baseline_p50_us": r(b50), "baseline_p99_us": r(b99),
-            "kvgate_p50_us": r(k50), "kvgate_p99_us": r(k99),
+            "baseline_p50_us": b50, "baseline_p99_us": b99,
+            "kvgate_p50_us": k50, "kvgate_p99_us": k99,
             "added_p50_us": r(k50 - b50), "added_p99_us": r(k99 - b99),
-            "envoy_cpu_us_per_req": {"baseline": per(ca1 - ca0), "kvgate": per(cb1 - cb0)},
+            "envoy_cpu_us_per_req": {"baseline": g("baseline", "envoy_cpu_us_per_req"), "kvgate": g("kvgate", "envoy_cpu_us_per_req")},
             "control_plane_cpu_us_per_req": per(cs1 - cs0),
+            "breakdown": {
+                "what": "added p50 of the filter alone (callout fails at dispatch), of the filter with a control plane that decodes and routes by load (no tokenization), and of the full path",
+                "filter_no_callout_added_p50_us": r(g("filter_no_callout", "p50_us") - b50),
+                "filter_load_only_cp_added_p50_us": r(g("filter_load_only_cp", "p50_us") - b50),
+                "kvgate_added_p50_us": r(k50 - b50),
+                "load_only_control_plane_cpu_us_per_req": per(cl1 - cl0),
+                "arms": stats,
+            },
             "goal": {"added_p50_us": goal_p50, "added_p99_us": goal_p99,
                      "met": k50 - b50 <= goal_p50 && k99 - b99 <= goal_p99},
         });
         table.push(format!(
-            "{label:>5} {tokens:>7} tok {:>7} B | baseline p50 {:>7.1} p99 {:>7.1} | kvgate p50 {:>7.1} p99 {:>7.1} | added p50 {:>7.1} p99 {:>7.1} µs | envoy CPU/req {:>6.1} → {:>6.1} µs, control plane {:>6.1} µs",
+            "{label:>5} {tokens:>7} tok {:>7} B | baseline p50 {b50:>7.1} p99 {b99:>7.1} | kvgate p50 {k50:>7.1} p99 {k99:>7.1} | added p50 {:>7.1} p99 {:>7.1} µs (filter alone {:>6.1}, + load-only callout {:>6.1}) | envoy CPU/req {:>6.1} → {:>6.1} µs, control plane {:>6.1} µs",
             bodies[20].len(),
-            b50,
-            b99,
-            k50,
-            k99,
             k50 - b50,
             k99 - b99,
-            per(ca1 - ca0),
-            per(cb1 - cb0),
+            g("filter_no_callout", "p50_us") - b50,
+            g("filter_load_only_cp", "p50_us") - b50,
+            g("baseline", "envoy_cpu_us_per_req"),
+            g("kvgate", "envoy_cpu_us_per_req"),
             per(cs1 - cs0)
         ));
         rows.insert(label.into(), row);
     }
     let (commit, machine) = bench_provenance();
     let mut result = Value::Object(rows);
-    result["what"] = json!("client latency through Envoy 1.40 with the kvgate filter + real control plane vs the same Envoy without the filter, A/B interleaved, sequential keep-alive requests, 1 Envoy worker thread each");
+    result["what"] = json!(
+        "client latency through Envoy 1.40 with the kvgate filter + real control plane vs the same Envoy without the filter, arms interleaved request by request, sequential keep-alive requests, 1 Envoy worker thread each"
+    );
     result["commit"] = json!(commit);
     result["machine"] = json!(machine);
     result["quick"] = json!(quick);

@@ -26,21 +26,7 @@ fn chat(addr: SocketAddr, messages: &Value) -> Value {
 }
 
 fn pick_request(id: &str, messages: &Value) -> pb::PickRequest {
-    let bytes: Vec<Vec<u8>> = messages.as_array().unwrap().iter().map(|m| serde_json::to_vec(m).unwrap()).collect();
-    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-    let hashes = kvgate_server::tokens::chain_hashes(b"", &refs);
-    pb::PickRequest {
-        request_id: id.into(),
-        model: MODEL.into(),
-        api: pb::ApiKind::ChatCompletions as i32,
-        segments: bytes
-            .into_iter()
-            .zip(hashes)
-            .map(|(b, h)| pb::Segment { chain_hash: h, role: String::new(), message_json: b })
-            .collect(),
-        max_tokens: Some(20),
-        ..Default::default()
-    }
+    kvgate_server::chat_pick_request(MODEL, id, messages.as_array().unwrap(), Some(20))
 }
 
 #[test]

@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 use kvgate_protocol::pb;
 use kvgate_server::config::{RawConfig, RawModel, RawWorker};
 use kvgate_server::router_client::RouterClient;
-use kvgate_server::tokens::chain_hashes;
 use serde_json::{Value, json};
 
 // As in the `kvgate` binary.
@@ -41,62 +40,7 @@ const BS: u32 = 16;
 const BLOCKS_PER_WORKER: usize = 25_000;
 
 fn words(seed: u64, n: usize) -> String {
-    const W: &[&str] = &[
-        "the",
-        "kv",
-        "cache",
-        "router",
-        "prefix",
-        "token",
-        "block",
-        "worker",
-        "latency",
-        "throughput",
-        "envoy",
-        "filter",
-        "model",
-        "request",
-        "stream",
-        "prompt",
-        "batch",
-        "memory",
-        "queue",
-        "decode",
-        "prefill",
-        "index",
-        "tensor",
-        "attention",
-        "layer",
-        "gpu",
-        "cluster",
-        "policy",
-        "score",
-        "load",
-        "hash",
-        "segment",
-        "chat",
-        "message",
-        "system",
-        "assistant",
-        "document",
-        "context",
-        "window",
-        "shared",
-        "reuse",
-        "eviction",
-    ];
-    let mut rng = fastrand::Rng::with_seed(seed);
-    let mut s = String::with_capacity(n * 8);
-    for i in 0..n {
-        if i > 0 {
-            s.push(if rng.u8(..) < 20 { '\n' } else { ' ' });
-        }
-        s.push_str(W[rng.usize(..W.len())]);
-        if rng.u8(..) < 25 {
-            s.push_str(&rng.u32(..100_000).to_string());
-        }
-    }
-    s
+    kvgate_e2e::bench_words(seed, n)
 }
 
 struct Conversation {
@@ -124,22 +68,7 @@ impl Conversation {
     }
 
     fn request(&self, id: &str) -> pb::PickRequest {
-        let bytes: Vec<Vec<u8>> = self.messages.iter().map(|m| serde_json::to_vec(m).unwrap_or_default()).collect();
-        let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-        let hashes = chain_hashes(b"", &refs);
-        pb::PickRequest {
-            request_id: id.to_owned(),
-            model: MODEL.into(),
-            api: pb::ApiKind::ChatCompletions as i32,
-            segments: bytes
-                .into_iter()
-                .zip(hashes)
-                .map(|(b, h)| pb::Segment { chain_hash: h, role: String::new(), message_json: b })
-                .collect(),
-            max_tokens: Some(256),
-            stream: true,
-            ..Default::default()
-        }
+        pb::PickRequest { stream: true, ..kvgate_server::chat_pick_request(MODEL, id, &self.messages, Some(256)) }
     }
 
     fn with_turn(&self, i: u64) -> Self {

@@ -28,3 +28,31 @@ pub use kvgate_tokenize::prompt as tokens;
 pub use app::App;
 pub use config::{Config, ConfigError, RawConfig};
 pub use server::{Bound, Handle, run, spawn};
+
+/// A chat-completions `PickRequest` for JSON messages, with the segment
+/// hashes the filter would compute (for tests, benchmarks and tools that
+/// call the control plane without Envoy). Each message is serialized with
+/// `serde_json` (keys sorted), and those bytes are what is hashed and sent.
+pub fn chat_pick_request(
+    model: &str,
+    request_id: &str,
+    messages: &[serde_json::Value],
+    max_tokens: Option<u32>,
+) -> kvgate_protocol::pb::PickRequest {
+    use kvgate_protocol::pb;
+    let bytes: Vec<Vec<u8>> = messages.iter().map(|m| serde_json::to_vec(m).unwrap_or_default()).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let hashes = tokens::chain_hashes(b"", &refs);
+    pb::PickRequest {
+        request_id: request_id.to_owned(),
+        model: model.to_owned(),
+        api: pb::ApiKind::ChatCompletions as i32,
+        segments: bytes
+            .into_iter()
+            .zip(hashes)
+            .map(|(b, h)| pb::Segment { chain_hash: h, role: String::new(), message_json: b })
+            .collect(),
+        max_tokens,
+        ..Default::default()
+    }
+}

@@ -12,7 +12,6 @@ use std::borrow::Cow;
 
 use crate::json::{JsonError, Kind, Raw, Scanner, key_is};
 
-
 /// Which OpenAI endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {

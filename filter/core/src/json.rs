@@ -124,7 +124,7 @@ impl<'a> Raw<'a> {
         if self.kind != Kind::Object {
             return Err(JsonError::Type("object"));
         }
-        Ok(Members { s: Scanner::inner(self.bytes, 1), first: true, done: false })
+        Ok(Members(Seq::new(self.bytes, b'}')))
     }
 
     /// Walks the elements of an array.
@@ -132,7 +132,7 @@ impl<'a> Raw<'a> {
         if self.kind != Kind::Array {
             return Err(JsonError::Type("array"));
         }
-        Ok(Elements { s: Scanner::inner(self.bytes, 1), first: true, done: false })
+        Ok(Elements(Seq::new(self.bytes, b']')))
     }
 }
 
@@ -293,7 +293,11 @@ impl<'a> Scanner<'a> {
 
     /// Walks an array (after whitespace) in one validating pass: `f` must
     /// consume each element.
-    pub fn array(&mut self, depth: u32, mut f: impl FnMut(&mut Self) -> Result<(), JsonError>) -> Result<(), JsonError> {
+    pub fn array(
+        &mut self,
+        depth: u32,
+        mut f: impl FnMut(&mut Self) -> Result<(), JsonError>,
+    ) -> Result<(), JsonError> {
         if depth >= MAX_DEPTH {
             return Err(JsonError::TooDeep);
         }
@@ -529,74 +533,75 @@ impl<'a> Scanner<'a> {
     }
 }
 
-/// Members of an object, in order: `(key, value)`; the key is the raw
-/// string (with quotes). Only for values that were already validated.
+/// The position within an already validated object or array.
 #[derive(Debug, Clone)]
-pub struct Members<'a> {
+struct Seq<'a> {
     s: Scanner<'a>,
     first: bool,
     done: bool,
+    close: u8,
 }
+
+impl<'a> Seq<'a> {
+    fn new(bytes: &'a [u8], close: u8) -> Self {
+        Self { s: Scanner::inner(bytes, 1), first: true, done: false, close }
+    }
+
+    /// Moves to the next item; false at the end.
+    fn advance(&mut self) -> bool {
+        if self.done {
+            return false;
+        }
+        self.s.ws();
+        let more = if self.first {
+            self.first = false;
+            self.s.peek() != Some(self.close)
+        } else if self.s.peek() == Some(b',') {
+            self.s.pos += 1;
+            true
+        } else {
+            false
+        };
+        self.done = !more;
+        more
+    }
+}
+
+/// Members of an object, in order: `(key, value)`; the key is the raw
+/// string (with quotes). Only for values that were already validated.
+#[derive(Debug, Clone)]
+pub struct Members<'a>(Seq<'a>);
 
 impl<'a> Iterator for Members<'a> {
     type Item = (Raw<'a>, Raw<'a>);
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.done {
-            return None;
-        }
-        self.s.ws();
-        if self.first {
-            self.first = false;
-            if self.s.peek() == Some(b'}') {
-                self.done = true;
-                return None;
-            }
-        } else if self.s.peek() == Some(b',') {
-            self.s.pos += 1;
-        } else {
-            self.done = true;
+        if !self.0.advance() {
             return None;
         }
         // The value was validated as a whole, so these cannot fail; if they
         // did, iteration ends.
-        let k = self.s.value(1).ok()?;
-        self.s.ws();
-        self.s.expect(b':').ok()?;
-        let v = self.s.value(1).ok()?;
+        let s = &mut self.0.s;
+        let k = s.value(1).ok()?;
+        s.ws();
+        s.expect(b':').ok()?;
+        let v = s.value(1).ok()?;
         Some((k, v))
     }
 }
 
 /// Elements of an array, in order. Only for values already validated.
 #[derive(Debug, Clone)]
-pub struct Elements<'a> {
-    s: Scanner<'a>,
-    first: bool,
-    done: bool,
-}
+pub struct Elements<'a>(Seq<'a>);
 
 impl<'a> Iterator for Elements<'a> {
     type Item = Raw<'a>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.done {
+        if !self.0.advance() {
             return None;
         }
-        self.s.ws();
-        if self.first {
-            self.first = false;
-            if self.s.peek() == Some(b']') {
-                self.done = true;
-                return None;
-            }
-        } else if self.s.peek() == Some(b',') {
-            self.s.pos += 1;
-        } else {
-            self.done = true;
-            return None;
-        }
-        self.s.value(1).ok()
+        self.0.s.value(1).ok()
     }
 }
 
