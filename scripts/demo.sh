@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# `make demo`: the main job. Brings up the parts of the local stack that
-# exist, on 127.0.0.1, shows what they do, and tears them down (only the
-# processes it started, by PID). It prints real readings only: parts that do
-# not exist yet are named as missing, never simulated.
+# `make demo`: the main job. Brings up the whole local stack on 127.0.0.1,
+# runs multi-turn conversations through it, prints what it measured, and
+# tears it down (only the processes it started, by PID). Real readings only.
 #
-# Today: nats-server, Envoy 1.40 with the local bootstrap (override_host
-# worker cluster), the KV event relay fed with real captured vLLM events
-# through a real libzmq publisher, and the kvgate CLI. The simulator's HTTP
-# side, control plane, filter and benchmark join as their issues land (see
-# README "Status").
+# The stack: nats-server; a simulated fleet of 3 vLLM workers (`kvgate sim`,
+# h200-llama70b-fp8 timing) with a `kvgate relay` beside each (ZMQ KV events
+# -> NATS); the control plane (`kvgate serve`); Envoy 1.40 with the kvgate
+# filter (envoy/kvgate.yaml); and, for comparison, a second Envoy whose
+# worker cluster balances round robin with no filter. The same conversations
+# (different text for each side, so that neither warms the other's cache)
+# run through both, 6 at a time, 4 turns each.
+#
+# The full benchmark (concurrency sweeps, peers, reports) is issue #8.
 set -euo pipefail
 # shellcheck source=scripts/env.sh
 source "$(dirname "$0")/env.sh"
@@ -36,66 +39,116 @@ wait_http() { # url, seconds
     return 1
 }
 
-echo "== building kvgate"
-cargo build -q -p kvgate
-kvgate="$root/target/debug/kvgate"
+ports() { # n: the first of n consecutive free ports
+    python3 - "$1" <<'PY'
+import socket, sys
+n = int(sys.argv[1])
+for _ in range(200):
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close()
+    if p + n > 65535:
+        continue
+    ok = True
+    for q in range(p, p + n):
+        t = socket.socket()
+        try:
+            t.bind(("127.0.0.1", q))
+        except OSError:
+            ok = False
+        t.close()
+    if ok:
+        print(p); break
+PY
+}
+
+echo "== building kvgate (release) and the filter (wasm32-wasip1)"
+cargo build -q --release -p kvgate
+cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+kvgate="$root/target/release/kvgate"
+wasm="$root/target/wasm32-wasip1/wasm/kvgate_filter.wasm"
+tok="$KVGATE_TOKENIZER_DIR"
+workers=3
 
 nats_port=$(free_port); nats_mon=$(free_port)
-echo "== nats-server on 127.0.0.1:$nats_port (monitoring :$nats_mon)"
+echo "== nats-server on 127.0.0.1:$nats_port"
 "$KVGATE_NATS_SERVER" -a 127.0.0.1 -p "$nats_port" -m "$nats_mon" -js -sd "$run/jetstream" >"$run/nats.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$nats_mon/healthz" 10
-echo "   healthz: $(curl -fsS "http://127.0.0.1:$nats_mon/healthz")"
 
-listen=$(free_port); admin=$(free_port)
-echo "== Envoy 1.40 on 127.0.0.1:$listen (admin :$admin)"
-python3 - "$root/envoy/local.yaml" "$run/envoy.yaml" "$listen" "$admin" <<'PY'
-import sys
-src, dst, listen, admin = sys.argv[1:]
-text = open(src).read()
-# No workers yet: the simulated fleet arrives with its issue.
-for k, v in {"LISTEN_PORT": listen, "ADMIN_PORT": admin, "WORKER_ENDPOINTS": "        []"}.items():
-    text = text.replace("${" + k + "}", v)
-open(dst, "w").write(text)
-PY
-"$KVGATE_ENVOY" --mode validate --disable-hot-restart -l warn -c "$run/envoy.yaml" | sed 's/^/   /'
-"$KVGATE_ENVOY" --disable-hot-restart --concurrency 1 -l warn -c "$run/envoy.yaml" >"$run/envoy.log" 2>&1 &
+http0=$(ports $workers); zmq0=$(ports $((2 * workers)))
+echo "== kvgate sim: $workers workers (h200-llama70b-fp8), HTTP 127.0.0.1:$http0.., ZMQ :$zmq0.."
+"$kvgate" sim --workers $workers --tokenizer-dir "$tok" --http-port "$http0" --zmq-port "$zmq0" \
+    --block-size 16 --timing h200-llama70b-fp8 >"$run/sim.log" 2>&1 &
 pids+=($!)
-wait_http "http://127.0.0.1:$admin/ready" 20
-echo "   ready: $(curl -fsS "http://127.0.0.1:$admin/ready")"
-code=$(curl -s -o "$run/resp.txt" -w '%{http_code}' -X POST "http://127.0.0.1:$listen/v1/chat/completions" \
-    -H 'content-type: application/json' -d '{"model":"demo","messages":[{"role":"user","content":"hi"}]}')
-echo "   POST /v1/chat/completions through Envoy -> HTTP $code ($(head -c 80 "$run/resp.txt")): no workers in the cluster yet"
-
-echo "== kvgate relay: real vLLM 0.32 KV events (captured) -> libzmq PUB -> relay -> NATS"
-shared=${KVGATE_SHARED_DIR:-$root/../shared}
-capture="$shared/vectors/vllm-kv-events/real-0.32-cpu/inst1.raw.jsonl"
-if [ -f "$capture" ]; then
-    zmq_port=$(free_port); relay_metrics=$(free_port)
-    "$kvgate" relay --zmq-endpoint "tcp://127.0.0.1:$zmq_port" --nats-url "nats://127.0.0.1:$nats_port" \
-        --model tiny-llama --endpoint 127.0.0.1:8101 --block-size 32 \
-        --listen-metrics "127.0.0.1:$relay_metrics" >"$run/relay.log" 2>&1 &
+endpoints=()
+for i in $(seq 0 $((workers - 1))); do
+    h=$((http0 + i)); z=$((zmq0 + 2 * i))
+    wait_http "http://127.0.0.1:$h/health" 30
+    endpoints+=("127.0.0.1:$h")
+    "$kvgate" relay --zmq-endpoint "tcp://*:$z" --zmq-connect "tcp://127.0.0.1:$z" \
+        --replay-endpoint "tcp://127.0.0.1:$((z + 1))" --nats-url "nats://127.0.0.1:$nats_port" \
+        --model deepseek-v3 --endpoint "127.0.0.1:$h" --worker-id "w$i" \
+        --metrics-url "http://127.0.0.1:$h/metrics" --block-size 16 --max-num-seqs 64 \
+        --heartbeat-ms 500 >"$run/relay-$i.log" 2>&1 &
     pids+=($!)
-    wait_http "http://127.0.0.1:$relay_metrics/metrics" 10
-    "$KVGATE_PYTHON" "$root/tests/tools/zmq_pub.py" connect "tcp://127.0.0.1:$zmq_port" "$capture" --warmup 0.5 | sed 's/^/   publisher: /'
-    sleep 0.5
-    curl -fsS "http://127.0.0.1:$relay_metrics/metrics" | grep -E '^kvgate_relay_(messages|batches_published|blocks_stored|blocks_removed|mirror_blocks|gaps|restarts)' \
-        | sed -E 's/\{[^}]*\}//; s/^/   /'
-    echo "   NATS: $(curl -fsS "http://127.0.0.1:$nats_mon/varz" | jq -c '{in_msgs, in_bytes}')"
-else
-    echo "   (skipped: $capture not found; set KVGATE_SHARED_DIR)"
-fi
+done
 
-echo "== kvgate: block hashes of 64 token ids at block size 32 (Dynamo-compatible xxh3)"
-seq -s, 1 64 | "$kvgate" hash --block-size 32 | jq -c '{full_blocks, sequence_hashes}' | sed 's/^/   /'
-echo "== kvgate: NATS subjects for meta-llama/Llama-3.1-70B-Instruct on worker 10.0.0.7:8000"
-"$kvgate" subject --model meta-llama/Llama-3.1-70B-Instruct --worker 10.0.0.7:8000 | sed 's/^/   /'
+grpc=$(free_port); cp_admin=$(free_port)
+echo "== kvgate serve: gRPC 127.0.0.1:$grpc, admin :$cp_admin"
+"$kvgate" serve --model deepseek-v3 --tokenizer-dir "$tok" --block-size 16 \
+    --nats-url "nats://127.0.0.1:$nats_port" --listen-grpc "127.0.0.1:$grpc" \
+    --listen-admin "127.0.0.1:$cp_admin" --replica-id demo >"$run/serve.log" 2>&1 &
+pids+=($!)
+wait_http "http://127.0.0.1:$cp_admin/healthz" 30
+for _ in $(seq 1 100); do
+    live=$(curl -fsS "http://127.0.0.1:$cp_admin/admin/workers" | jq '[.["deepseek-v3"][]? | select(.live)] | length')
+    [ "$live" = "$workers" ] && break
+    sleep 0.2
+done
+echo "   live workers: $live of $workers"
+
+kv_listen=$(free_port); kv_admin=$(free_port); rr_listen=$(free_port); rr_admin=$(free_port)
+python3 - "$root" "$run" "$kv_listen" "$kv_admin" "$rr_listen" "$rr_admin" "$grpc" "$wasm" "${endpoints[@]}" <<'PY'
+import json, sys
+root, run, kvl, kva, rrl, rra, grpc, wasm, *eps = sys.argv[1:]
+def yaml_eps(addrs):
+    return "\n".join("        - endpoint: { address: { socket_address: { address: %s, port_value: %s } } }" % tuple(a.rsplit(":", 1)) for a in addrs)
+def fill(text, vals):
+    for k, v in vals.items():
+        text = text.replace("${" + k + "}", v)
+    return text
+cfg = json.dumps({"debug_headers": True, "control_plane": {"timeout_ms": 200}})
+kv = fill(open(f"{root}/envoy/kvgate.yaml").read(), {"LISTEN_PORT": kvl, "ADMIN_PORT": kva, "WORKER_ENDPOINTS": yaml_eps(eps),
+          "CONTROL_PLANE_ENDPOINTS": yaml_eps(["127.0.0.1:" + grpc]), "WASM_PATH": wasm, "FILTER_CONFIG": cfg})
+open(f"{run}/envoy-kvgate.yaml", "w").write(kv)
+rr = fill(open(f"{root}/envoy/local.yaml").read(), {"LISTEN_PORT": rrl, "ADMIN_PORT": rra, "WORKER_ENDPOINTS": yaml_eps(eps)})
+rr = rr.replace("envoy.load_balancing_policies.least_request", "envoy.load_balancing_policies.round_robin") \
+       .replace("least_request.v3.LeastRequest", "round_robin.v3.RoundRobin")
+open(f"{run}/envoy-rr.yaml", "w").write(rr)
+PY
+for side in kvgate rr; do
+    "$KVGATE_ENVOY" --mode validate --disable-hot-restart -l warn -c "$run/envoy-$side.yaml" >/dev/null
+    "$KVGATE_ENVOY" --disable-hot-restart --concurrency 1 -l warn -c "$run/envoy-$side.yaml" \
+        --base-id $((RANDOM)) >"$run/envoy-$side.log" 2>&1 &
+    pids+=($!)
+done
+wait_http "http://127.0.0.1:$kv_admin/ready" 30
+wait_http "http://127.0.0.1:$rr_admin/ready" 30
+echo "== Envoy 1.40 + kvgate filter on 127.0.0.1:$kv_listen; Envoy round robin on :$rr_listen"
+
+echo "== 6 conversations x 4 turns (~3,600-token system prompt, 48 output tokens), 6 at a time, each side"
+"$KVGATE_PYTHON" "$root/scripts/demo_chat.py" "http://127.0.0.1:$rr_listen" round_robin 1 | tee "$run/rr.json"
+"$KVGATE_PYTHON" "$root/scripts/demo_chat.py" "http://127.0.0.1:$kv_listen" kvgate 2 | tee "$run/kvgate.json"
+jq -rs '
+  "\n| side | requests | TTFT p50 ms | TTFT p95 ms | later turns TTFT p50 ms | E2E p50 s | prefix hit rate | later turns hit rate |",
+  "|---|---|---|---|---|---|---|---|",
+  (.[] | "| \(.label) | \(.requests) | \(.ttft_p50_ms) | \(.ttft_p95_ms) | \(.later_turns_ttft_p50_ms) | \(.e2e_p50_s) | \(.hit_rate) | \(.later_turns_hit_rate) |")
+' "$run/rr.json" "$run/kvgate.json"
+echo
+sleep 1.5 # one report interval: the last requests' reports reach the control plane
+echo "   filter stats: $(curl -fsS "http://127.0.0.1:$kv_admin/stats?filter=wasmcustom.kvgate.(requests|steered|fallback)" | grep -v ': 0$' | tr '\n' ' ')"
+echo "   control plane: $(curl -fsS "http://127.0.0.1:$cp_admin/metrics" | grep -E '^kvgate_reports_total' | sed -E 's/\{model="[^"]*",/{/' | tr '\n' ' ')"
 
 cat <<EOT
-
-== not running yet (each arrives with its issue; nothing is faked here)
-   simulated vLLM fleet's HTTP side (#4), control plane (#6),
-   Proxy-Wasm filter (#7), benchmark and reports (#8)
 
 logs and configs: $run
 stopping what this demo started (PIDs ${pids[*]})
