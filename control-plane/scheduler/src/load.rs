@@ -96,27 +96,8 @@ impl LoadTracker {
         output_blocks: u64,
         now_ms: u64,
     ) -> Result<(), LifecycleError> {
-        let Entry::Vacant(slot) = self.requests.entry(request_id.to_owned()) else {
-            return Err(LifecycleError::Duplicate);
-        };
         let new_prefill_blocks = (prompt.len() as u64).saturating_sub(u64::from(overlap_blocks));
-        let w = self.workers.entry(worker).or_default();
-        w.inflight += 1;
-        w.prefill_pending_blocks += new_prefill_blocks;
-        w.output_blocks += output_blocks;
-        for h in prompt {
-            *w.prompt_blocks.entry(*h).or_insert(0) += 1;
-        }
-        slot.insert(Inflight {
-            worker,
-            prompt: prompt.into(),
-            counted_prompt_blocks: 0,
-            new_prefill_blocks,
-            output_blocks,
-            prefilling: true,
-            added_ms: now_ms,
-        });
-        Ok(())
+        self.insert(request_id, worker, prompt.into(), 0, new_prefill_blocks, output_blocks, now_ms)
     }
 
     /// A request routed by another control-plane replica, known only by its
@@ -131,19 +112,39 @@ impl LoadTracker {
         output_blocks: u64,
         now_ms: u64,
     ) -> Result<(), LifecycleError> {
+        let new_prefill_blocks = u64::from(prompt_blocks.saturating_sub(overlap_blocks));
+        let counted = u64::from(prompt_blocks);
+        self.insert(request_id, worker, Box::new([]), counted, new_prefill_blocks, output_blocks, now_ms)
+    }
+
+    /// Starts tracking a request: its prompt blocks either by hash
+    /// (deduplicated across requests) or as a bare count.
+    #[allow(clippy::too_many_arguments)]
+    fn insert(
+        &mut self,
+        request_id: &str,
+        worker: WorkerIdx,
+        prompt: Box<[SequenceHash]>,
+        counted_prompt_blocks: u64,
+        new_prefill_blocks: u64,
+        output_blocks: u64,
+        now_ms: u64,
+    ) -> Result<(), LifecycleError> {
         let Entry::Vacant(slot) = self.requests.entry(request_id.to_owned()) else {
             return Err(LifecycleError::Duplicate);
         };
-        let new_prefill_blocks = u64::from(prompt_blocks.saturating_sub(overlap_blocks));
         let w = self.workers.entry(worker).or_default();
         w.inflight += 1;
         w.prefill_pending_blocks += new_prefill_blocks;
         w.output_blocks += output_blocks;
-        w.counted_prompt_blocks += u64::from(prompt_blocks);
+        w.counted_prompt_blocks += counted_prompt_blocks;
+        for h in prompt.iter() {
+            *w.prompt_blocks.entry(*h).or_insert(0) += 1;
+        }
         slot.insert(Inflight {
             worker,
-            prompt: Box::new([]),
-            counted_prompt_blocks: u64::from(prompt_blocks),
+            prompt,
+            counted_prompt_blocks,
             new_prefill_blocks,
             output_blocks,
             prefilling: true,

@@ -9,7 +9,8 @@
 //! JSON string its quotes are escaped.
 //!
 //! Cost: O(chunk) copy into the tail per body chunk (only the chunk's last
-//! `capacity` bytes are ever read from the host), O(capacity) once at the end.
+//! `capacity` bytes are ever read from the host; compaction is amortized),
+//! O(capacity) once at the end.
 
 use crate::json::{Kind, Scanner, key_is};
 
@@ -42,18 +43,21 @@ impl Tail {
         chunk_len.min(self.capacity)
     }
 
-    /// Appends (the end of) a chunk.
+    /// Appends (the end of) a chunk. The buffer grows to twice the capacity
+    /// before it is compacted, so a stream of small SSE chunks costs O(1)
+    /// amortized per byte instead of a memmove of the whole tail per chunk.
     pub fn push(&mut self, bytes: &[u8]) {
         let bytes = bytes.get(bytes.len().saturating_sub(self.capacity)..).unwrap_or(bytes);
-        let keep = self.capacity.saturating_sub(bytes.len()).min(self.buf.len());
-        let drop = self.buf.len() - keep;
-        self.buf.drain(..drop);
+        if self.buf.len() + bytes.len() > 2 * self.capacity {
+            let drop = self.buf.len().saturating_sub(self.capacity.saturating_sub(bytes.len()));
+            self.buf.drain(..drop);
+        }
         self.buf.extend_from_slice(bytes);
     }
 
-    /// The bytes kept.
+    /// The last (at most `capacity`) bytes.
     pub fn bytes(&self) -> &[u8] {
-        &self.buf
+        self.buf.get(self.buf.len().saturating_sub(self.capacity)..).unwrap_or(&self.buf)
     }
 }
 
@@ -107,6 +111,22 @@ pub fn find_usage(tail: &[u8]) -> Option<Usage> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        // The tail always equals the last `capacity` bytes of everything
+        // pushed (the naive model), whatever the chunking.
+        #[test]
+        fn tail_is_the_last_bytes(cap in 1usize..64, chunks in proptest::collection::vec(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..100), 0..40)) {
+            let mut t = Tail::new(cap);
+            let mut all = Vec::new();
+            for c in &chunks {
+                let w = t.wanted(c.len());
+                t.push(&c[c.len() - w..]);
+                all.extend_from_slice(c);
+                proptest::prop_assert_eq!(t.bytes(), &all[all.len().saturating_sub(cap)..]);
+            }
+        }
+    }
 
     #[test]
     fn non_streaming_body() {
