@@ -122,13 +122,40 @@ impl ChatTokenizer {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, Value>,
     ) -> Result<String, TokenizeError> {
+        self.render_with(&self.render_context(messages, extra), add_generation_prompt)
+    }
+
+    /// The template context of `messages` (and the request's extra template
+    /// fields), converted once: renders of the same conversation with and
+    /// without the generation prompt share it ([`Self::render_with`]).
+    /// Borrows the messages: nothing is cloned before the one conversion.
+    pub fn render_context(&self, messages: &[Value], extra: &serde_json::Map<String, Value>) -> minijinja::Value {
+        #[derive(serde::Serialize)]
+        struct Ctx<'a> {
+            // First, so that the fields below win over a same-named key.
+            #[serde(flatten)]
+            extra: &'a serde_json::Map<String, Value>,
+            messages: &'a [Value],
+            bos_token: &'a str,
+            eos_token: &'a str,
+        }
+        minijinja::Value::from_serialize(&Ctx {
+            extra,
+            messages,
+            bos_token: &self.bos_token,
+            eos_token: &self.eos_token,
+        })
+    }
+
+    /// Renders a context from [`Self::render_context`].
+    pub fn render_with(
+        &self,
+        context: &minijinja::Value,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
         let tmpl = self.env.get_template("chat").map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let mut ctx = extra.clone();
-        ctx.insert("messages".into(), Value::Array(messages.to_vec()));
-        ctx.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
-        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
-        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
-        tmpl.render(minijinja::Value::from_serialize(&ctx)).map_err(|e| TokenizeError::Template(e.to_string()))
+        tmpl.render(minijinja::context! { add_generation_prompt => add_generation_prompt, ..context.clone() })
+            .map_err(|e| TokenizeError::Template(e.to_string()))
     }
 
     /// Token ids of `text`, without adding special tokens.

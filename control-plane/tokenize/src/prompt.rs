@@ -500,8 +500,9 @@ impl PromptTokenizer {
         }
 
         let messages = parse_messages(segments)?;
-        let no_gen = self.tk.render(&messages, false, &ctx.extra)?;
-        let with_gen = if gen_prompt { self.tk.render(&messages, true, &ctx.extra)? } else { no_gen.clone() };
+        let context = self.tk.render_context(&messages, &ctx.extra);
+        let no_gen = self.tk.render_with(&context, false)?;
+        let with_gen = if gen_prompt { self.tk.render_with(&context, true)? } else { no_gen.clone() };
         let suffix_text = with_gen.strip_prefix(no_gen.as_str());
         if suffix_text.is_some_and(|t| !self.tk.boundary_safe(&no_gen, t)) {
             self.stats.unsafe_boundaries.fetch_add(1, Ordering::Relaxed);
