@@ -122,6 +122,17 @@ fn prompt_tokens(rt: &tokio::runtime::Runtime, grpc: SocketAddr, b: &[u8]) -> u6
     u64::from(r.total_blocks) * 16
 }
 
+/// The cumulative p50 of the filter's callout round-trip histogram
+/// (`wasmcustom.kvgate.pick_latency_us`), when Envoy has computed it.
+fn pick_rtt_p50(envoy: &Envoy) -> Option<f64> {
+    let admin: SocketAddr = ([127, 0, 0, 1], envoy.admin_port).into();
+    let r = kvgate_e2e::http_request(admin, "GET", "/stats?filter=wasmcustom.kvgate.pick_latency_us", &[], b"").ok()?;
+    let text = String::from_utf8_lossy(&r.body).into_owned();
+    // "... P50(interval,cumulative) ..."
+    let p50 = text.split_whitespace().find(|w| w.starts_with("P50("))?;
+    p50.trim_start_matches("P50(").trim_end_matches(')').split(',').nth(1)?.parse().ok()
+}
+
 fn start_envoy(dir: &Path, name: &str, yaml: String, admin: u16) -> Envoy {
     let d = dir.join(name);
     std::fs::create_dir_all(&d).unwrap();
@@ -239,6 +250,8 @@ fn main() {
             }
         }
         let (cs1, cl1) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()));
+        // Envoy computes histogram quantiles when it flushes stats (every 5 s).
+        std::thread::sleep(Duration::from_millis(5500));
         let per = |d: u64| ((d as f64 / pairs as f64 / 1000.0) * 10.0).round() / 10.0;
         let r = |x: f64| (x * 10.0).round() / 10.0;
         let mut stats = serde_json::Map::new();
@@ -261,7 +274,8 @@ fn main() {
             stats.insert(
                 arm.name.into(),
                 json!({"p50_us": r(pct(&arm.lat, 0.5)), "p99_us": r(pct(&arm.lat, 0.99)), "envoy_cpu_us_per_req": cpu,
-                       "control_plane_connections": cp_cx, "control_plane_requests": cp_rq}),
+                       "control_plane_connections": cp_cx, "control_plane_requests": cp_rq,
+                       "filter_pick_rtt_p50_us": pick_rtt_p50(&arm.envoy)}),
             );
         }
         let g = |arm: &str, k: &str| stats[arm][k].as_f64().unwrap();
@@ -282,6 +296,7 @@ fn main() {
                 "filter_load_only_cp_added_p50_us": r(g("filter_load_only_cp", "p50_us") - b50),
                 "kvgate_added_p50_us": r(k50 - b50),
                 "load_only_control_plane_cpu_us_per_req": per(cl1 - cl0),
+                "kvgate_pick_rtt_p50_us": stats["kvgate"]["filter_pick_rtt_p50_us"].clone(),
                 "arms": stats,
             },
             "goal": {"added_p50_us": goal_p50, "added_p99_us": goal_p99,
