@@ -394,7 +394,7 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// Provenance of a benchmark result: the short commit of `HEAD` (with
-/// `-dirty` when the tree has changes) and the machine (arch, cores, CPU).
+/// `-dirty` when tracked code has changes) and the machine (arch, cores, CPU).
 pub fn bench_provenance() -> (String, String) {
     let git = |args: &[&str]| {
         Command::new("git")
@@ -406,7 +406,8 @@ pub fn bench_provenance() -> (String, String) {
             .unwrap_or_default()
     };
     let mut commit = git(&["rev-parse", "--short", "HEAD"]);
-    if !git(&["status", "--porcelain", "--untracked-files=no"]).is_empty() {
+    // Results of earlier runs (bench/results/) do not make the code dirty.
+    if !git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"]).is_empty() {
         commit.push_str("-dirty");
     }
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
