@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use kvgate_protocol::BlockSeed;
 use kvgate_protocol::pb;
 use kvgate_protocol::subject::{SubjectKind, Subjects};
-use kvgate_protocol::{BlockSeed, SegmentHash};
 use parking_lot::Mutex;
 use prost::Message as _;
 use tonic::Status;
@@ -209,16 +209,12 @@ impl App {
             }
         };
         let seed = BlockSeed::new(Some(&req.lora_name), Some(&req.cache_salt));
-        let text_prefix: Vec<u64> = {
-            let mut h = SegmentHash::context(&req.template_context_json);
-            req.segments
-                .iter()
-                .map(|s| {
-                    h = h.chain(&s.message_json);
-                    h.0 ^ seed.get().rotate_left(17)
-                })
-                .collect()
-        };
+        // The `approx` policy's text-prefix keys: the filter's chain hashes,
+        // salted. They are not recomputed here (that would hash the whole
+        // prompt a second time per Pick): a wrong hash can only mislead this
+        // routing hint, while tokenization checks the chain itself and treats
+        // a mismatch as a cache miss.
+        let text_prefix: Vec<u64> = req.segments.iter().map(|s| s.chain_hash ^ seed.get().rotate_left(17)).collect();
         let generated;
         let request_id = if req.request_id.is_empty() {
             generated = format!("{}-{}", self.config.replica_id, self.ids.fetch_add(1, Ordering::Relaxed));
