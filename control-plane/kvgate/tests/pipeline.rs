@@ -43,6 +43,7 @@ fn sim_relay_nats_and_control_plane_agree_on_the_cache() {
     let prompt1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
     until(20, "w1's blocks in the index", || fleet.blocks(1) >= prompt1 / BLOCK);
     assert_eq!(fleet.blocks(0), 0);
+    fleet.wait_quiet();
 
     // The next turn: Pick chooses w1 and predicts its cache exactly.
     let reply = first["choices"][0]["message"]["content"].as_str().unwrap().to_owned();

@@ -160,6 +160,18 @@ impl Fleet {
         serde_json::from_slice(&http_request(self.admin, "GET", "/admin/workers", &[], b"").unwrap().body).unwrap()
     }
 
+    /// Waits until no request is in flight and every worker's last heartbeat
+    /// says nothing runs: a stale "running: 1" is load that the scheduler
+    /// weighs against cache overlap (a user's next turn comes seconds
+    /// later; a test's comes at once).
+    pub fn wait_quiet(&self) {
+        until(10, "a quiet fleet", || {
+            self.workers()[MODEL]
+                .as_array()
+                .is_some_and(|ws| ws.iter().all(|w| w["inflight"] == 0 && w["running"] == 0))
+        });
+    }
+
     /// Device blocks of worker `w` in the control plane's index.
     pub fn blocks(&self, w: usize) -> u64 {
         self.workers()[MODEL][w]["device_blocks"].as_u64().unwrap_or(0)
