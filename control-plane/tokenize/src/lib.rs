@@ -116,9 +116,9 @@ impl ChatTokenizer {
 
     /// The chat template applied to `messages` (JSON message objects), with
     /// extra template variables (`tools`, `chat_template_kwargs` entries, ...).
-    pub fn render(
+    pub fn render<M: serde::Serialize>(
         &self,
-        messages: &[Value],
+        messages: &[M],
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, Value>,
     ) -> Result<String, TokenizeError> {
@@ -129,13 +129,19 @@ impl ChatTokenizer {
     /// fields), converted once: renders of the same conversation with and
     /// without the generation prompt share it ([`Self::render_with`]).
     /// Borrows the messages: nothing is cloned before the one conversion.
-    pub fn render_context(&self, messages: &[Value], extra: &serde_json::Map<String, Value>) -> minijinja::Value {
+    /// `M` is a message (`Value`, `&Value`, ...): cached parsed messages are
+    /// rendered by reference.
+    pub fn render_context<M: serde::Serialize>(
+        &self,
+        messages: &[M],
+        extra: &serde_json::Map<String, Value>,
+    ) -> minijinja::Value {
         #[derive(serde::Serialize)]
-        struct Ctx<'a> {
+        struct Ctx<'a, M> {
             // First, so that the fields below win over a same-named key.
             #[serde(flatten)]
             extra: &'a serde_json::Map<String, Value>,
-            messages: &'a [Value],
+            messages: &'a [M],
             bos_token: &'a str,
             eos_token: &'a str,
         }
