@@ -42,6 +42,10 @@ enum Behave {
     Fail(tonic::Code),
     /// OK with no endpoint.
     Empty,
+    /// Answer with this endpoint and say the conversation is retained; but
+    /// answer `resend` to a request that elided messages (as a control
+    /// plane that lost them would).
+    RetainThenForget(String),
 }
 
 #[derive(Clone)]
@@ -54,7 +58,10 @@ struct Stub {
 #[tonic::async_trait]
 impl Router for Stub {
     async fn pick(&self, request: Request<pb::PickRequest>) -> Result<Response<pb::PickResponse>, Status> {
-        self.picks.lock().unwrap().push(request.into_inner());
+        let req = request.into_inner();
+        let last = req.segments.last().map_or(0, |s| s.chain_hash);
+        let elided = req.segments.iter().any(|s| s.elided);
+        self.picks.lock().unwrap().push(req);
         let b = self.behave.lock().unwrap().clone();
         let answer = |endpoint: String, fallbacks: Vec<String>| pb::PickResponse {
             endpoint,
@@ -64,6 +71,7 @@ impl Router for Stub {
             total_blocks: 2,
             reason: pb::PickReason::Kv as i32,
             mode: "kv".into(),
+            ..Default::default()
         };
         match b {
             Behave::Answer(e, f) => Ok(Response::new(answer(e, f))),
@@ -73,6 +81,12 @@ impl Router for Stub {
             }
             Behave::Fail(code) => Err(Status::new(code, "stub says no")),
             Behave::Empty => Ok(Response::new(pb::PickResponse::default())),
+            Behave::RetainThenForget(_) if elided => {
+                Ok(Response::new(pb::PickResponse { resend: true, ..Default::default() }))
+            }
+            Behave::RetainThenForget(e) => {
+                Ok(Response::new(pb::PickResponse { retained_chain_hashes: vec![last], ..answer(e, vec![]) }))
+            }
         }
     }
 
@@ -159,6 +173,37 @@ fn upstreams(n: usize) -> (Vec<EchoUpstream>, Vec<SocketAddr>) {
 }
 
 // ---------------------------------------------------------------- tests --
+
+/// The next turn of a retained conversation goes out with its earlier
+/// messages elided; a control plane that lost them answers `resend`, and the
+/// filter (in Envoy, from inside the first call's callback) sends the whole
+/// request again and steers it.
+#[test]
+fn retained_messages_are_elided_and_resent_when_lost() {
+    let dir = scratch_dir("gw-elide").unwrap();
+    let (_ups, addrs) = upstreams(2);
+    let stub = StubServer::start();
+    let gw = start_gateway(&dir, &addrs, stub.addr, &json!({"control_plane": {"timeout_ms": 2000}}));
+    stub.set(Behave::RetainThenForget(addrs[1].to_string()));
+    let system = json!({"role": "system", "content": "A long shared document. ".repeat(50)});
+    let q1 = json!({"role": "user", "content": "first question"});
+    let turn1 = json!({"model": MODEL, "messages": [system, q1]}).to_string();
+    assert_eq!(echoed(&gw.post("/v1/chat/completions", &[], turn1.as_bytes()))["upstream"], "w1");
+    let turn2 = json!({"model": MODEL, "messages": [system, q1,
+        {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second question"}]})
+    .to_string();
+    let r = gw.post("/v1/chat/completions", &[], turn2.as_bytes());
+    assert_eq!(echoed(&r)["upstream"], "w1", "steered after the resend");
+    let picks = stub.stub.picks.lock().unwrap().clone();
+    assert_eq!(picks.len(), 3);
+    let elided: Vec<bool> = picks[1].segments.iter().map(|s| s.elided).collect();
+    assert_eq!(elided, [true, true, false, false]);
+    assert!(picks[1].segments[..2].iter().all(|s| s.message_json.is_empty()));
+    assert_eq!(picks[1].segments[1].chain_hash, picks[0].segments[1].chain_hash);
+    assert!(picks[2].segments.iter().all(|s| !s.elided && !s.message_json.is_empty()), "resent in full");
+    assert_eq!(picks[2].segments[3].chain_hash, picks[1].segments[3].chain_hash);
+    assert_eq!((gw.stat("pick_resends"), gw.stat("steered")), (1, 2));
+}
 
 #[test]
 fn kvgate_envoy_config_validates() {
@@ -437,5 +482,10 @@ fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
     assert_eq!(all, 4.0, "{m}");
     assert_eq!(accurate, 4.0, "every prediction within one block: {m}");
     assert_eq!(gw.stat("steered"), 4);
+    // Each later turn left out the bytes of the messages the control plane
+    // retained from the turn before (one Envoy worker thread): 2 + 4 + 6.
+    assert_eq!(prom(&m, "kvgate_pick_elided_messages_total"), Some(12.0), "{m}");
+    assert_eq!(prom(&m, "kvgate_pick_resends_total"), Some(0.0), "{m}");
+    assert_eq!(gw.stat("pick_resends"), 0);
     fleet.check();
 }

@@ -26,7 +26,7 @@ fn main() {
         let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
         let h = chain_hashes(b"", &refs);
         let segs: Vec<SegmentRef<'_>> =
-            bytes.iter().zip(&h).map(|(b, h)| SegmentRef { chain_hash: *h, message_json: b }).collect();
+            bytes.iter().zip(&h).map(|(b, h)| SegmentRef { chain_hash: *h, message_json: b, elided: false }).collect();
         let t = Instant::now();
         let mut last = None;
         for _ in 0..reps {

@@ -174,11 +174,18 @@ impl App {
                 format!("prompt of {bytes} bytes; the limit is {}", self.config.max_prompt_bytes),
             ));
         }
+        let elided = req.segments.iter().take_while(|s| s.elided).count();
+        if elided > 0 {
+            self.global.elided_segments.fetch_add(elided as u64, Ordering::Relaxed);
+        }
         let api = pb::ApiKind::try_from(req.api).unwrap_or(pb::ApiKind::Unspecified);
         let tokenized: Result<Tokenized, String> = match (api, &req.prompt, &model.tokenizer) {
-            (pb::ApiKind::Completions, Some(pb::pick_request::Prompt::PromptTokenIds(t)), _) => {
-                Ok(Tokenized { ids: t.ids.clone(), outcome: crate::tokens::Outcome::Given, encoded_bytes: 0 })
-            }
+            (pb::ApiKind::Completions, Some(pb::pick_request::Prompt::PromptTokenIds(t)), _) => Ok(Tokenized {
+                ids: t.ids.clone(),
+                outcome: crate::tokens::Outcome::Given,
+                encoded_bytes: 0,
+                retained: Vec::new(),
+            }),
             (pb::ApiKind::Completions, Some(pb::pick_request::Prompt::PromptText(t)), Some(tk)) => {
                 heavy(bytes, || tk.completion(t)).map_err(|e| e.to_string())
             }
@@ -190,9 +197,24 @@ impl App {
                 let segs: Vec<SegmentRef<'_>> = req
                     .segments
                     .iter()
-                    .map(|s| SegmentRef { chain_hash: s.chain_hash, message_json: &s.message_json })
+                    .map(|s| SegmentRef { chain_hash: s.chain_hash, message_json: &s.message_json, elided: s.elided })
                     .collect();
-                heavy(bytes, || tk.chat(&req.template_context_json, &segs)).map_err(|e| e.to_string())
+                match heavy(bytes, || tk.chat(&req.template_context_json, &segs)) {
+                    // Elided messages this replica does not hold: no
+                    // decision, the filter sends them again.
+                    Err(crate::tokens::PromptError::NeedText(why)) => {
+                        self.global.pick_resends.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(model = %req.model, why, "elided messages not held; asking for a resend");
+                        return Ok(pb::PickResponse { resend: true, ..Default::default() });
+                    }
+                    r => r.map_err(|e| e.to_string()),
+                }
+            }
+            // Without a tokenizer nothing is retained, so nothing should be
+            // elided; a request that still is cannot be checked here either.
+            (pb::ApiKind::ChatCompletions, _, None) if req.segments.first().is_some_and(|s| s.elided) => {
+                self.global.pick_resends.fetch_add(1, Ordering::Relaxed);
+                return Ok(pb::PickResponse { resend: true, ..Default::default() });
             }
             (pb::ApiKind::Unspecified, _, _) => {
                 self.pick_error(1);
@@ -200,12 +222,12 @@ impl App {
             }
             (_, _, None) => Err("no tokenizer configured for this model".into()),
         };
-        let (ids, load_only) = match tokenized {
-            Ok(t) => (t.ids, false),
+        let (ids, load_only, retained) = match tokenized {
+            Ok(t) => (t.ids, false, t.retained),
             Err(e) => {
                 self.global.tokenize_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(model = %req.model, error = %e, "tokenization failed; routing by load");
-                (Vec::new(), true)
+                (Vec::new(), true, Vec::new())
             }
         };
         let seed = BlockSeed::new(Some(&req.lora_name), Some(&req.cache_salt));
@@ -256,6 +278,8 @@ impl App {
             total_blocks: out.total_blocks,
             reason: out.reason as i32,
             mode: out.mode.to_owned(),
+            retained_chain_hashes: retained,
+            resend: false,
         })
     }
 
@@ -432,6 +456,20 @@ impl App {
             "counter",
             "NATS messages for models not served here.",
             g.nats_unknown_model.load(Ordering::Relaxed),
+        );
+        scalar(
+            &mut o,
+            "kvgate_pick_elided_messages_total",
+            "counter",
+            "Chat messages whose bytes the filter left out because this replica retains them.",
+            g.elided_segments.load(Ordering::Relaxed),
+        );
+        scalar(
+            &mut o,
+            "kvgate_pick_resends_total",
+            "counter",
+            "Picks answered resend: the filter elided messages this replica does not hold.",
+            g.pick_resends.load(Ordering::Relaxed),
         );
         scalar(
             &mut o,

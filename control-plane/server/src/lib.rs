@@ -50,7 +50,7 @@ pub fn chat_pick_request(
         segments: bytes
             .into_iter()
             .zip(hashes)
-            .map(|(b, h)| pb::Segment { chain_hash: h, role: String::new(), message_json: b })
+            .map(|(b, h)| pb::Segment { chain_hash: h, role: String::new(), message_json: b, elided: false })
             .collect(),
         max_tokens,
         ..Default::default()

@@ -92,6 +92,11 @@ pub struct Global {
     pub pick_errors: [AtomicU64; 3],
     /// Tokenization failures (routed by load instead).
     pub tokenize_errors: AtomicU64,
+    /// Picks answered `resend`: the filter elided messages this replica
+    /// does not hold.
+    pub pick_resends: AtomicU64,
+    /// Chat messages that arrived elided (bytes left out by the filter).
+    pub elided_segments: AtomicU64,
     /// gRPC responses by status code (0..=16).
     pub grpc_status: [AtomicU64; 17],
     /// Snapshot requests sent.

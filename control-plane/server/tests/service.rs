@@ -529,7 +529,12 @@ async fn malformed_protobuf_on_nats_and_grpc_is_counted_and_rejected() {
     let req = pb::PickRequest {
         model: MODEL.into(),
         api: pb::ApiKind::ChatCompletions as i32,
-        segments: vec![pb::Segment { chain_hash: 1, role: "user".into(), message_json: b"{not json".to_vec() }],
+        segments: vec![pb::Segment {
+            chain_hash: 1,
+            role: "user".into(),
+            message_json: b"{not json".to_vec(),
+            elided: false,
+        }],
         ..Default::default()
     };
     let r = c.pick(req).await.unwrap().into_inner();
@@ -572,7 +577,7 @@ async fn chat_requests_match_blocks_stored_from_the_same_tokens_and_mode_switche
         segments: bytes
             .iter()
             .zip(&hashes)
-            .map(|(b, h)| pb::Segment { chain_hash: *h, role: "x".into(), message_json: b.clone() })
+            .map(|(b, h)| pb::Segment { chain_hash: *h, role: "x".into(), message_json: b.clone(), elided: false })
             .collect(),
         ..Default::default()
     };

@@ -36,7 +36,11 @@ impl Req {
     }
 
     fn segs(&self) -> Vec<SegmentRef<'_>> {
-        self.messages.iter().zip(&self.hashes).map(|(m, h)| SegmentRef { chain_hash: *h, message_json: m }).collect()
+        self.messages
+            .iter()
+            .zip(&self.hashes)
+            .map(|(m, h)| SegmentRef { chain_hash: *h, message_json: m, elided: false })
+            .collect()
     }
 }
 
@@ -83,6 +87,71 @@ fn multi_turn_conversation_hits_the_cache_and_equals_whole_prompt() {
     assert_eq!(t.ids, tk.chat_uncached(&r.context, &r.segs()).unwrap());
 }
 
+/// The filter elides the messages the tokenizer said it retains: the ids
+/// are exactly the whole prompt's, only the new messages are parsed and
+/// encoded, and whatever the cache does not hold (or a malformed elision)
+/// asks for the text instead of guessing.
+#[test]
+fn elided_messages_come_from_the_cache_or_are_asked_for() {
+    use kvgate_server::tokens::PromptError;
+    let tk = tokenizer(TokenCacheConfig { verify_every: 1, ..Default::default() });
+    let mut msgs = vec![
+        json!({"role": "system", "content": "You are a careful assistant. ".repeat(100)}),
+        json!({"role": "user", "content": turn(0)}),
+    ];
+    let r = Req::new(b"", &msgs);
+    let first = tk.chat(&r.context, &r.segs()).unwrap();
+    assert_eq!(first.retained, r.hashes, "the system prompt and the whole conversation are retained");
+    for i in 1..5 {
+        let retained = Req::new(b"", &msgs).hashes.last().copied().unwrap();
+        msgs.push(json!({"role": "assistant", "content": format!("The answer is {}.", i * 20)}));
+        msgs.push(json!({"role": "user", "content": turn(i)}));
+        let r = Req::new(b"", &msgs);
+        let k = r.hashes.iter().position(|h| *h == retained).unwrap();
+        let segs: Vec<SegmentRef<'_>> = r
+            .segs()
+            .into_iter()
+            .enumerate()
+            .map(|(j, s)| if j <= k { SegmentRef { message_json: b"", elided: true, ..s } } else { s })
+            .collect();
+        let t = tk.chat(&r.context, &segs).unwrap();
+        assert_eq!(t.ids, tk.chat_uncached(&r.context, &r.segs()).unwrap(), "turn {i}");
+        assert_eq!(t.outcome, Outcome::PartialHit);
+        assert!(t.encoded_bytes < 200, "only the new messages: {}", t.encoded_bytes);
+        assert_eq!(t.retained, [r.hashes[0], *r.hashes.last().unwrap()]);
+        // Elided through the last message: a full hit.
+        let all: Vec<SegmentRef<'_>> =
+            r.segs().into_iter().map(|s| SegmentRef { message_json: b"", elided: true, ..s }).collect();
+        let again = tk.chat(&r.context, &all).unwrap();
+        assert_eq!((again.outcome, &again.ids), (Outcome::FullHit, &t.ids));
+    }
+    assert_eq!(tk.stats.verify_failures.load(Ordering::Relaxed), 0);
+
+    // A tokenizer that never saw the conversation asks for it.
+    let fresh = tokenizer(TokenCacheConfig::default());
+    let r = Req::new(b"", &msgs);
+    let segs: Vec<SegmentRef<'_>> = r
+        .segs()
+        .into_iter()
+        .enumerate()
+        .map(|(j, s)| if j < 3 { SegmentRef { message_json: b"", elided: true, ..s } } else { s })
+        .collect();
+    assert!(matches!(fresh.chat(&r.context, &segs), Err(PromptError::NeedText(_))));
+    // An elided message after a sent one is refused, even when cached.
+    let mut holes = r.segs();
+    holes[2] = SegmentRef { message_json: b"", elided: true, ..holes[2] };
+    assert!(matches!(tk.chat(&r.context, &holes), Err(PromptError::NeedText(_))));
+    // A cache too small to hold the conversation retains nothing.
+    let tiny = tokenizer(TokenCacheConfig { budget_tokens: 64, ..Default::default() });
+    assert!(tiny.chat(&r.context, &r.segs()).unwrap().retained.is_empty());
+    // Another conversation on the retained system prompt elides it.
+    let other = Req::new(b"", &[msgs[0].clone(), json!({"role": "user", "content": "unrelated"})]);
+    let mut segs = other.segs();
+    segs[0] = SegmentRef { message_json: b"", elided: true, ..segs[0] };
+    let t = tk.chat(&other.context, &segs).unwrap();
+    assert_eq!((t.outcome, &t.ids), (Outcome::PartialHit, &tk.chat_uncached(&other.context, &other.segs()).unwrap()));
+}
+
 /// Regression (found by `cached_equals_whole` in CI): a conversation whose
 /// last message is a cached *inner* boundary (no generation-prompt suffix
 /// stored) once made a chunk that named itself as its predecessor, and the
@@ -117,7 +186,7 @@ fn wrong_chain_hash_bypasses_the_cache() {
     tk.chat(&r.context, &r.segs()).unwrap();
     // A forged hash naming the cached chunk, with other bytes.
     let other = serde_json::to_vec(&json!({"role": "user", "content": "goodbye"})).unwrap();
-    let forged = [SegmentRef { chain_hash: r.hashes[0], message_json: &other }];
+    let forged = [SegmentRef { chain_hash: r.hashes[0], message_json: &other, elided: false }];
     let t = tk.chat(b"", &forged).unwrap();
     assert_eq!(t.outcome, Outcome::Whole);
     assert_eq!(t.ids, tk.chat_uncached(b"", &forged).unwrap());
@@ -141,7 +210,7 @@ fn template_context_and_flags() {
     }
     let bad = Req::new(b"[1]", &msgs);
     assert!(tk.chat(&bad.context, &bad.segs()).unwrap_err().to_string().contains("not a JSON object"));
-    let not_obj = [SegmentRef { chain_hash: 0, message_json: b"\"text\"" }];
+    let not_obj = [SegmentRef { chain_hash: 0, message_json: b"\"text\"", elided: false }];
     let e = tk.chat(b"", &not_obj).unwrap_err().to_string();
     assert!(e.contains("message 0"), "{e}");
 }

@@ -487,7 +487,7 @@ async fn chat(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respons
     let ctx = if ctx.is_empty() { Vec::new() } else { serde_json::to_vec(&ctx).unwrap_or_default() };
     let hashes = chain_hashes(&ctx, &refs);
     let segs: Vec<SegmentRef<'_>> =
-        bytes.iter().zip(&hashes).map(|(b, h)| SegmentRef { chain_hash: *h, message_json: b }).collect();
+        bytes.iter().zip(&hashes).map(|(b, h)| SegmentRef { chain_hash: *h, message_json: b, elided: false }).collect();
     let tk = sh.opts.tokenizer.clone();
     let prompt = match heavy(|| tk.chat(&ctx, &segs)) {
         Ok(t) => t.ids,

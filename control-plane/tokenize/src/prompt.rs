@@ -79,6 +79,10 @@ pub enum PromptError {
     /// Rendering or encoding failed.
     #[error(transparent)]
     Tokenize(#[from] TokenizeError),
+    /// Elided messages that the cache no longer holds (or elided messages
+    /// that do not lead the conversation): the filter must send them.
+    #[error("elided messages are not held here: {0}")]
+    NeedText(&'static str),
 }
 
 /// How a prompt was tokenized (for metrics).
@@ -119,6 +123,12 @@ pub struct Tokenized {
     pub outcome: Outcome,
     /// Bytes of text that went through the tokenizer for this request.
     pub encoded_bytes: usize,
+    /// Chain hashes up to which the cache now holds the conversation
+    /// (messages and tokens): its first chunk boundary (a shared system
+    /// prompt or document) and its last message; empty when it does not
+    /// hold it. The filter may elide the messages up to one of them next
+    /// time (`PickResponse.retained_chain_hashes`).
+    pub retained: Vec<u64>,
 }
 
 /// One chat message as received: chained hash and raw JSON.
@@ -126,12 +136,17 @@ pub struct Tokenized {
 pub struct SegmentRef<'a> {
     /// `Segment.chain_hash` from the filter.
     pub chain_hash: u64,
-    /// `Segment.message_json`.
+    /// `Segment.message_json` (empty when elided).
     pub message_json: &'a [u8],
+    /// `Segment.elided`: the filter left the bytes out because this
+    /// tokenizer said it retains the conversation up to here.
+    pub elided: bool,
 }
 
 #[derive(Debug)]
 struct Chunk {
+    /// Its own key (the chain hash of its last message).
+    key: u64,
     prev: Option<u64>,
     rendered_len: usize,
     rendered_hash: u64,
@@ -158,10 +173,11 @@ struct Cache {
 }
 
 impl Cache {
-    fn insert(&mut self, key: u64, chunk: Chunk) {
+    /// Whether the chunk was kept (it is not when larger than the budget).
+    fn insert(&mut self, key: u64, chunk: Chunk) -> bool {
         let cost = chunk.cost();
         if cost > self.budget {
-            return;
+            return false;
         }
         if let Some(old) = self.lru.put(key, Arc::new(chunk)) {
             self.used -= old.cost();
@@ -173,6 +189,7 @@ impl Cache {
                 None => break,
             }
         }
+        true
     }
 }
 
@@ -278,6 +295,14 @@ fn parse_messages(segments: &[SegmentRef<'_>]) -> Result<Vec<Value>, PromptError
             Err(e) => Err(PromptError::Message { index, reason: e.to_string() }),
         })
         .collect()
+}
+
+/// The first boundary (when it is not the last) and the last.
+fn retained_pair(first: Option<u64>, last: u64) -> Vec<u64> {
+    match first {
+        Some(f) if f != last => vec![f, last],
+        _ => vec![last],
+    }
 }
 
 /// Owned copies of parsed messages, for a chunk.
@@ -406,7 +431,12 @@ impl PromptTokenizer {
     ) -> Result<Tokenized, PromptError> {
         let text = self.tk.render(messages, gen_prompt, extra)?;
         self.stats.encoded_bytes.fetch_add(text.len() as u64, Ordering::Relaxed);
-        Ok(Tokenized { ids: self.tk.encode(&text)?, outcome: Outcome::Whole, encoded_bytes: text.len() })
+        Ok(Tokenized {
+            ids: self.tk.encode(&text)?,
+            outcome: Outcome::Whole,
+            encoded_bytes: text.len(),
+            retained: Vec::new(),
+        })
     }
 
     fn count(&self, t: &Tokenized) {
@@ -425,7 +455,7 @@ impl PromptTokenizer {
     pub fn completion(&self, prompt: &str) -> Result<Tokenized, PromptError> {
         let ids = self.tk.encode_with_special(prompt)?;
         self.stats.encoded_bytes.fetch_add(prompt.len() as u64, Ordering::Relaxed);
-        let t = Tokenized { ids, outcome: Outcome::Whole, encoded_bytes: prompt.len() };
+        let t = Tokenized { ids, outcome: Outcome::Whole, encoded_bytes: prompt.len(), retained: Vec::new() };
         self.count(&t);
         Ok(t)
     }
@@ -441,9 +471,18 @@ impl PromptTokenizer {
         let ctx = parse_context(context_json)?;
         // The chain must match the bytes: a wrong hash would return another
         // conversation's tokens.
+        // Elided messages lead the conversation; their hashes are the
+        // filter's (it computed them from bytes it saw), the rest are checked.
+        let elided = segments.iter().take_while(|s| s.elided).count();
+        if segments.iter().skip(elided).any(|s| s.elided) {
+            return Err(PromptError::NeedText("elided messages must lead the conversation"));
+        }
         let mut chain_ok = true;
-        let mut h = SegmentHash::context(context_json);
-        for s in segments {
+        let mut h = match elided.checked_sub(1).and_then(|i| segments.get(i)) {
+            Some(s) => SegmentHash(s.chain_hash),
+            None => SegmentHash::context(context_json),
+        };
+        for s in segments.iter().skip(elided) {
             h = h.chain(s.message_json);
             if h.0 != s.chain_hash {
                 chain_ok = false;
@@ -453,7 +492,11 @@ impl PromptTokenizer {
         if !chain_ok {
             self.stats.hash_mismatches.fetch_add(1, Ordering::Relaxed);
         }
-        if !(chain_ok && ctx.cacheable && self.segmented()) || segments.is_empty() {
+        let cacheable = chain_ok && ctx.cacheable && self.segmented();
+        if elided > 0 && !cacheable {
+            return Err(PromptError::NeedText("this request cannot use the cache"));
+        }
+        if !cacheable || segments.is_empty() {
             let messages = parse_messages(segments)?;
             return self.whole_counted(&messages, ctx.add_generation_prompt, &ctx.extra);
         }
@@ -509,7 +552,12 @@ impl PromptTokenizer {
                     ids.extend_from_slice(&c.tokens);
                 }
                 ids.extend_from_slice(suffix);
-                return Ok(Tokenized { ids, outcome: Outcome::FullHit, encoded_bytes: 0 });
+                return Ok(Tokenized {
+                    ids,
+                    outcome: Outcome::FullHit,
+                    encoded_bytes: 0,
+                    retained: retained_pair(chunks.first().map(|c| c.key), segments[n - 1].chain_hash),
+                });
             }
         }
 
@@ -520,11 +568,13 @@ impl PromptTokenizer {
             Some(k) if cached.len() == k + 1 => k + 1,
             _ => 0,
         };
-        let parsed = parse_messages(segments.get(from..).unwrap_or_default())
-            .map_err(|e| match e {
-                PromptError::Message { index, reason } => PromptError::Message { index: index + from, reason },
-                e => e,
-            })?;
+        if from < elided {
+            return Err(PromptError::NeedText("evicted"));
+        }
+        let parsed = parse_messages(segments.get(from..).unwrap_or_default()).map_err(|e| match e {
+            PromptError::Message { index, reason } => PromptError::Message { index: index + from, reason },
+            e => e,
+        })?;
         let messages: Vec<&Value> = cached.iter().take(from).copied().chain(parsed.iter()).collect();
         let context = self.tk.render_context(&messages, &ctx.extra);
         let no_gen = self.tk.render_with(&context, false)?;
@@ -538,7 +588,7 @@ impl PromptTokenizer {
             self.stats.prefix_unstable.fetch_add(1, Ordering::Relaxed);
             let ids = self.tk.encode(&with_gen)?;
             self.stats.encoded_bytes.fetch_add(with_gen.len() as u64, Ordering::Relaxed);
-            return Ok(Tokenized { ids, outcome: Outcome::Whole, encoded_bytes: with_gen.len() });
+            return Ok(Tokenized { ids, outcome: Outcome::Whole, encoded_bytes: with_gen.len(), retained: Vec::new() });
         };
 
         // Where the cached text ends, if it still prefixes the render.
@@ -587,6 +637,7 @@ impl PromptTokenizer {
                 new_chunks.push((
                     segments[first_new].chain_hash,
                     Chunk {
+                        key: segments[first_new].chain_hash,
                         prev: prev_key,
                         rendered_len: first.len(),
                         rendered_hash: xxh3_64(first.as_bytes()),
@@ -617,6 +668,7 @@ impl PromptTokenizer {
             Some(last) if outcome == Outcome::PartialHit && prev_key == Some(last_key) => new_chunks.push((
                 last_key,
                 Chunk {
+                    key: last_key,
                     prev: last.prev,
                     rendered_len: last.rendered_len,
                     rendered_hash: last.rendered_hash,
@@ -629,12 +681,18 @@ impl PromptTokenizer {
             _ => new_chunks.push((
                 last_key,
                 Chunk {
+                    key: last_key,
                     prev: prev_key,
                     rendered_len: no_gen.len(),
                     rendered_hash: xxh3_64(no_gen.as_bytes()),
                     tokens: toks.into(),
                     messages: own(messages.get(covered..).unwrap_or_default()),
-                    message_bytes: segments.get(covered..).unwrap_or_default().iter().map(|s| s.message_json.len()).sum(),
+                    message_bytes: segments
+                        .get(covered..)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|s| s.message_json.len())
+                        .sum(),
                     gen_suffix: gen_prompt.then(|| suffix.into()),
                 },
             )),
@@ -649,15 +707,24 @@ impl PromptTokenizer {
                 self.stats.verify_failures.fetch_add(1, Ordering::Relaxed);
                 self.segmented.store(false, Ordering::Relaxed);
                 self.cache.lock().lru.clear();
-                return Ok(Tokenized { ids: whole, outcome: Outcome::Whole, encoded_bytes: with_gen.len() });
+                return Ok(Tokenized {
+                    ids: whole,
+                    outcome: Outcome::Whole,
+                    encoded_bytes: with_gen.len(),
+                    retained: Vec::new(),
+                });
             }
         }
 
         let mut cache = self.cache.lock();
+        let first = chunks.first().filter(|_| outcome == Outcome::PartialHit).map(|c| c.key);
+        let mut retained = retained_pair(first.or(new_chunks.first().map(|c| c.0)), last_key);
         for (key, chunk) in new_chunks {
-            cache.insert(key, chunk);
+            if !cache.insert(key, chunk) {
+                retained.clear();
+            }
         }
-        Ok(Tokenized { ids, outcome, encoded_bytes: encoded })
+        Ok(Tokenized { ids, outcome, encoded_bytes: encoded, retained })
     }
 
     /// Whole-prompt ids of a chat request, bypassing the cache (reference

@@ -15,7 +15,7 @@ use std::rc::Rc;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvgate_filter_core::extract::{Api, extract};
 use kvgate_filter_core::mock::MockHost;
-use kvgate_filter_core::pick::{RequestMeta, encode_pick};
+use kvgate_filter_core::pick::{RequestMeta, chain_hashes, encode_pick};
 use kvgate_filter_core::usage::find_usage;
 use kvgate_filter_core::{Config, RequestFilter};
 
@@ -45,7 +45,9 @@ fn benches(c: &mut Criterion) {
         g.bench_function("extract", |bench| bench.iter(|| extract(black_box(&b), Api::Chat).unwrap().messages.len()));
         let e = extract(&b, Api::Chat).unwrap();
         let meta = RequestMeta { request_id: "0123456789abcdef", lora_name: "", model: "m", body_bytes: 1 };
-        g.bench_function("encode_pick", |bench| bench.iter(|| encode_pick(black_box(&e), Api::Chat, &meta).len()));
+        g.bench_function("encode_pick", |bench| {
+            bench.iter(|| encode_pick(black_box(&e), Api::Chat, &meta, &chain_hashes(black_box(&e)), None).len())
+        });
         let cfg = Rc::new(Config::parse(b"{}").unwrap());
         g.bench_function("request_path", |bench| {
             bench.iter(|| {

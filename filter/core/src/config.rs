@@ -12,6 +12,7 @@
 //!   "completions_paths": ["/v1/completions"],
 //!   "max_fallbacks": 2,
 //!   "debug_headers": false,
+//!   "retained_conversations": 4096,
 //!   "lora_adapters": { "sql-lora": "llama-3-8b" },
 //!   "reports": { "enabled": true, "interval_ms": 1000, "max_batch": 512, "max_queue": 8192, "tail_bytes": 16384 }
 //! }
@@ -70,6 +71,10 @@ pub struct Config {
     pub max_fallbacks: usize,
     /// Add `x-kvgate-*` response headers.
     pub debug_headers: bool,
+    /// Size of the per-thread table of conversations the control plane said
+    /// it retains, whose leading messages are then elided from the Pick
+    /// (rounded up to a power of two; 0 = never elide).
+    pub retained_conversations: usize,
     /// LoRA adapter name → base model.
     pub lora_adapters: BTreeMap<String, String>,
     /// Completion reports.
@@ -128,6 +133,7 @@ struct RawConfig {
     completions_paths: Option<Vec<String>>,
     max_fallbacks: Option<usize>,
     debug_headers: Option<bool>,
+    retained_conversations: Option<usize>,
     #[serde(default)]
     lora_adapters: BTreeMap<String, String>,
     #[serde(default)]
@@ -222,6 +228,13 @@ impl Config {
             return Err(err("completions_paths", p, "a path cannot be both chat and completions"));
         }
         let max_fallbacks = range("max_fallbacks", raw.max_fallbacks.unwrap_or(2), 0, 16, "must be between 0 and 16")?;
+        let retained_conversations = range(
+            "retained_conversations",
+            raw.retained_conversations.unwrap_or(4096),
+            0,
+            1 << 20,
+            "must be between 0 and 1048576",
+        )?;
         for (adapter, base) in &raw.lora_adapters {
             if adapter.is_empty() || base.is_empty() || adapter == base {
                 return Err(err("lora_adapters", adapter, "adapter and base model names must be non-empty and differ"));
@@ -273,6 +286,7 @@ impl Config {
             completions_paths,
             max_fallbacks,
             debug_headers: raw.debug_headers.unwrap_or(false),
+            retained_conversations,
             lora_adapters: raw.lora_adapters,
             reports,
             grpc_service,

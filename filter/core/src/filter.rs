@@ -8,7 +8,12 @@
 //!     │ end of body: extract + encode + dispatch_pick   (fail(malformed | unsupported | dispatch_failed))
 //!     ▼ Pause
 //!  Picking ──gRPC answer──▶ usable: set header, resume ─▶ Forwarded
+//!     ▲                     resend (elided messages not held): ─┐
+//!     └──── re-extract, encode in full, dispatch_pick ◀─────────┘
 //!                           else fail(timeout | unavailable | unknown_model | grpc_error | unusable_answer)
+//!
+//!  Elision: the leading messages up to the last chain hash found in the
+//!  thread's [`Retained`] table go out without their bytes.
 //!
 //!  fail(cause): count it; fail-open → no header, continue/resume (Envoy's
 //!  fallback LB picks); fail-closed → local reply (cause.status(), JSON).
@@ -25,7 +30,8 @@ use kvgate_protocol::{DESTINATION_HEADER, pb};
 use crate::config::{Config, FailureMode};
 use crate::extract::{Api, extract};
 use crate::host::{Action, Cause, Host, Metric};
-use crate::pick::{Decision, RequestMeta, decide, encode_pick};
+use crate::pick::{Answer, Decision, RequestMeta, answer, chain_hashes, encode_pick};
+use crate::retained::Retained;
 use crate::usage::{Tail, find_usage};
 
 /// Debug response headers (`debug_headers: true`).
@@ -70,6 +76,10 @@ pub struct RequestFilter {
     t_first_byte: Option<u64>,
     status: u32,
     tail: Option<Tail>,
+    retained: Option<Rc<Retained>>,
+    /// Chain hash through which the Pick in flight elided messages (0 = none).
+    elided_through: u64,
+    body_size: usize,
 }
 
 fn steered_api(cfg: &Config, path: &str) -> Option<Api> {
@@ -101,7 +111,17 @@ impl RequestFilter {
             t_first_byte: None,
             status: 0,
             tail: None,
+            retained: None,
+            elided_through: 0,
+            body_size: 0,
         }
+    }
+
+    /// Shares the thread's table of retained conversations: Picks then elide
+    /// the messages the control plane said it holds.
+    pub fn with_retained(mut self, retained: Rc<Retained>) -> Self {
+        self.retained = Some(retained);
+        self
     }
 
     /// The failure cause, if the request took the failure path.
@@ -163,13 +183,24 @@ impl RequestFilter {
         if !end_of_stream {
             return Action::Pause;
         }
+        self.body_size = body_size;
+        match self.send_pick(host, true) {
+            Ok(()) => Action::Pause,
+            Err(cause) => self.fail(host, cause, false),
+        }
+    }
+
+    /// Extracts the buffered body, encodes the Pick (eliding retained
+    /// messages when `elide`) and dispatches it.
+    fn send_pick(&mut self, host: &impl Host, elide: bool) -> Result<(), Cause> {
+        let body_size = self.body_size;
         let Some(body) = host.request_body(0, body_size) else {
-            return self.fail(host, Cause::Malformed, false);
+            return Err(Cause::Malformed);
         };
         let e = match extract(&body, self.api) {
             Ok(e) => e,
-            Err(crate::extract::ExtractError::Unsupported(_)) => return self.fail(host, Cause::Unsupported, false),
-            Err(_) => return self.fail(host, Cause::Malformed, false),
+            Err(crate::extract::ExtractError::Unsupported(_)) => return Err(Cause::Unsupported),
+            Err(_) => return Err(Cause::Malformed),
         };
         let (model, lora) = match self.cfg.lora_adapters.get(e.model.as_ref()) {
             Some(base) => (base.as_str(), e.model.as_ref()),
@@ -181,8 +212,13 @@ impl RequestFilter {
             model,
             body_bytes: u32::try_from(body_size).unwrap_or(u32::MAX),
         };
-        let msg = encode_pick(&e, self.api, &meta);
-        self.model.push_str(&e.model);
+        let hashes = chain_hashes(&e);
+        let through = if elide { self.retained.as_ref().and_then(|r| r.last_retained(&hashes)) } else { None };
+        self.elided_through = through.and_then(|k| hashes.get(k)).copied().unwrap_or(0);
+        let msg = encode_pick(&e, self.api, &meta, &hashes, through);
+        if self.model.is_empty() {
+            self.model.push_str(&e.model);
+        }
         self.stream = e.stream;
         drop(e);
         drop(body);
@@ -191,15 +227,15 @@ impl RequestFilter {
             Some(token) => {
                 self.token = Some(token);
                 self.state = State::Picking;
-                Action::Pause
+                Ok(())
             }
-            None => self.fail(host, Cause::DispatchFailed, false),
+            None => Err(Cause::DispatchFailed),
         }
     }
 
     /// The Pick call ended: gRPC `status` (0 = OK) and, when OK, the
     /// encoded answer.
-    pub fn on_pick_response(&mut self, host: &impl Host, token: u32, status: u32, answer: Option<&[u8]>) {
+    pub fn on_pick_response(&mut self, host: &impl Host, token: u32, status: u32, answer_bytes: Option<&[u8]>) {
         if self.state != State::Picking || self.token != Some(token) {
             return;
         }
@@ -208,8 +244,13 @@ impl RequestFilter {
         let elapsed_us = now.saturating_sub(self.t_pick) / 1000;
         host.metric(Metric::PickLatencyUs, elapsed_us);
         let cause = match status {
-            0 => match answer.and_then(|a| decide(a, self.cfg.max_fallbacks)) {
-                Some(d) => {
+            0 => match answer_bytes.map_or(Answer::Unusable, |a| answer(a, self.cfg.max_fallbacks)) {
+                Answer::Route(d, retained) => {
+                    if let Some(r) = &self.retained {
+                        for h in retained {
+                            r.insert(h);
+                        }
+                    }
                     host.set_request_header(DESTINATION_HEADER, Some(&d.header));
                     host.metric(Metric::Steered, 1);
                     self.decision = Some(d);
@@ -217,7 +258,19 @@ impl RequestFilter {
                     host.resume_request();
                     return;
                 }
-                None => Cause::UnusableAnswer,
+                // The control plane no longer holds what was elided: once
+                // more, in full (a fresh deadline).
+                Answer::Resend if self.elided_through != 0 => {
+                    if let Some(r) = &self.retained {
+                        r.forget(self.elided_through);
+                    }
+                    host.metric(Metric::PickResends, 1);
+                    match self.send_pick(host, false) {
+                        Ok(()) => return,
+                        Err(cause) => cause,
+                    }
+                }
+                Answer::Resend | Answer::Unusable => Cause::UnusableAnswer,
             },
             // DEADLINE_EXCEEDED, or UNAVAILABLE at about the deadline (how
             // Envoy reports its own timeout). Envoy's timers run on its event
@@ -388,8 +441,58 @@ mod tests {
             total_blocks: 3,
             reason: pb::PickReason::Kv as i32,
             mode: "kv".into(),
+            ..Default::default()
         }
         .encode_to_vec()
+    }
+
+    /// Turn 1 is sent in full and the control plane says it retains it;
+    /// turn 2 elides those messages; a `resend` answer (the control plane
+    /// lost them) sends turn 2 again in full and forgets the hash; a resend
+    /// to a request that elided nothing is unusable.
+    #[test]
+    fn retained_messages_are_elided_and_resent_on_demand() {
+        let retained = Rc::new(Retained::new(64));
+        let turn1 = br#"{"model":"m","messages":[{"role":"system","content":"long"},{"role":"user","content":"q1"}]}"#;
+        let turn2 = br#"{"model":"m","messages":[{"role":"system","content":"long"},{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}]}"#;
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg("")).with_retained(retained.clone());
+        let t = to_pick(&mut f, &h, turn1);
+        let req = pb::PickRequest::decode(h.picks()[0].as_slice()).unwrap();
+        assert!(req.segments.iter().all(|s| !s.elided && !s.message_json.is_empty()));
+        let keep = req.segments[1].chain_hash;
+        let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
+        a.retained_chain_hashes = vec![keep];
+        f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
+        assert!(retained.contains(keep));
+
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg("")).with_retained(retained.clone());
+        let t = to_pick(&mut f, &h, turn2);
+        let req = pb::PickRequest::decode(h.picks()[0].as_slice()).unwrap();
+        let elided: Vec<bool> = req.segments.iter().map(|s| s.elided).collect();
+        assert_eq!(elided, [true, true, false, false]);
+        assert!(req.segments[..2].iter().all(|s| s.message_json.is_empty()));
+        assert_eq!(req.segments[1].chain_hash, keep, "hashes are still sent");
+        let resend = pb::PickResponse { resend: true, ..Default::default() }.encode_to_vec();
+        f.on_pick_response(&h, t, 0, Some(&resend));
+        assert_eq!(h.metric_value(Metric::PickResends), 1);
+        assert!(!retained.contains(keep), "forgotten");
+        let again = pb::PickRequest::decode(h.picks()[1].as_slice()).unwrap();
+        assert!(again.segments.iter().all(|s| !s.elided && !s.message_json.is_empty()));
+        let t2 = f.pick_token().unwrap();
+        assert_ne!(t2, t);
+        f.on_pick_response(&h, t2, 0, Some(&answer("10.0.0.2:8000")));
+        assert_eq!(h.request_header(DESTINATION_HEADER).as_deref(), Some("10.0.0.2:8000,10.0.0.9:80"));
+        assert_eq!(f.cause(), None);
+
+        // Nothing elided: a resend answer is unusable (fail open).
+        let h = MockHost::post("/v1/chat/completions");
+        let mut f = RequestFilter::new(cfg("")).with_retained(retained);
+        let t = to_pick(&mut f, &h, turn1);
+        f.on_pick_response(&h, t, 0, Some(&resend));
+        assert_eq!(f.cause(), Some(Cause::UnusableAnswer));
+        assert_eq!(h.picks().len(), 1);
     }
 
     /// Runs a request up to the Pick call; returns its token.

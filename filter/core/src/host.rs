@@ -105,6 +105,9 @@ pub enum Metric {
     ReportsDropped,
     /// Report calls that failed (their reports are retried).
     ReportErrors,
+    /// Picks sent again in full because the control plane no longer held
+    /// the elided messages.
+    PickResends,
 }
 
 /// Counter or histogram.
@@ -118,7 +121,7 @@ pub enum MetricKind {
 
 impl Metric {
     /// Number of metrics.
-    pub const COUNT: usize = 7 + Cause::ALL.len();
+    pub const COUNT: usize = 8 + Cause::ALL.len();
 
     /// Dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -130,7 +133,8 @@ impl Metric {
             Metric::ReportsSent => 4,
             Metric::ReportsDropped => 5,
             Metric::ReportErrors => 6,
-            Metric::Fallback(c) => 7 + Cause::ALL.iter().position(|x| *x == c).unwrap_or(0),
+            Metric::PickResends => 7,
+            Metric::Fallback(c) => 8 + Cause::ALL.iter().position(|x| *x == c).unwrap_or(0),
         }
     }
 
@@ -145,6 +149,7 @@ impl Metric {
             (Metric::ReportsSent, "kvgate.reports_sent", Counter),
             (Metric::ReportsDropped, "kvgate.reports_dropped", Counter),
             (Metric::ReportErrors, "kvgate.report_errors", Counter),
+            (Metric::PickResends, "kvgate.pick_resends", Counter),
         ]
         .into_iter()
         .chain(Cause::ALL.into_iter().map(|c| (Metric::Fallback(c), fallback_name(c), Counter)))

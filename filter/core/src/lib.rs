@@ -13,6 +13,7 @@
 //! | [`filter`] | the per-request state machine and its single failure path |
 //! | [`usage`] | `usage` from a bounded tail of the response |
 //! | [`report`] | per-thread completion-report queue |
+//! | [`retained`] | per-thread table of conversations the control plane retains (message elision) |
 //! | [`host`] | the [`Host`] trait, [`Metric`]s, failure [`Cause`]s |
 //! | [`mock`] | the recording mock host (feature `mock`, and in tests) |
 //!
@@ -33,9 +34,11 @@ pub mod json;
 pub mod mock;
 pub mod pick;
 pub mod report;
+pub mod retained;
 pub mod usage;
 
 pub use config::{Config, ConfigError, FailureMode};
 pub use filter::RequestFilter;
 pub use host::{Action, Cause, Host, Metric, MetricKind};
 pub use report::ReportQueue;
+pub use retained::Retained;

@@ -37,10 +37,33 @@ pub struct RequestMeta<'a> {
     pub body_bytes: u32,
 }
 
-/// Encodes the PickRequest for an extracted body.
-pub fn encode_pick(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>) -> Vec<u8> {
+/// The chained segment hash of every message.
+pub fn chain_hashes(e: &Extracted<'_>) -> Vec<u64> {
+    let mut h = SegmentHash::context(&e.template_context);
+    e.messages
+        .iter()
+        .map(|m| {
+            h = h.chain(m.json);
+            h.0
+        })
+        .collect()
+}
+
+/// Encodes the PickRequest for an extracted body. `hashes` are
+/// [`chain_hashes`]; the messages `0..=i` are sent without their bytes
+/// (`Segment.elided`) when `elide_through` is `Some(i)`.
+pub fn encode_pick(
+    e: &Extracted<'_>,
+    api: Api,
+    meta: &RequestMeta<'_>,
+    hashes: &[u64],
+    elide_through: Option<usize>,
+) -> Vec<u8> {
+    let elided = |i: usize| elide_through.is_some_and(|k| i <= k);
     // Sizes first, so that the buffer is allocated once.
-    let seg_len = |role: &str, json: &[u8]| 9 + len_field(role.len()) + len_field(json.len());
+    let seg_len = |i: usize, role: &str, json: &[u8]| {
+        9 + len_field(role.len()) + len_field(json.len()) + if elided(i) { 2 } else { 0 }
+    };
     let mut n = len_field(meta.request_id.len())
         + len_field(meta.model.len())
         + 2
@@ -50,8 +73,8 @@ pub fn encode_pick(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>) -> Vec<u
         + 6
         + 2
         + 6;
-    for m in &e.messages {
-        let l = seg_len(&m.role, m.json);
+    for (i, m) in e.messages.iter().enumerate() {
+        let l = seg_len(i, &m.role, if elided(i) { &[] } else { m.json });
         n += 1 + encoded_len_varint(l as u64) + l;
     }
     let ids_len = match &e.prompt {
@@ -76,15 +99,18 @@ pub fn encode_pick(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>) -> Vec<u
     encode_key(3, WireType::Varint, &mut buf);
     encode_varint(api_v, &mut buf);
     put_bytes(4, &e.template_context, &mut buf);
-    let mut h = SegmentHash::context(&e.template_context);
-    for m in &e.messages {
-        h = h.chain(m.json);
+    for (i, (m, h)) in e.messages.iter().zip(hashes).enumerate() {
+        let j: &[u8] = if elided(i) { &[] } else { m.json };
         encode_key(5, WireType::LengthDelimited, &mut buf);
-        encode_varint(seg_len(&m.role, m.json) as u64, &mut buf);
+        encode_varint(seg_len(i, &m.role, j) as u64, &mut buf);
         encode_key(1, WireType::SixtyFourBit, &mut buf);
-        buf.extend_from_slice(&h.0.to_le_bytes());
+        buf.extend_from_slice(&h.to_le_bytes());
         put_bytes(2, m.role.as_bytes(), &mut buf);
-        put_bytes(3, m.json, &mut buf);
+        put_bytes(3, j, &mut buf);
+        if elided(i) {
+            encode_key(4, WireType::Varint, &mut buf);
+            encode_varint(1, &mut buf);
+        }
     }
     match &e.prompt {
         Some(Prompt::Text(t)) => {
@@ -170,11 +196,34 @@ pub fn reason_name(r: i32) -> &'static str {
     }
 }
 
-/// Turns an encoded PickResponse into a decision; `None` when it is not
-/// usable (undecodable, no endpoint, an endpoint that is not `host:port`).
+/// What an answer of the control plane means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// Route: the decision, and the chain hashes up to which the control
+    /// plane now retains the conversation.
+    Route(Decision, Vec<u64>),
+    /// The control plane does not hold the elided messages: send in full.
+    Resend,
+    /// Nothing usable.
+    Unusable,
+}
+
+/// Turns an encoded PickResponse into an [`Answer`]: unusable when it is
+/// undecodable, has no endpoint, or an endpoint that is not `host:port`.
 /// Unusable fallbacks are skipped; at most `max_fallbacks` are kept.
-pub fn decide(response: &[u8], max_fallbacks: usize) -> Option<Decision> {
-    let r = pb::PickResponse::decode(response).ok()?;
+pub fn answer(response: &[u8], max_fallbacks: usize) -> Answer {
+    let Ok(mut r) = pb::PickResponse::decode(response) else { return Answer::Unusable };
+    if r.resend {
+        return Answer::Resend;
+    }
+    let retained = std::mem::take(&mut r.retained_chain_hashes);
+    match decide(r, max_fallbacks) {
+        Some(d) => Answer::Route(d, retained),
+        None => Answer::Unusable,
+    }
+}
+
+fn decide(r: pb::PickResponse, max_fallbacks: usize) -> Option<Decision> {
     if !endpoint_ok(&r.endpoint) {
         return None;
     }
@@ -201,7 +250,7 @@ mod tests {
     use proptest::prelude::*;
 
     /// The same request built the slow way, with prost.
-    fn reference(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>) -> pb::PickRequest {
+    fn reference(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>, elide: Option<usize>) -> pb::PickRequest {
         let mut h = SegmentHash::context(&e.template_context);
         pb::PickRequest {
             request_id: meta.request_id.into(),
@@ -214,9 +263,16 @@ mod tests {
             segments: e
                 .messages
                 .iter()
-                .map(|m| {
+                .enumerate()
+                .map(|(i, m)| {
                     h = h.chain(m.json);
-                    pb::Segment { chain_hash: h.0, role: m.role.to_string(), message_json: m.json.to_vec() }
+                    let elided = elide.is_some_and(|k| i <= k);
+                    pb::Segment {
+                        chain_hash: h.0,
+                        role: m.role.to_string(),
+                        message_json: if elided { Vec::new() } else { m.json.to_vec() },
+                        elided,
+                    }
                 })
                 .collect(),
             prompt: e.prompt.as_ref().map(|p| match p {
@@ -237,6 +293,7 @@ mod tests {
             msgs in prop::collection::vec(("[a-z]{0,8}", ".{0,300}"), 1..6),
             tools in any::<bool>(), stream in any::<bool>(), mt in prop::option::of(any::<u32>()),
             salt in "[a-z]{0,4}", id in "[a-z0-9-]{0,40}", lora in "[a-z]{0,5}", bytes in any::<u32>(),
+            elide in prop::option::of(0usize..7),
             prompt in prop::option::of(prop_oneof![
                 ".{0,200}".prop_map(|s| serde_json::json!(s)),
                 prop::collection::vec(any::<u32>(), 0..50).prop_map(|v| serde_json::json!(v)),
@@ -250,8 +307,8 @@ mod tests {
             let text = serde_json::to_vec(&body).unwrap();
             let e = match extract(&text, api) { Ok(e) => e, Err(_) => return Ok(()) };
             let meta = RequestMeta { request_id: &id, lora_name: &lora, model: "m", body_bytes: bytes };
-            let ours = encode_pick(&e, api, &meta);
-            let theirs = reference(&e, api, &meta);
+            let ours = encode_pick(&e, api, &meta, &chain_hashes(&e), elide);
+            let theirs = reference(&e, api, &meta, elide);
             prop_assert_eq!(&ours, &theirs.encode_to_vec());
             prop_assert_eq!(pb::PickRequest::decode(ours.as_slice()).unwrap(), theirs);
         }
@@ -260,7 +317,11 @@ mod tests {
     #[test]
     fn decisions() {
         let enc = |r: pb::PickResponse| r.encode_to_vec();
-        let d = decide(
+        let route = |b: &[u8], n: usize| match answer(b, n) {
+            Answer::Route(d, _) => Some(d),
+            _ => None,
+        };
+        let d = route(
             &enc(pb::PickResponse {
                 endpoint: "10.0.0.1:8000".into(),
                 fallbacks: vec!["10.0.0.2:8000".into(), "bad\r\nx:1".into(), "10.0.0.1:8000".into(), "[::1]:9".into()],
@@ -269,6 +330,7 @@ mod tests {
                 total_blocks: 4,
                 reason: pb::PickReason::Load as i32,
                 mode: "kv".into(),
+                ..Default::default()
             }),
             4,
         )
@@ -276,13 +338,20 @@ mod tests {
         assert_eq!(d.header, "10.0.0.1:8000,10.0.0.2:8000,[::1]:9");
         assert_eq!(d.endpoint(), "10.0.0.1:8000");
         assert_eq!(d.reason, "load");
-        let one = decide(
+        let one = route(
             &enc(pb::PickResponse { endpoint: "a:1".into(), fallbacks: vec!["b:2".into()], ..Default::default() }),
             0,
         );
         assert_eq!(one.unwrap().header, "a:1");
-        assert!(decide(&enc(pb::PickResponse::default()), 4).is_none());
-        assert!(decide(&enc(pb::PickResponse { endpoint: "nocolon".into(), ..Default::default() }), 4).is_none());
-        assert!(decide(&[0xff, 0xff, 0xff], 4).is_none());
+        assert_eq!(answer(&enc(pb::PickResponse::default()), 4), Answer::Unusable);
+        assert_eq!(
+            answer(&enc(pb::PickResponse { endpoint: "nocolon".into(), ..Default::default() }), 4),
+            Answer::Unusable
+        );
+        assert_eq!(answer(&[0xff, 0xff, 0xff], 4), Answer::Unusable);
+        assert_eq!(answer(&enc(pb::PickResponse { resend: true, ..Default::default() }), 4), Answer::Resend);
+        let kept =
+            enc(pb::PickResponse { endpoint: "a:1".into(), retained_chain_hashes: vec![7, 77], ..Default::default() });
+        assert!(matches!(answer(&kept, 0), Answer::Route(_, r) if r == [7, 77]));
     }
 }

@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
-use kvgate_filter_core::{Action, Config, Host, Metric, MetricKind, ReportQueue, RequestFilter};
+use kvgate_filter_core::{Action, Config, Host, Metric, MetricKind, ReportQueue, RequestFilter, Retained};
 use kvgate_protocol::{REPORT_METHOD, ROUTER_SERVICE, pb};
 use prost::Message as _;
 use proxy_wasm::hostcalls;
@@ -35,6 +35,7 @@ struct Shared {
     cfg: Rc<Config>,
     metric_ids: [Option<u32>; Metric::COUNT],
     reports: RefCell<ReportQueue>,
+    retained: Rc<Retained>,
 }
 
 /// The host: proxy-wasm host calls on the current stream.
@@ -162,7 +163,8 @@ impl RootContext for Root {
             .unwrap_or_else(|| "envoy".into());
         self.reporter_id = node + "/" + &self.reporter_id_suffix();
         let reports = RefCell::new(ReportQueue::new(cfg.reports.max_queue, cfg.reports.max_batch));
-        self.shared = Some(Rc::new(Shared { cfg: Rc::new(cfg), metric_ids, reports }));
+        let retained = Rc::new(Retained::new(cfg.retained_conversations));
+        self.shared = Some(Rc::new(Shared { cfg: Rc::new(cfg), metric_ids, reports, retained }));
         true
     }
 
@@ -193,7 +195,7 @@ impl RootContext for Root {
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         let shared = self.shared.clone()?;
-        let filter = RequestFilter::new(shared.cfg.clone());
+        let filter = RequestFilter::new(shared.cfg.clone()).with_retained(shared.retained.clone());
         Some(Box::new(Http { shared, filter }))
     }
 

@@ -10,7 +10,7 @@ use std::rc::Rc;
 use kvgate_filter_core::extract::{Api, extract};
 use kvgate_filter_core::json::{JsonError, Scanner};
 use kvgate_filter_core::mock::MockHost;
-use kvgate_filter_core::pick::{RequestMeta, encode_pick};
+use kvgate_filter_core::pick::{RequestMeta, chain_hashes, encode_pick};
 use kvgate_filter_core::usage::find_usage;
 use kvgate_filter_core::{Config, RequestFilter};
 use kvgate_protocol::pb;
@@ -28,11 +28,16 @@ fuzz_target!(|data: &[u8]| {
     for api in [Api::Chat, Api::Completions] {
         if let Ok(e) = extract(data, api) {
             let meta = RequestMeta { request_id: "r", lora_name: "", model: &e.model, body_bytes: data.len() as u32 };
-            let msg = encode_pick(&e, api, &meta);
+            let hashes = chain_hashes(&e);
+            let elide = data.first().map(|b| usize::from(*b % 4));
+            let msg = encode_pick(&e, api, &meta, &hashes, elide);
             let decoded = pb::PickRequest::decode(msg.as_slice()).expect("our encoding decodes");
             assert_eq!(decoded.segments.len(), e.messages.len());
-            for (s, m) in decoded.segments.iter().zip(&e.messages) {
-                assert_eq!(s.message_json, m.json);
+            for (i, (s, m)) in decoded.segments.iter().zip(&e.messages).enumerate() {
+                let elided = elide.is_some_and(|k| i <= k);
+                assert_eq!(s.elided, elided);
+                assert_eq!(s.message_json, if elided { &[][..] } else { m.json });
+                assert_eq!(s.chain_hash, hashes[i]);
             }
         }
     }

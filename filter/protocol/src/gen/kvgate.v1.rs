@@ -23,6 +23,13 @@ pub struct Segment {
     /// content, `name`, `tool_calls`, ...).
     #[prost(bytes = "vec", tag = "3")]
     pub message_json: ::prost::alloc::vec::Vec<u8>,
+    /// The filter left `message_json` out (and sent it empty): the control
+    /// plane told it earlier, through `PickResponse.retained_chain_hashes`, that
+    /// it holds this conversation up to this segment. Only a leading run of
+    /// segments is ever elided. A control plane that no longer holds them
+    /// answers `resend` and the filter sends the request again in full.
+    #[prost(bool, tag = "4")]
+    pub elided: bool,
 }
 /// Token ids of a /v1/completions prompt given as an array of integers.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -116,6 +123,18 @@ pub struct PickResponse {
     /// "round_robin", "random"), for debug headers and A/B bookkeeping.
     #[prost(string, tag = "7")]
     pub mode: ::prost::alloc::string::String,
+    /// Chain hashes of segments up to which the control plane now holds this
+    /// request's messages (parsed, with their tokens): the last segment's when
+    /// it holds the whole conversation, and the first cached boundary's (a
+    /// shared system prompt or document); empty = none. The filter may elide
+    /// the segments up to one of these hashes in later requests that start
+    /// with the same messages (`Segment.elided`).
+    #[prost(fixed64, repeated, tag = "8")]
+    pub retained_chain_hashes: ::prost::alloc::vec::Vec<u64>,
+    /// Elided segments the control plane does not hold (evicted, or another
+    /// replica answered): no decision; send the request again without eliding.
+    #[prost(bool, tag = "9")]
+    pub resend: bool,
 }
 /// What happened to one steered request, measured at the gateway.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -65,7 +65,7 @@ pub extern "C" fn probe_pick_encode(n: u32) -> u32 {
         let segments = messages(&text, n)
             .map(|m| {
                 h = h.chain(m);
-                pb::Segment { chain_hash: h.0, role: "user".into(), message_json: m.to_vec() }
+                pb::Segment { chain_hash: h.0, role: "user".into(), message_json: m.to_vec(), elided: false }
             })
             .collect();
         let req = pb::PickRequest {
