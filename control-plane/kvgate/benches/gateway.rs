@@ -151,7 +151,19 @@ struct Arm {
     cpu0: u64,
 }
 
-fn start_serve(dir: &Path, name: &str, tokenizer: Option<&Path>, workers: &[SocketAddr]) -> (Proc, SocketAddr) {
+/// A counter of the control plane's `/metrics`.
+fn cp_counter(admin: SocketAddr, series: &str) -> f64 {
+    let r = kvgate_e2e::http_request(admin, "GET", "/metrics", &[], b"").unwrap();
+    let text = String::from_utf8_lossy(&r.body).into_owned();
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+fn start_serve(
+    dir: &Path,
+    name: &str,
+    tokenizer: Option<&Path>,
+    workers: &[SocketAddr],
+) -> (Proc, SocketAddr, SocketAddr) {
     let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
     let grpc: SocketAddr = ([127, 0, 0, 1], gp).into();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
@@ -171,7 +183,7 @@ fn start_serve(dir: &Path, name: &str, tokenizer: Option<&Path>, workers: &[Sock
     }
     let p = Proc::spawn(name, cmd, dir).unwrap();
     wait_for_tcp(grpc, Duration::from_secs(30)).unwrap();
-    (p, grpc)
+    (p, grpc, ([127, 0, 0, 1], ap).into())
 }
 
 fn main() {
@@ -186,8 +198,8 @@ fn main() {
     let tk = std::env::var_os("KVGATE_TOKENIZER_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"));
-    let (serve, grpc) = start_serve(&dir, "serve", Some(&tk), &addrs);
-    let (serve_lo, grpc_lo) = start_serve(&dir, "serve-load-only", None, &addrs);
+    let (serve, grpc, serve_admin) = start_serve(&dir, "serve", Some(&tk), &addrs);
+    let (serve_lo, grpc_lo, _) = start_serve(&dir, "serve-load-only", None, &addrs);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
 
     let mut rows = serde_json::Map::new();
@@ -240,6 +252,8 @@ fn main() {
             arm.cpu0 = cpu_ns(arm.envoy.proc.pid());
         }
         let (cs0, cl0) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()));
+        let elided0 = cp_counter(serve_admin, "kvgate_pick_elided_messages_total");
+        let resends0 = cp_counter(serve_admin, "kvgate_pick_resends_total");
         let n = arms.len();
         for (i, x) in bodies.iter().skip(20).enumerate() {
             // Rotate the order every request: no arm always goes first.
@@ -250,6 +264,8 @@ fn main() {
             }
         }
         let (cs1, cl1) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()));
+        let elided = cp_counter(serve_admin, "kvgate_pick_elided_messages_total") - elided0;
+        let resends = cp_counter(serve_admin, "kvgate_pick_resends_total") - resends0;
         // Envoy computes histogram quantiles when it flushes stats (every 5 s).
         std::thread::sleep(Duration::from_millis(5500));
         let per = |d: u64| ((d as f64 / pairs as f64 / 1000.0) * 10.0).round() / 10.0;
@@ -290,6 +306,8 @@ fn main() {
             "added_p50_us": r(k50 - b50), "added_p99_us": r(k99 - b99),
             "envoy_cpu_us_per_req": {"baseline": g("baseline", "envoy_cpu_us_per_req"), "kvgate": g("kvgate", "envoy_cpu_us_per_req")},
             "control_plane_cpu_us_per_req": per(cs1 - cs0),
+            "elided_messages_per_req": elided / pairs as f64,
+            "resends": resends,
             "breakdown": {
                 "what": "added p50 of the filter alone (callout fails at dispatch), of the filter with a control plane that decodes and routes by load (no tokenization), and of the full path",
                 "filter_no_callout_added_p50_us": r(g("filter_no_callout", "p50_us") - b50),

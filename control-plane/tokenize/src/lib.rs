@@ -122,7 +122,7 @@ impl ChatTokenizer {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, Value>,
     ) -> Result<String, TokenizeError> {
-        self.render_with(&self.render_context(messages, extra), add_generation_prompt)
+        self.render_with(&self.render_context(messages, extra), add_generation_prompt, 0)
     }
 
     /// The template context of `messages` (and the request's extra template
@@ -153,15 +153,23 @@ impl ChatTokenizer {
         })
     }
 
-    /// Renders a context from [`Self::render_context`].
+    /// Renders a context from [`Self::render_context`] into a buffer of
+    /// `size_hint` bytes (the expected length: a 100K-token prompt rendered
+    /// into a growing string spends as long copying as rendering).
     pub fn render_with(
         &self,
         context: &minijinja::Value,
         add_generation_prompt: bool,
+        size_hint: usize,
     ) -> Result<String, TokenizeError> {
         let tmpl = self.env.get_template("chat").map_err(|e| TokenizeError::Template(e.to_string()))?;
-        tmpl.render(minijinja::context! { add_generation_prompt => add_generation_prompt, ..context.clone() })
-            .map_err(|e| TokenizeError::Template(e.to_string()))
+        let mut out = Vec::with_capacity(size_hint);
+        tmpl.render_captured_to(
+            minijinja::context! { add_generation_prompt => add_generation_prompt, ..context.clone() },
+            &mut out,
+        )
+        .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        String::from_utf8(out).map_err(|e| TokenizeError::Template(e.to_string()))
     }
 
     /// Token ids of `text`, without adding special tokens.

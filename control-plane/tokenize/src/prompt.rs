@@ -577,8 +577,12 @@ impl PromptTokenizer {
         })?;
         let messages: Vec<&Value> = cached.iter().take(from).copied().chain(parsed.iter()).collect();
         let context = self.tk.render_context(&messages, &ctx.extra);
-        let no_gen = self.tk.render_with(&context, false)?;
-        let with_gen = if gen_prompt { self.tk.render_with(&context, true)? } else { no_gen.clone() };
+        // The render's size: the cached text plus about the new messages'.
+        let hint = chunks.last().map_or(0, |c| c.rendered_len)
+            + segments.get(from..).unwrap_or_default().iter().map(|s| s.message_json.len()).sum::<usize>()
+            + 1024;
+        let no_gen = self.tk.render_with(&context, false, hint)?;
+        let with_gen = if gen_prompt { self.tk.render_with(&context, true, hint)? } else { no_gen.clone() };
         let suffix_text = with_gen.strip_prefix(no_gen.as_str());
         if suffix_text.is_some_and(|t| !self.tk.boundary_safe(&no_gen, t)) {
             self.stats.unsafe_boundaries.fetch_add(1, Ordering::Relaxed);
