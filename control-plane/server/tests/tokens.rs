@@ -53,6 +53,9 @@ fn self_test_passes_for_the_deepseek_template() {
     let tk = tokenizer(TokenCacheConfig::default());
     assert!(tk.segmented(), "{}", tk.self_test_result());
     assert!(tk.self_test_result().starts_with("passed"), "{}", tk.self_test_result());
+    // New turns render stand-ins for cached messages (the path every
+    // partial-hit test below then takes).
+    assert!(tk.self_test_result().contains("local template"), "{}", tk.self_test_result());
 }
 
 #[test]

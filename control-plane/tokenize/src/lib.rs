@@ -205,6 +205,17 @@ impl ChatTokenizer {
             || self.added.iter().any(|t| after.starts_with(t.as_str()) || before.ends_with(t.as_str()))
     }
 
+    /// Whether `text` ends with an added token (one side of
+    /// [`Self::boundary_safe`]).
+    pub fn ends_with_added(&self, text: &str) -> bool {
+        self.added.iter().any(|t| text.ends_with(t.as_str()))
+    }
+
+    /// Whether `text` starts with an added token.
+    pub fn starts_with_added(&self, text: &str) -> bool {
+        self.added.iter().any(|t| text.starts_with(t.as_str()))
+    }
+
     /// Token ids of a chat request, as vLLM computes them.
     pub fn encode_chat(&self, messages: &[Value], add_generation_prompt: bool) -> Result<Vec<u32>, TokenizeError> {
         self.encode(&self.render(messages, add_generation_prompt, &serde_json::Map::new())?)

@@ -21,7 +21,16 @@
 //! * **Full hit** (`h[n-1]` cached with its suffix): ids = chain of chunks +
 //!   suffix. No JSON parse, no render; cost O(prompt ids) to copy, plus
 //!   re-hashing the message bytes.
-//! * **Partial hit** (longest cached `h[k]`, k < n-1): parse only the new
+//! * **Partial hit, local template** (longest cached `h[k]`, k < n-1, and
+//!   the load-time locality test passed): parse only the new messages, render
+//!   *stand-ins* (role, empty content) for the cached messages followed by
+//!   the new ones, without and with the generation prompt, and take the text
+//!   after the stand-ins' own render. Cost O(new messages): the cached text
+//!   is never rendered, hashed or compared. Boundary safety uses the flag the
+//!   chunk kept (`ends_with_added`). The locality test checks, on the
+//!   self-test conversations, that stand-ins change nothing after them; the
+//!   sampled verification renders for real.
+//! * **Partial hit, other templates**: parse only the new
 //!   messages (the cached ones come parsed from their chunks: parsing a
 //!   100K-token message costs ~1.5 ms, rendering it ~0.1 ms), render the whole
 //!   conversation once without and once with the generation prompt, check
@@ -48,7 +57,8 @@
 //! | path | cost |
 //! |---|---|
 //! | full hit | O(message bytes) hashing + O(ids) copy |
-//! | partial hit | JSON parse of the new messages + O(prompt text) render ×2 + BPE of the new text only |
+//! | partial hit, local template | O(new messages) parse + render ×3 + BPE, plus O(prompt ids) copy |
+//! | partial hit, other templates | JSON parse of the new messages + O(prompt text) render ×2 + BPE of the new text only |
 //! | miss / whole | O(prompt text) render + BPE of everything |
 //! | memory | bounded by `budget_tokens` × 4 bytes; cached messages count 1 token per 4 bytes of their JSON |
 
@@ -149,7 +159,11 @@ struct Chunk {
     key: u64,
     prev: Option<u64>,
     rendered_len: usize,
-    rendered_hash: u64,
+    /// xxh3 of the rendered text up to here; `None` when the chunk was made
+    /// by a stand-in render (the real text was never rendered).
+    rendered_hash: Option<u64>,
+    /// The real rendered text up to here ends with an added token.
+    ends_with_added: bool,
     tokens: Box<[u32]>,
     /// The messages this chunk covers, parsed (shared with the chunk that
     /// only adds a generation suffix).
@@ -232,6 +246,10 @@ pub struct PromptTokenizer {
     tk: ChatTokenizer,
     cache: Mutex<Cache>,
     segmented: AtomicBool,
+    /// The template renders each message independently of the contents of
+    /// the messages before it (load-time self-test): a new turn renders
+    /// stand-ins for the cached messages instead of their text.
+    local: AtomicBool,
     verify_every: u64,
     counter: AtomicU64,
     /// Statistics.
@@ -297,6 +315,15 @@ fn parse_messages(segments: &[SegmentRef<'_>]) -> Result<Vec<Value>, PromptError
         .collect()
 }
 
+/// What a cached message renders as in a stand-in render: its role, no
+/// content.
+fn stand_in(m: &Value) -> Value {
+    let mut o = Map::new();
+    o.insert("role".into(), m.get("role").cloned().unwrap_or(Value::Null));
+    o.insert("content".into(), Value::String(String::new()));
+    Value::Object(o)
+}
+
 /// The first boundary (when it is not the last) and the last.
 fn retained_pair(first: Option<u64>, last: u64) -> Vec<u64> {
     match first {
@@ -355,6 +382,7 @@ impl PromptTokenizer {
             tk,
             cache: Mutex::new(Cache { lru: lru::LruCache::unbounded(), used: 0, budget: config.budget_tokens.max(1) }),
             segmented: AtomicBool::new(false),
+            local: AtomicBool::new(false),
             verify_every: config.verify_every,
             counter: AtomicU64::new(0),
             stats: TokenStats::default(),
@@ -362,7 +390,14 @@ impl PromptTokenizer {
         };
         match this.run_self_test() {
             Ok(n) => {
-                this.self_test = format!("passed on {n} conversations");
+                let local = this.locality_test();
+                this.local.store(local.is_ok(), Ordering::Relaxed);
+                this.self_test = match local {
+                    Ok(()) => format!("passed on {n} conversations; local template: new turns render stand-ins"),
+                    Err(why) => {
+                        format!("passed on {n} conversations; template not local ({why}): new turns render in full")
+                    }
+                };
                 this.segmented.store(true, Ordering::Relaxed);
             }
             Err(why) => this.self_test = format!("failed ({why}): whole-prompt tokenization"),
@@ -417,6 +452,116 @@ impl PromptTokenizer {
             }
         }
         Ok(convs.len())
+    }
+
+    /// Whether rendering stand-ins (role only, empty content) for the first
+    /// messages leaves the text of the later messages and of the generation
+    /// prompt unchanged, on the self-test conversations.
+    fn locality_test(&self) -> Result<(), String> {
+        let e = |e: TokenizeError| e.to_string();
+        let extra = Map::new();
+        for conv in self_test_conversations() {
+            for k in 0..conv.len().saturating_sub(1) {
+                let stand: Vec<Value> =
+                    conv.iter().enumerate().map(|(i, m)| if i <= k { stand_in(m) } else { m.clone() }).collect();
+                for gen_prompt in [false, true] {
+                    let real_k = self.tk.render(&conv[..=k], false, &extra).map_err(e)?;
+                    let real = self.tk.render(&conv, gen_prompt, &extra).map_err(e)?;
+                    let stand_k = self.tk.render(&stand[..=k], false, &extra).map_err(e)?;
+                    let stand_all = self.tk.render(&stand, gen_prompt, &extra).map_err(e)?;
+                    if real.strip_prefix(real_k.as_str()) != stand_all.strip_prefix(stand_k.as_str()) {
+                        return Err(format!("message {} renders differently after stand-ins", k + 1));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A new turn on a cached prefix 0..=k, rendering stand-ins for the
+    /// cached messages: O(new messages). `None` when the render is not
+    /// prefix-stable here or a boundary is not safe (the caller renders in
+    /// full).
+    #[allow(clippy::too_many_arguments)]
+    fn new_turn_local(
+        &self,
+        segments: &[SegmentRef<'_>],
+        chunks: &[Arc<Chunk>],
+        k: usize,
+        cached: &[&Value],
+        parsed: &[Value],
+        gen_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<Option<Tokenized>, PromptError> {
+        let Some(last) = chunks.last() else { return Ok(None) };
+        let stand: Vec<Value> = cached.iter().map(|m| stand_in(m)).collect();
+        let prefix = self.tk.render(&stand, false, extra)?;
+        let all: Vec<&Value> = stand.iter().chain(parsed.iter()).collect();
+        let context = self.tk.render_context(&all, extra);
+        let no_gen = self.tk.render_with(&context, false, prefix.len() + 1024)?;
+        let with_gen =
+            if gen_prompt { self.tk.render_with(&context, true, no_gen.len() + 256)? } else { no_gen.clone() };
+        let (Some(new_text), Some(suffix_text)) =
+            (no_gen.strip_prefix(prefix.as_str()), with_gen.strip_prefix(no_gen.as_str()))
+        else {
+            return Ok(None);
+        };
+        let end_added = if new_text.is_empty() { last.ends_with_added } else { self.tk.ends_with_added(new_text) };
+        let safe_new = new_text.is_empty() || last.ends_with_added || self.tk.starts_with_added(new_text);
+        let safe_suffix = suffix_text.is_empty() || end_added || self.tk.starts_with_added(suffix_text);
+        if !(safe_new && safe_suffix) {
+            self.stats.unsafe_boundaries.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
+        let toks = self.tk.encode(new_text)?;
+        let suffix = self.tk.encode(suffix_text)?;
+        let total = chunks.iter().map(|c| c.tokens.len()).sum::<usize>() + toks.len() + suffix.len();
+        let mut ids = Vec::with_capacity(total);
+        for c in chunks {
+            ids.extend_from_slice(&c.tokens);
+        }
+        ids.extend_from_slice(&toks);
+        ids.extend_from_slice(&suffix);
+        let encoded = new_text.len() + suffix_text.len();
+        self.stats.encoded_bytes.fetch_add(encoded as u64, Ordering::Relaxed);
+        let n = segments.len();
+        let last_key = segments.get(n.wrapping_sub(1)).map_or(0, |s| s.chain_hash);
+        let prev_key = segments.get(k).map(|s| s.chain_hash);
+
+        // Sampled verification against the whole prompt, rendered for real.
+        let nth = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.verify_every > 0 && nth.is_multiple_of(self.verify_every) {
+            let real: Vec<&Value> = cached.iter().copied().chain(parsed.iter()).collect();
+            let whole = self.tk.encode(&self.tk.render(&real, gen_prompt, extra)?)?;
+            if whole != ids {
+                self.stats.verify_failures.fetch_add(1, Ordering::Relaxed);
+                self.segmented.store(false, Ordering::Relaxed);
+                self.cache.lock().lru.clear();
+                return Ok(Some(Tokenized {
+                    ids: whole,
+                    outcome: Outcome::Whole,
+                    encoded_bytes: 0,
+                    retained: Vec::new(),
+                }));
+            }
+        }
+
+        let chunk = Chunk {
+            key: last_key,
+            prev: prev_key,
+            rendered_len: last.rendered_len + new_text.len(),
+            rendered_hash: None,
+            ends_with_added: end_added,
+            tokens: toks.into(),
+            messages: parsed.iter().cloned().collect(),
+            message_bytes: segments.get(k + 1..).unwrap_or_default().iter().map(|s| s.message_json.len()).sum(),
+            gen_suffix: gen_prompt.then(|| suffix.into()),
+        };
+        let mut retained = retained_pair(chunks.first().map(|c| c.key), last_key);
+        if !self.cache.lock().insert(last_key, chunk) {
+            retained.clear();
+        }
+        Ok(Some(Tokenized { ids, outcome: Outcome::PartialHit, encoded_bytes: encoded, retained }))
     }
 
     fn whole(&self, messages: &[Value], gen_prompt: bool, extra: &Map<String, Value>) -> Result<Vec<u32>, PromptError> {
@@ -575,6 +720,17 @@ impl PromptTokenizer {
             PromptError::Message { index, reason } => PromptError::Message { index: index + from, reason },
             e => e,
         })?;
+        // (At least one new message: a hit on the last message that only
+        // lacks the generation suffix takes the full path, which updates
+        // that chunk in place.)
+        if let Some(k) = hit
+            && from == k + 1
+            && from < n
+            && self.local.load(Ordering::Relaxed)
+            && let Some(t) = self.new_turn_local(segments, &chunks, k, &cached, &parsed, gen_prompt, &ctx.extra)?
+        {
+            return Ok(t);
+        }
         let messages: Vec<&Value> = cached.iter().take(from).copied().chain(parsed.iter()).collect();
         let context = self.tk.render_context(&messages, &ctx.extra);
         // The render's size: the cached text plus about the new messages'.
@@ -606,7 +762,7 @@ impl PromptTokenizer {
             let len = last.rendered_len;
             let matches = no_gen.len() >= len
                 && no_gen.is_char_boundary(len)
-                && xxh3_64(&no_gen.as_bytes()[..len]) == last.rendered_hash;
+                && last.rendered_hash == Some(xxh3_64(&no_gen.as_bytes()[..len]));
             let safe = matches && self.tk.boundary_safe(&no_gen[..len], &no_gen[len..]);
             if matches && !safe {
                 self.stats.unsafe_boundaries.fetch_add(1, Ordering::Relaxed);
@@ -644,7 +800,8 @@ impl PromptTokenizer {
                         key: segments[first_new].chain_hash,
                         prev: prev_key,
                         rendered_len: first.len(),
-                        rendered_hash: xxh3_64(first.as_bytes()),
+                        rendered_hash: Some(xxh3_64(first.as_bytes())),
+                        ends_with_added: self.tk.ends_with_added(&first),
                         tokens: toks.into(),
                         messages: own(&messages[..=first_new]),
                         message_bytes: segments[first_new].message_json.len(),
@@ -676,6 +833,7 @@ impl PromptTokenizer {
                     prev: last.prev,
                     rendered_len: last.rendered_len,
                     rendered_hash: last.rendered_hash,
+                    ends_with_added: last.ends_with_added,
                     tokens: last.tokens.clone(),
                     messages: last.messages.clone(),
                     message_bytes: last.message_bytes,
@@ -688,7 +846,8 @@ impl PromptTokenizer {
                     key: last_key,
                     prev: prev_key,
                     rendered_len: no_gen.len(),
-                    rendered_hash: xxh3_64(no_gen.as_bytes()),
+                    rendered_hash: Some(xxh3_64(no_gen.as_bytes())),
+                    ends_with_added: self.tk.ends_with_added(&no_gen),
                     tokens: toks.into(),
                     messages: own(messages.get(covered..).unwrap_or_default()),
                     message_bytes: segments
