@@ -16,14 +16,16 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import wasmtime' 2>/d
     "$venv/bin/pip" install --quiet --disable-pip-version-check "wasmtime==50.0.1"
 fi
 
-# name | opt-level | lto | codegen-units | panic
+# name | opt-level | lto | codegen-units | panic | simd128
+# (simd128 comes from .cargo/config.toml; "off" overrides those rustflags)
 variants=(
-    "chosen:2:fat:1:abort"
-    "opt-3:3:fat:1:abort"
-    "opt-s:s:fat:1:abort"
-    "opt-z:z:fat:1:abort"
-    "no-lto:3:false:16:abort"
-    "unwind:3:fat:1:unwind"
+    "chosen:2:fat:1:abort:on"
+    "no-simd:2:fat:1:abort:off"
+    "opt-3:3:fat:1:abort:on"
+    "opt-s:s:fat:1:abort:on"
+    "opt-z:z:fat:1:abort:on"
+    "no-lto:3:false:16:abort:on"
+    "unwind:3:fat:1:unwind:on"
 )
 out="$root/bench/results/wasm-profile.json"
 mods="$root/target/wasm-profile"
@@ -31,15 +33,17 @@ mkdir -p "$mods"
 args=()
 meta="[]"
 for v in "${variants[@]}"; do
-    IFS=: read -r name opt lto cgu panic <<<"$v"
-    CARGO_PROFILE_WASM_OPT_LEVEL=$opt CARGO_PROFILE_WASM_LTO=$lto CARGO_PROFILE_WASM_CODEGEN_UNITS=$cgu \
+    IFS=: read -r name opt lto cgu panic simd <<<"$v"
+    flags="-C target-feature=+simd128"
+    [ "$simd" = off ] && flags="-C target-feature=-simd128"
+    CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS="$flags" CARGO_PROFILE_WASM_OPT_LEVEL=$opt CARGO_PROFILE_WASM_LTO=$lto CARGO_PROFILE_WASM_CODEGEN_UNITS=$cgu \
     CARGO_PROFILE_WASM_PANIC=$panic \
         cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-wasm-probe
     cp "$root/target/wasm32-wasip1/wasm/kvgate_wasm_probe.wasm" "$mods/$name.wasm"
     args+=("$name=$mods/$name.wasm")
-    meta=$(jq -c --arg n "$name" --arg o "$opt" --arg l "$lto" --argjson c "$cgu" --arg p "$panic" \
+    meta=$(jq -c --arg n "$name" --arg o "$opt" --arg l "$lto" --argjson c "$cgu" --arg p "$panic" --arg simd "$simd" \
         --argjson s "$(stat -c %s "$mods/$name.wasm")" \
-        '. + [{variant: $n, opt_level: $o, lto: $l, codegen_units: $c, panic: $p, size_bytes: $s}]' <<<"$meta")
+        '. + [{variant: $n, opt_level: $o, lto: $l, codegen_units: $c, panic: $p, simd128: $simd, size_bytes: $s}]' <<<"$meta")
 done
 timing=$("$venv/bin/python" scripts/wasm_profile.py "${args[@]}")
 tmp=$(mktemp)
@@ -52,8 +56,8 @@ jq --arg commit "$commit" --arg machine "$machine" --arg runtime "wasmtime $("$v
     "$tmp" > "$out"
 rm -f "$tmp"
 jq -r '.variants as $v | ($v[0]) as $c |
-  ["variant","opt","lto","cgu","panic","size KB","size/chosen","block hash us","ratio","segment hash us","ratio","pick encode us","ratio"],
-  ($v[] | [.variant, .opt_level, .lto, (.codegen_units|tostring), .panic, ((.size_bytes/1024*10|round)/10|tostring),
+  ["variant","opt","lto","cgu","panic","simd128","size KB","size/chosen","block hash us","ratio","segment hash us","ratio","pick encode us","ratio"],
+  ($v[] | [.variant, .opt_level, .lto, (.codegen_units|tostring), .panic, .simd128, ((.size_bytes/1024*10|round)/10|tostring),
      ((.size_bytes/$c.size_bytes*100|round)/100|tostring),
      (.timing.block_hash_100k_tokens_us|tostring), ((.timing.block_hash_100k_tokens_us/$c.timing.block_hash_100k_tokens_us*100|round)/100|tostring),
      (.timing.segment_hash_400kb_us|tostring), ((.timing.segment_hash_400kb_us/$c.timing.segment_hash_400kb_us*100|round)/100|tostring),
