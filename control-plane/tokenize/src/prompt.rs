@@ -529,21 +529,12 @@ impl PromptTokenizer {
         let prev_key = segments.get(k).map(|s| s.chain_hash);
 
         // Sampled verification against the whole prompt, rendered for real.
-        let nth = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.verify_every > 0 && nth.is_multiple_of(self.verify_every) {
-            let real: Vec<&Value> = cached.iter().copied().chain(parsed.iter()).collect();
-            let whole = self.tk.encode(&self.tk.render(&real, gen_prompt, extra)?)?;
-            if whole != ids {
-                self.stats.verify_failures.fetch_add(1, Ordering::Relaxed);
-                self.segmented.store(false, Ordering::Relaxed);
-                self.cache.lock().lru.clear();
-                return Ok(Some(Tokenized {
-                    ids: whole,
-                    outcome: Outcome::Whole,
-                    encoded_bytes: 0,
-                    retained: Vec::new(),
-                }));
-            }
+        let real = || {
+            let messages: Vec<&Value> = cached.iter().copied().chain(parsed.iter()).collect();
+            self.tk.render(&messages, gen_prompt, extra)
+        };
+        if let Some(whole) = self.verify_sample(&ids, real)? {
+            return Ok(Some(whole));
         }
 
         let chunk = Chunk {
@@ -562,6 +553,30 @@ impl PromptTokenizer {
             retained.clear();
         }
         Ok(Some(Tokenized { ids, outcome: Outcome::PartialHit, encoded_bytes: encoded, retained }))
+    }
+
+    /// Every `verify_every`-th chunked result: tokenizes the whole prompt
+    /// (`render` gives its text) and, when it differs from `ids`, switches
+    /// the model to whole prompts, empties the cache and returns the whole
+    /// prompt's ids.
+    fn verify_sample(
+        &self,
+        ids: &[u32],
+        render: impl FnOnce() -> Result<String, TokenizeError>,
+    ) -> Result<Option<Tokenized>, PromptError> {
+        let nth = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.verify_every == 0 || !nth.is_multiple_of(self.verify_every) {
+            return Ok(None);
+        }
+        let text = render()?;
+        let whole = self.tk.encode(&text)?;
+        if whole == ids {
+            return Ok(None);
+        }
+        self.stats.verify_failures.fetch_add(1, Ordering::Relaxed);
+        self.segmented.store(false, Ordering::Relaxed);
+        self.cache.lock().lru.clear();
+        Ok(Some(Tokenized { ids: whole, outcome: Outcome::Whole, encoded_bytes: text.len(), retained: Vec::new() }))
     }
 
     fn whole(&self, messages: &[Value], gen_prompt: bool, extra: &Map<String, Value>) -> Result<Vec<u32>, PromptError> {
@@ -863,20 +878,8 @@ impl PromptTokenizer {
         self.stats.encoded_bytes.fetch_add(encoded as u64, Ordering::Relaxed);
 
         // Sampled verification against the whole prompt.
-        let nth = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.verify_every > 0 && nth.is_multiple_of(self.verify_every) {
-            let whole = self.tk.encode(&with_gen)?;
-            if whole != ids {
-                self.stats.verify_failures.fetch_add(1, Ordering::Relaxed);
-                self.segmented.store(false, Ordering::Relaxed);
-                self.cache.lock().lru.clear();
-                return Ok(Tokenized {
-                    ids: whole,
-                    outcome: Outcome::Whole,
-                    encoded_bytes: with_gen.len(),
-                    retained: Vec::new(),
-                });
-            }
+        if let Some(whole) = self.verify_sample(&ids, || Ok(with_gen.clone()))? {
+            return Ok(whole);
         }
 
         let mut cache = self.cache.lock();

@@ -278,15 +278,8 @@ impl<'a> Scanner<'a> {
             self.ws();
             self.expect(b':')?;
             f(self, key)?;
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(b'}') => {
-                    self.pos += 1;
-                    return Ok(());
-                }
-                Some(_) => return Err(JsonError::Syntax(self.pos)),
-                None => return Err(JsonError::Eof),
+            if self.next_or_close(b'}')? {
+                return Ok(());
             }
         }
     }
@@ -310,15 +303,8 @@ impl<'a> Scanner<'a> {
         }
         loop {
             f(self)?;
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(b']') => {
-                    self.pos += 1;
-                    return Ok(());
-                }
-                Some(_) => return Err(JsonError::Syntax(self.pos)),
-                None => return Err(JsonError::Eof),
+            if self.next_or_close(b']')? {
+                return Ok(());
             }
         }
     }
@@ -498,6 +484,24 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// After a member or element: consumes whitespace and then `,` (more
+    /// follow: `false`) or `close` (the container ended: `true`).
+    fn next_or_close(&mut self, close: u8) -> Result<bool, JsonError> {
+        self.ws();
+        match self.peek() {
+            Some(b',') => {
+                self.pos += 1;
+                Ok(false)
+            }
+            Some(c) if c == close => {
+                self.pos += 1;
+                Ok(true)
+            }
+            Some(_) => Err(JsonError::Syntax(self.pos)),
+            None => Err(JsonError::Eof),
+        }
+    }
+
     fn container(&mut self, depth: u32, close: u8, object: bool) -> Result<(), JsonError> {
         if depth >= MAX_DEPTH {
             return Err(JsonError::TooDeep);
@@ -519,15 +523,8 @@ impl<'a> Scanner<'a> {
                 self.expect(b':')?;
             }
             self.value(depth + 1)?;
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(c) if c == close => {
-                    self.pos += 1;
-                    return Ok(());
-                }
-                Some(_) => return Err(JsonError::Syntax(self.pos)),
-                None => return Err(JsonError::Eof),
+            if self.next_or_close(close)? {
+                return Ok(());
             }
         }
     }
