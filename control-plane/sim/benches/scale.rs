@@ -103,6 +103,7 @@ fn main() {
                         timing: Timing::H200_LLAMA70B_FP8,
                     },
                     speedup: 1.0,
+                    stream_interval: 1,
                     tokenizer: tokenizer.clone(),
                     default_max_tokens: MAX_TOKENS,
                     max_model_len: 131_072,

@@ -112,6 +112,7 @@ pub struct Engine {
     pool: BlockPool,
     waiting: VecDeque<Request>,
     running: Vec<Running>,
+    vocab: Vec<u32>,
 }
 
 impl Engine {
@@ -122,6 +123,24 @@ impl Engine {
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            vocab: Vec::new(),
+        }
+    }
+
+    /// Generates only these token ids (the token at `index` of request `id`
+    /// is `vocab[output_token(id, index) % vocab.len()]`), so that a server
+    /// that streams the matching words makes a next turn whose prompt
+    /// re-tokenizes to the ids the engine cached, as with a real model.
+    /// Empty (the default): [`output_token`] itself.
+    pub fn set_output_vocab(&mut self, vocab: Vec<u32>) {
+        self.vocab = vocab;
+    }
+
+    fn token(&self, id: u64, index: usize) -> u32 {
+        let t = output_token(id, index);
+        match self.vocab.len() {
+            0 => t,
+            n => self.vocab[t as usize % n],
         }
     }
 
@@ -191,12 +210,13 @@ impl Engine {
         let mut budget = self.config.max_num_batched_tokens;
         let mut i = 0;
         while i < self.running.len() {
+            let (id, generated) = (self.running[i].req.id, self.running[i].generated);
+            let token = self.token(id, generated);
             let r = &mut self.running[i];
             if r.prefilled < r.req.prompt.len() || budget == 0 {
                 i += 1;
                 continue;
             }
-            let token = output_token(r.req.id, r.generated);
             if !self.pool.extend(&mut r.seq, &[token]) {
                 // Out of blocks: preempt the newest request and retry.
                 if let Some(victim) = self.running.pop() {
@@ -217,10 +237,12 @@ impl Engine {
             i += 1;
         }
         // 3. Prefill chunks, oldest first.
-        for r in &mut self.running {
+        for k in 0..self.running.len() {
             if budget == 0 {
                 break;
             }
+            let first = self.token(self.running[k].req.id, 0);
+            let r = &mut self.running[k];
             let left = r.req.prompt.len() - r.prefilled;
             if left == 0 {
                 continue;
@@ -235,7 +257,7 @@ impl Engine {
             step.prefill_tokens += n;
             if r.prefilled == r.req.prompt.len() {
                 // The step that completes the prefill samples the first token.
-                let token = output_token(r.req.id, 0);
+                let token = first;
                 if self.pool.extend(&mut r.seq, &[token]) {
                     step.outputs.push(Output::Token { id: r.req.id, token, index: 0, cached_tokens: r.cached_tokens });
                     r.generated = 1;

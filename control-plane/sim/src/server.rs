@@ -52,6 +52,9 @@ pub struct WorkerOptions {
     pub engine: EngineConfig,
     /// Simulated time runs this many times faster than the wall clock.
     pub speedup: f64,
+    /// Output tokens per streamed chunk after the first (vLLM's
+    /// `--stream-interval`; 1 streams every token).
+    pub stream_interval: usize,
     /// Tokenizer and chat template shared by all workers.
     pub tokenizer: Arc<PromptTokenizer>,
     /// Output tokens when the request gives no `max_tokens`.
@@ -172,12 +175,23 @@ fn now_unix() -> u64 {
 
 /// The deterministic text of output token `index` of a request: one short
 /// word per token (a real tokenizer would make about one token of it).
+/// The words a worker streams; each is one token of the test tokenizer.
+const WORDS: &[&str] = &[
+    " the", " cache", " prefix", " block", " token", " worker", " route", " model", " fast", " stream", " batch",
+    " query", " reply", " data", " node", " load",
+];
+
 fn word(id: u64, index: usize) -> &'static str {
-    const W: &[&str] = &[
-        " the", " cache", " prefix", " block", " token", " worker", " route", " model", " fast", " stream", " batch",
-        " query", " reply", " data", " node", " load",
-    ];
-    W[(crate::engine::output_token(id, index) as usize) % W.len()]
+    WORDS[(crate::engine::output_token(id, index) as usize) % WORDS.len()]
+}
+
+/// The token ids of [`WORDS`] when each is exactly one token of this
+/// tokenizer (then the engine generates these ids, and a next turn that
+/// sends the reply back hits the blocks the engine cached while decoding);
+/// empty otherwise.
+fn word_ids(tk: &PromptTokenizer) -> Vec<u32> {
+    let ids: Vec<Vec<u32>> = WORDS.iter().map(|w| tk.inner().encode(w).unwrap_or_default()).collect();
+    if ids.iter().all(|i| i.len() == 1) { ids.into_iter().flatten().collect() } else { Vec::new() }
 }
 
 /// Runs one simulated worker until `shutdown` resolves. `on_bound` gets the
@@ -282,6 +296,7 @@ pub async fn run_worker(
     tasks.spawn(async move {
         let opts = &sh.opts;
         let mut engine = Engine::new(opts.engine);
+        engine.set_output_vocab(word_ids(&opts.tokenizer));
         let mut live: HashMap<u64, (mpsc::UnboundedSender<Delta>, Instant, Option<Instant>)> = HashMap::new();
         let mut seq: u64 = 0;
         let speed = opts.speedup.max(1e-3);
@@ -383,6 +398,13 @@ pub async fn run_worker(
         .route("/kvgate/sim/cache", get(cache_info))
         .with_state(shared);
     on_bound(bound);
+    // TCP_NODELAY, as vLLM's server (asyncio sets it on every TCP
+    // transport): without it a small SSE chunk can wait for the client's
+    // delayed ACK (40 ms).
+    use axum::serve::ListenerExt as _;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let r = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
     tasks.abort_all();
     r.map_err(|e| SimError::Bind { what: "HTTP", addr: bound.to_string(), reason: e.to_string() })
@@ -470,6 +492,7 @@ fn common(sh: &Shared, body: &Value, prompt: Vec<u32>) -> Result<Parsed, Box<Res
 }
 
 async fn chat(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let arrived = Instant::now();
     let Ok(body) = serde_json::from_slice::<Value>(&body) else {
         return error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
     };
@@ -494,12 +517,13 @@ async fn chat(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Respons
         Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
     };
     match common(&sh, &body, prompt) {
-        Ok(p) => generate(sh, p, true).await,
+        Ok(p) => generate(sh, p, true, arrived).await,
         Err(r) => *r,
     }
 }
 
 async fn completions(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let arrived = Instant::now();
     let Ok(body) = serde_json::from_slice::<Value>(&body) else {
         return error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
     };
@@ -514,22 +538,25 @@ async fn completions(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> 
         _ => return error(StatusCode::BAD_REQUEST, "prompt must be a string or an array of token ids"),
     };
     match common(&sh, &body, prompt) {
-        Ok(p) => generate(sh, p, false).await,
+        Ok(p) => generate(sh, p, false, arrived).await,
         Err(r) => *r,
     }
 }
 
-async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool) -> Response {
+async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool, arrived: Instant) -> Response {
     let id = sh.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let prompt_tokens = p.prompt.len();
     sh.stats.lock().prompt_tokens += prompt_tokens as u64;
     let req = Request { id, prompt: p.prompt, max_tokens: p.max_tokens };
     let at = Instant::now();
-    // The frontend's share of time to first token (see the timing preset).
+    // The frontend's share of time to first token (see the timing preset),
+    // counted from arrival: it includes the time this worker really spent
+    // parsing and tokenizing (else that time, multiplied by the speedup,
+    // would count twice).
     let overhead = sh.opts.engine.timing.first_token_overhead_ms() / 1000.0 / sh.opts.speedup.max(1e-3);
     if overhead > 0.0 {
-        tokio::time::sleep(Duration::from_secs_f64(overhead)).await;
+        tokio::time::sleep_until((arrived + Duration::from_secs_f64(overhead)).into()).await;
     }
     if sh.submit.send(Submit { req, tx, at }).is_err() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
@@ -589,23 +616,37 @@ async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool) -> Response {
             }
         }
         let (mut n, mut cached) = (0usize, 0usize);
-        while let Some(d) = rx.recv().await {
-            match d {
-                Delta::Token { index, cached: c } => {
+        // As vLLM's `--stream-interval`: the first token goes out at once,
+        // later ones in chunks of `interval` tokens (and the rest at the end).
+        let (interval, mut pending, mut text) = (sh.opts.stream_interval.max(1), 0usize, String::new());
+        let content = |text: &str| {
+            if chat {
+                json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": null})
+            } else {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null, "stop_reason": null})
+            }
+        };
+        loop {
+            let done = match rx.recv().await {
+                Some(Delta::Token { index, cached: c }) => {
                     n += 1;
                     cached = c;
-                    let w = word(id, index);
-                    let choice = if chat {
-                        json!({"index": 0, "delta": {"content": w}, "logprobs": null, "finish_reason": null})
-                    } else {
-                        json!({"index": 0, "text": w, "logprobs": null, "finish_reason": null, "stop_reason": null})
-                    };
-                    // A closed body (client gone) drops `rx`: the engine aborts.
-                    if out_tx.send(chunk(choice)).await.is_err() {
-                        return;
-                    }
+                    text.push_str(word(id, index));
+                    pending += 1;
+                    false
                 }
-                Delta::Done => break,
+                Some(Delta::Done) | None => true,
+            };
+            if pending > 0 && (done || n == 1 || pending >= interval) {
+                // A closed body (client gone) drops `rx`: the engine aborts.
+                if out_tx.send(chunk(content(&text))).await.is_err() {
+                    return;
+                }
+                text.clear();
+                pending = 0;
+            }
+            if done {
+                break;
             }
         }
         let last = if chat {

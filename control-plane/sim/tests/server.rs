@@ -38,6 +38,10 @@ impl Drop for Worker {
 }
 
 fn start(speedup: f64, num_blocks: usize) -> Worker {
+    start_with(speedup, num_blocks, 1)
+}
+
+fn start_with(speedup: f64, num_blocks: usize, stream_interval: usize) -> Worker {
     let zport = kvgate_e2e::free_port().unwrap();
     let rport = kvgate_e2e::free_port().unwrap();
     let zmq = format!("tcp://127.0.0.1:{zport}");
@@ -58,6 +62,7 @@ fn start(speedup: f64, num_blocks: usize) -> Worker {
             timing: Timing::H200_LLAMA70B_FP8,
         },
         speedup,
+        stream_interval,
         tokenizer: tokenizer(),
         default_max_tokens: 16,
         max_model_len: 32_768,
@@ -286,4 +291,60 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
         assert_eq!(n, batches, "every published batch is replayed");
         assert_eq!(replayed.mirror().len(), core.mirror().len());
     });
+}
+
+#[test]
+fn stream_interval_sends_the_first_token_alone_then_chunks() {
+    let w = start_with(50.0, 1024, 4);
+    let body = br#"{"model":"deepseek-v3","messages":[{"role":"user","content":"count"}],"max_tokens":10,"stream":true,"stream_options":{"include_usage":true}}"#;
+    let r =
+        kvgate_e2e::http_request(w.http, "POST", "/v1/chat/completions", &[("content-type", "application/json")], body)
+            .unwrap();
+    assert_eq!(r.status, 200);
+    let text = String::from_utf8(r.body).unwrap();
+    let chunks: Vec<Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    // Content chunks: 1 token at once, then 4, 4 and the last 1.
+    let words: Vec<usize> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .filter(|t| !t.is_empty())
+        .map(|t| t.split_whitespace().count())
+        .collect();
+    assert_eq!(words, [1, 4, 4, 1], "{text}");
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 10);
+}
+
+#[test]
+fn a_next_turn_that_sends_the_reply_back_hits_the_blocks_decoded() {
+    // As with a real model: the reply re-tokenizes to the ids the engine
+    // generated, so the whole previous turn (prompt and output) is cached.
+    let w = start(50.0, 1024);
+    let post = |body: Value| {
+        let r = kvgate_e2e::http_request(
+            w.http,
+            "POST",
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(r.status, 200);
+        serde_json::from_slice::<Value>(&r.body).unwrap()
+    };
+    let first = serde_json::json!({"role": "user", "content": kvgate_e2e::bench_words(3, 300)});
+    let a = post(serde_json::json!({"model": "deepseek-v3", "messages": [first], "max_tokens": 100}));
+    let reply = a["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let (p1, c1) = (a["usage"]["prompt_tokens"].as_u64().unwrap(), a["usage"]["completion_tokens"].as_u64().unwrap());
+    let b = post(serde_json::json!({"model": "deepseek-v3", "max_tokens": 4, "messages": [
+        first, {"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]}));
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    // Everything but the last, partial block of prompt + output (16 tokens a block).
+    assert!(cached >= (p1 + c1 - 1) / 16 * 16 - 16, "cached {cached} of a first turn of {p1} + {c1}");
+    assert!(cached > p1 + 64, "cached {cached}: the reply's blocks hit");
 }

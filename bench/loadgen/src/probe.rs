@@ -1,0 +1,113 @@
+//! Readings taken beside the load: host CPU (`/proc/stat`), CPU of each
+//! process of the stack (`/proc/PID/stat`), and the workers' vLLM
+//! `/metrics` (prefix cache counters, running and waiting requests).
+
+use std::net::SocketAddr;
+
+use kvgate_e2e::http_request;
+
+/// Busy and total jiffies of the whole host.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostCpu {
+    busy: u64,
+    total: u64,
+}
+
+impl HostCpu {
+    /// Reads `/proc/stat` (zeros where it cannot be read).
+    pub fn read() -> Self {
+        let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let Some(line) = text.lines().find(|l| l.starts_with("cpu ")) else { return Self::default() };
+        let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+        let total: u64 = v.iter().take(8).sum();
+        // idle + iowait are not busy.
+        let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+        HostCpu { busy: total.saturating_sub(idle), total }
+    }
+
+    /// Busy share of all cores between `earlier` and `self`, 0–1.
+    pub fn since(&self, earlier: &HostCpu) -> f64 {
+        let t = self.total.saturating_sub(earlier.total);
+        if t == 0 { 0.0 } else { self.busy.saturating_sub(earlier.busy) as f64 / t as f64 }
+    }
+}
+
+/// CPU seconds (user + system) a process has used so far.
+pub fn process_cpu_s(pid: u32) -> f64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are
+    // fields 14 and 15 (1-based), i.e. 11 and 12 after the name.
+    let Some(rest) = text.rsplit_once(')').map(|(_, r)| r) else { return 0.0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = [11, 12].iter().filter_map(|&i| f.get(i)?.parse::<u64>().ok()).sum();
+    ticks as f64 / 100.0 // USER_HZ is 100 on Linux
+}
+
+/// The counters and gauges of one worker's `/metrics` that the report uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkerMetrics {
+    /// `vllm:prefix_cache_queries_total` (tokens).
+    pub queries: f64,
+    /// `vllm:prefix_cache_hits_total` (tokens).
+    pub hits: f64,
+    /// `vllm:num_requests_running`.
+    pub running: f64,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: f64,
+}
+
+/// Parses the series the report uses from Prometheus text.
+pub fn parse_metrics(text: &str) -> WorkerMetrics {
+    let mut m = WorkerMetrics::default();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((series, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(v) = value.parse::<f64>() else { continue };
+        let name = series.split('{').next().unwrap_or(series);
+        match name {
+            "vllm:prefix_cache_queries_total" => m.queries += v,
+            "vllm:prefix_cache_hits_total" => m.hits += v,
+            "vllm:num_requests_running" => m.running += v,
+            "vllm:num_requests_waiting" => m.waiting += v,
+            _ => {}
+        }
+    }
+    m
+}
+
+/// Scrapes one worker (None when it does not answer).
+pub fn scrape(worker: SocketAddr) -> Option<WorkerMetrics> {
+    let r = http_request(worker, "GET", "/metrics", &[], b"").ok()?;
+    (r.status == 200).then(|| parse_metrics(&String::from_utf8_lossy(&r.body)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_metrics_are_read_by_name_whatever_the_labels() {
+        let text = "# HELP x\nvllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+                    vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1.0\n\
+                    vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 1000.0\n\
+                    vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 900.0\n\
+                    vllm:prefix_cache_hits_total_other 5\n";
+        assert_eq!(parse_metrics(text), WorkerMetrics { queries: 1000.0, hits: 900.0, running: 3.0, waiting: 1.0 });
+    }
+
+    #[test]
+    fn cpu_readings_move_forward() {
+        let a = HostCpu::read();
+        let mut x = 0u64;
+        for i in 0..50_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(i);
+        }
+        assert!(x != 1);
+        let b = HostCpu::read();
+        let share = b.since(&a);
+        assert!((0.0..=1.0).contains(&share), "{share}");
+        assert!(process_cpu_s(std::process::id()) > 0.0);
+    }
+}

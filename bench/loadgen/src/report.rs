@@ -1,0 +1,161 @@
+//! Markdown tables of result rows: one comparison table shaped like
+//! REFERENCE-RESULTS.md table A (baseline / candidate with the change in
+//! percent), and one table of every mode at every level.
+
+use std::fmt::Write as _;
+
+use crate::stats::Row;
+
+fn pct(base: f64, new: f64) -> String {
+    if !(base.is_finite() && new.is_finite()) || base == 0.0 {
+        return "–".into();
+    }
+    let p = (new - base) / base * 100.0;
+    format!("{}{:.0} %", if p > 0.0 { "+" } else { "−" }, p.abs())
+}
+
+fn find<'a>(rows: &'a [Row], mode: &str, c: usize) -> Option<&'a Row> {
+    rows.iter().find(|r| r.mode == mode && r.concurrency == c)
+}
+
+fn levels(rows: &[Row]) -> Vec<usize> {
+    let mut v: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// Whether `cand` beats `base` on one row pair, metric by metric: TTFT p50,
+/// TTFT p95, ITL p50, E2E p50 (lower wins) and output tokens/s (higher wins).
+pub fn wins(base: &Row, cand: &Row) -> [bool; 5] {
+    [
+        cand.ttft_p50_ms < base.ttft_p50_ms,
+        cand.ttft_p95_ms < base.ttft_p95_ms,
+        cand.itl_p50_ms < base.itl_p50_ms,
+        cand.e2e_p50_s < base.e2e_p50_s,
+        cand.output_tok_per_s > base.output_tok_per_s,
+    ]
+}
+
+/// Table A: `base` against `cand` at every level both ran.
+pub fn comparison(rows: &[Row], base: &str, cand: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "**{base} vs {cand}** (simulated time; change is {cand} relative to {base})\n");
+    let _ = writeln!(
+        s,
+        "| conc. | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | E2E p50 s | out tok/s | hit rate | {cand} wins |"
+    );
+    let _ = writeln!(s, "|---:|---|---|---|---|---|---|---|");
+    for c in levels(rows) {
+        let (Some(b), Some(k)) = (find(rows, base, c), find(rows, cand, c)) else { continue };
+        let w = wins(b, k);
+        let names = ["TTFT p50", "TTFT p95", "ITL", "E2E", "tok/s"];
+        let won: Vec<&str> = names.iter().zip(w).filter(|(_, x)| *x).map(|(n, _)| *n).collect();
+        let verdict = if won.len() == 5 { "all".to_owned() } else { format!("{} of 5: {}", won.len(), won.join(", ")) };
+        let flag = if b.valid && k.valid { "" } else { " ⚠ CPU" };
+        let _ = writeln!(
+            s,
+            "| {c}{flag} | {:.0} / {:.0} ({}) | {:.0} / {:.0} ({}) | {:.1} / {:.1} ({}) | {:.1} / {:.1} ({}) | {:.0} / {:.0} ({}) | {:.1} / {:.1} % | {verdict} |",
+            b.ttft_p50_ms,
+            k.ttft_p50_ms,
+            pct(b.ttft_p50_ms, k.ttft_p50_ms),
+            b.ttft_p95_ms,
+            k.ttft_p95_ms,
+            pct(b.ttft_p95_ms, k.ttft_p95_ms),
+            b.itl_p50_ms,
+            k.itl_p50_ms,
+            pct(b.itl_p50_ms, k.itl_p50_ms),
+            b.e2e_p50_s,
+            k.e2e_p50_s,
+            pct(b.e2e_p50_s, k.e2e_p50_s),
+            b.output_tok_per_s,
+            k.output_tok_per_s,
+            pct(b.output_tok_per_s, k.output_tok_per_s),
+            b.hit_rate * 100.0,
+            k.hit_rate * 100.0,
+        );
+    }
+    s
+}
+
+/// Every mode at every level, with the context columns.
+pub fn all_modes(rows: &[Row]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| conc. | mode | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | E2E p50 / p95 s | out tok/s | req/s | hit (oracle) | skew / spread p95 / max waiting | errors | host CPU |"
+    );
+    let _ = writeln!(s, "|---:|---|---|---|---|---:|---:|---|---|---:|---:|");
+    for c in levels(rows) {
+        for r in rows.iter().filter(|r| r.concurrency == c) {
+            let _ = writeln!(
+                s,
+                "| {c} | {} | {:.0} / {:.0} / {:.0} | {:.1} / {:.1} | {:.1} / {:.1} | {:.0} | {:.2} | {:.1} % ({:.1} %) | {:.2} / {:.0} / {:.0} | {} | {:.0} %{} |",
+                r.mode,
+                r.ttft_p50_ms,
+                r.ttft_p95_ms,
+                r.ttft_p99_ms,
+                r.itl_p50_ms,
+                r.itl_p95_ms,
+                r.e2e_p50_s,
+                r.e2e_p95_s,
+                r.output_tok_per_s,
+                r.rps,
+                r.hit_rate * 100.0,
+                r.oracle_hit_rate * 100.0,
+                r.load_skew_mean,
+                r.inflight_spread_p95,
+                r.max_waiting,
+                r.errors,
+                r.host_cpu * 100.0,
+                if r.valid { "" } else { " ⚠" },
+            );
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(mode: &str, c: usize, ttft: f64, tok: f64) -> Row {
+        Row {
+            mode: mode.into(),
+            concurrency: c,
+            ttft_p50_ms: ttft,
+            ttft_p95_ms: ttft * 2.0,
+            ttft_p99_ms: ttft * 3.0,
+            itl_p50_ms: 30.0,
+            itl_p95_ms: 40.0,
+            itl_p99_ms: 50.0,
+            e2e_p50_s: 25.0,
+            e2e_p95_s: 30.0,
+            e2e_p99_s: 35.0,
+            output_tok_per_s: tok,
+            rps: 3.0,
+            hit_rate: 0.9,
+            oracle_hit_rate: 0.97,
+            errors: 0,
+            requests: 100,
+            mean_prompt_tokens: 5000.0,
+            load_skew_mean: 1.1,
+            inflight_spread_p95: 10.0,
+            max_waiting: 0.0,
+            host_cpu: 0.5,
+            valid: true,
+            cpu_by_role: vec![],
+        }
+    }
+
+    #[test]
+    fn the_comparison_says_what_won() {
+        let rows = vec![row("round_robin", 60, 300.0, 2000.0), row("kv", 60, 240.0, 2200.0)];
+        let t = comparison(&rows, "round_robin", "kv");
+        assert!(t.contains("| 60 | 300 / 240 (−20 %) | 600 / 480 (−20 %) |"), "{t}");
+        assert!(t.contains("2000 / 2200 (+10 %)"), "{t}");
+        // ITL and E2E are equal: not a win.
+        assert!(t.contains("3 of 5: TTFT p50, TTFT p95, tok/s |"), "{t}");
+        assert_eq!(all_modes(&rows).lines().count(), 4);
+    }
+}

@@ -1,0 +1,229 @@
+//! One measured cell: `concurrency` simulated users, each running DOKS
+//! conversations back to back (closed loop, no think time), through the
+//! stack's front door, for a warm-up window and then a measurement window.
+//!
+//! Users start spread over the first half of the warm-up. At the end of the
+//! measurement window no new request starts; requests in flight finish (up
+//! to the drain limit) so that those started inside the window are measured
+//! whole. A sampler scrapes every worker's `/metrics` beside the load.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use serde::Serialize;
+use tokio::sync::Mutex;
+
+use crate::client::ChatClient;
+use crate::probe::{HostCpu, WorkerMetrics, process_cpu_s, scrape};
+use crate::workload::Doks;
+
+/// Wall-clock windows of one cell.
+#[derive(Debug, Clone, Copy)]
+pub struct Windows {
+    /// Before measuring.
+    pub warmup: Duration,
+    /// Measured.
+    pub measure: Duration,
+    /// Longest wait for in-flight requests after the window.
+    pub drain: Duration,
+}
+
+/// One request as the client saw it (seconds of wall time since the start).
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    /// Conversation number.
+    pub conv: u64,
+    /// Its starter.
+    pub starter: usize,
+    /// Turn (0-based).
+    pub turn: usize,
+    /// Sent at.
+    pub start: f64,
+    /// First content token after `start`.
+    pub ttft: Option<f64>,
+    /// Stream end after `start`.
+    pub e2e: f64,
+    /// Reported by the server.
+    pub prompt_tokens: u64,
+    /// Reported by the server.
+    pub completion_tokens: u64,
+    /// Reported by the server.
+    pub cached_tokens: u64,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+/// Load on each worker at one moment.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadSample {
+    /// Seconds since the start.
+    pub t: f64,
+    /// `num_requests_running + num_requests_waiting` per worker.
+    pub inflight: Vec<f64>,
+    /// `num_requests_waiting` per worker.
+    pub waiting: Vec<f64>,
+}
+
+/// Everything one cell measured.
+#[derive(Debug, Clone)]
+pub struct CellRun {
+    /// Every request (warm-up included).
+    pub records: Vec<Record>,
+    /// Worker load during the measurement window.
+    pub samples: Vec<LoadSample>,
+    /// Worker counters at the start and end of the measurement window.
+    pub metrics: (Vec<WorkerMetrics>, Vec<WorkerMetrics>),
+    /// Host CPU busy share during the measurement window (0–1).
+    pub host_cpu: f64,
+    /// CPU seconds per process role (and `client`) during the window.
+    pub cpu_by_role: Vec<(String, f64)>,
+    /// The windows.
+    pub windows: Windows,
+}
+
+async fn scrape_all(workers: &[SocketAddr]) -> Vec<Option<WorkerMetrics>> {
+    let ws = workers.to_vec();
+    tokio::task::spawn_blocking(move || ws.iter().map(|&w| scrape(w)).collect()).await.unwrap_or_default()
+}
+
+fn cpu_snapshot(pids: &[(String, u32)]) -> Vec<(String, f64)> {
+    let mut v: Vec<(String, f64)> = pids.iter().map(|(r, p)| (r.clone(), process_cpu_s(*p))).collect();
+    v.push(("client".into(), process_cpu_s(std::process::id())));
+    v
+}
+
+/// Runs one cell of the DOKS workload. Conversation numbers start at
+/// `first_conv` (the same in every mode, so every mode gets the same text).
+pub async fn run_doks(
+    front: SocketAddr,
+    workers: &[SocketAddr],
+    pids: &[(String, u32)],
+    workload: &Doks,
+    concurrency: usize,
+    windows: Windows,
+    first_conv: u64,
+) -> Result<CellRun> {
+    let t0 = Instant::now();
+    let measure_at = t0 + windows.warmup;
+    let stop_at = measure_at + windows.measure;
+    let hard_stop = stop_at + windows.drain;
+    let next = Arc::new(AtomicU64::new(first_conv));
+    let records = Arc::new(Mutex::new(Vec::<Record>::new()));
+    let ramp = windows.warmup / 2;
+    let mut users = tokio::task::JoinSet::new();
+    for u in 0..concurrency {
+        let (next, records, workload) = (next.clone(), records.clone(), workload.clone());
+        let delay = ramp.mul_f64(u as f64 / concurrency.max(1) as f64);
+        users.spawn(async move {
+            tokio::time::sleep(delay).await;
+            let mut client = ChatClient::new(front);
+            'conversations: while Instant::now() < stop_at {
+                let conv = workload.conversation(next.fetch_add(1, Ordering::Relaxed));
+                let mut history: Vec<(&'static str, String)> = Vec::new();
+                for (turn, t) in conv.turns.iter().enumerate() {
+                    if Instant::now() >= stop_at {
+                        break 'conversations;
+                    }
+                    history.push(("user", t.user.clone()));
+                    let body = chat_body(&history, t.max_tokens);
+                    let start = Instant::now();
+                    let left = hard_stop.saturating_duration_since(start);
+                    let result = tokio::time::timeout(left, client.chat(body)).await;
+                    let mut rec = Record {
+                        conv: conv.id,
+                        starter: conv.starter,
+                        turn,
+                        start: (start - t0).as_secs_f64(),
+                        ttft: None,
+                        e2e: start.elapsed().as_secs_f64(),
+                        prompt_tokens: 0,
+                        completion_tokens: 0,
+                        cached_tokens: 0,
+                        error: None,
+                    };
+                    match result {
+                        Ok(Ok(reply)) => {
+                            rec.ttft = reply.ttft.map(|d| d.as_secs_f64());
+                            rec.e2e = reply.e2e.as_secs_f64();
+                            rec.prompt_tokens = reply.prompt_tokens;
+                            rec.completion_tokens = reply.completion_tokens;
+                            rec.cached_tokens = reply.cached_tokens;
+                            records.lock().await.push(rec);
+                            history.push(("assistant", reply.text));
+                        }
+                        Ok(Err(e)) => {
+                            rec.error = Some(format!("{e:#}"));
+                            records.lock().await.push(rec);
+                            continue 'conversations;
+                        }
+                        Err(_) => {
+                            rec.error = Some("timed out at the drain limit".into());
+                            records.lock().await.push(rec);
+                            break 'conversations;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    // The sampler: counters and CPU at both window edges, load in between.
+    tokio::time::sleep_until(measure_at.into()).await;
+    let first = scrape_all(workers).await;
+    let (cpu0, procs0) = (HostCpu::read(), cpu_snapshot(pids));
+    let mut samples = Vec::new();
+    let every = Duration::from_millis(250);
+    let mut tick = measure_at;
+    while tick + every < stop_at {
+        tick += every;
+        tokio::time::sleep_until(tick.into()).await;
+        let m = scrape_all(workers).await;
+        samples.push(LoadSample {
+            t: (Instant::now() - t0).as_secs_f64(),
+            inflight: m.iter().map(|x| x.map_or(0.0, |x| x.running + x.waiting)).collect(),
+            waiting: m.iter().map(|x| x.map_or(0.0, |x| x.waiting)).collect(),
+        });
+    }
+    tokio::time::sleep_until(stop_at.into()).await;
+    let last = scrape_all(workers).await;
+    let (cpu1, procs1) = (HostCpu::read(), cpu_snapshot(pids));
+    while users.join_next().await.is_some() {}
+    let cpu_by_role = procs1.into_iter().zip(procs0).map(|((r, b), (_, a))| (r, (b - a).max(0.0))).collect();
+    let unwrap = |v: Vec<Option<WorkerMetrics>>| v.into_iter().map(Option::unwrap_or_default).collect();
+    let records = std::mem::take(&mut *records.lock().await);
+    Ok(CellRun {
+        records,
+        samples,
+        metrics: (unwrap(first), unwrap(last)),
+        host_cpu: cpu1.since(&cpu0),
+        cpu_by_role,
+        windows,
+    })
+}
+
+fn chat_body(history: &[(&str, String)], max_tokens: u32) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Msg<'a> {
+        role: &'a str,
+        content: &'a str,
+    }
+    #[derive(Serialize)]
+    struct Body<'a> {
+        model: &'a str,
+        messages: Vec<Msg<'a>>,
+        max_tokens: u32,
+        stream: bool,
+        stream_options: serde_json::Value,
+    }
+    let body = Body {
+        model: crate::stack::MODEL,
+        messages: history.iter().map(|(r, c)| Msg { role: r, content: c }).collect(),
+        max_tokens,
+        stream: true,
+        stream_options: serde_json::json!({"include_usage": true}),
+    };
+    serde_json::to_vec(&body).unwrap_or_default()
+}

@@ -1,0 +1,383 @@
+//! The local stack on 127.0.0.1, started fresh for every measured cell and
+//! stopped (by PID, only what it started) when dropped:
+//!
+//! - a simulated vLLM fleet: one `kvgate sim` process per worker;
+//! - for the kvgate modes: nats-server, a `kvgate relay` beside each worker,
+//!   `kvgate serve` in the mode under test, and Envoy 1.40 with the kvgate
+//!   filter in front of the workers;
+//! - for the peer: `sglang-router launch --policy cache_aware` in front of
+//!   the same workers (PyPI `sglang-router`, installed by scripts/setup.sh).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use kvgate_e2e::{Envoy, NatsServer, Proc, free_port, http_request, render_kvgate_envoy, repo_root, wait_for_tcp};
+
+/// The served model name (the test tokenizer's).
+pub const MODEL: &str = "deepseek-v3";
+
+/// The simulated fleet.
+#[derive(Debug, Clone)]
+pub struct FleetSpec {
+    /// Number of workers.
+    pub workers: usize,
+    /// vLLM timing preset of `kvgate sim`.
+    pub timing: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV blocks per worker.
+    pub num_blocks: usize,
+    /// vLLM's `max_num_seqs`.
+    pub max_num_seqs: usize,
+    /// vLLM's `max_num_batched_tokens`.
+    pub max_num_batched_tokens: usize,
+    /// Simulated time runs this many times faster than the wall clock.
+    pub speedup: f64,
+    /// Output tokens per streamed chunk after the first.
+    pub stream_interval: usize,
+    /// `[models.kv]` settings of the control plane (`key = value` TOML
+    /// lines, e.g. `overlap_weight = 2.0`); empty: its defaults.
+    pub kv_settings: Vec<String>,
+    /// The `kvgate` binary to run.
+    pub kvgate: PathBuf,
+}
+
+impl FleetSpec {
+    /// The DOKS demo's fleet (REFERENCE-RESULTS.md §A): 3× H200 with
+    /// Llama-3.1-70B FP8, block size 32, batch 64, 16,384 batched tokens,
+    /// ~11,500 blocks of KV cache per GPU.
+    pub fn doks(speedup: f64, stream_interval: usize) -> Self {
+        FleetSpec {
+            workers: 3,
+            timing: "h200-llama70b-fp8".into(),
+            block_size: 32,
+            num_blocks: 11_500,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 16_384,
+            speedup,
+            stream_interval,
+            kv_settings: Vec::new(),
+            kvgate: kvgate_bin(),
+        }
+    }
+}
+
+/// What fronts the fleet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frontend {
+    /// Envoy with the kvgate filter; the control plane in this routing mode.
+    Kvgate(String),
+    /// sglang-router with this policy.
+    Sglang(String),
+}
+
+impl Frontend {
+    /// The mode name used in reports: `kv`, `round_robin`, …, `sglang_cache_aware`.
+    pub fn name(&self) -> String {
+        match self {
+            Frontend::Kvgate(m) => m.clone(),
+            Frontend::Sglang(p) => format!("sglang_{p}"),
+        }
+    }
+
+    /// Parses a report name back.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "kv" | "approx" | "least_load" | "round_robin" | "random" => Frontend::Kvgate(s.into()),
+            _ => match s.strip_prefix("sglang_") {
+                Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
+                _ => bail!(
+                    "unknown mode {s:?} (expected kv, approx, least_load, round_robin, random or sglang_cache_aware)"
+                ),
+            },
+        })
+    }
+}
+
+/// A running stack.
+pub struct Stack {
+    /// Where clients send OpenAI requests.
+    pub front: SocketAddr,
+    /// Each worker's OpenAI address (for `/metrics`).
+    pub workers: Vec<SocketAddr>,
+    /// The control plane's admin address (kvgate modes).
+    pub cp_admin: Option<SocketAddr>,
+    /// `(role, pid)` of every process, for CPU accounting.
+    pub pids: Vec<(String, u32)>,
+    /// Logs and configs.
+    pub dir: PathBuf,
+    // Dropped in reverse start order: the frontend first.
+    procs: Vec<Proc>,
+    _envoy: Option<Envoy>,
+    _nats: Option<NatsServer>,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self._envoy.take();
+        while let Some(mut p) = self.procs.pop() {
+            p.kill();
+        }
+    }
+}
+
+fn tool_path(var: &str, fallback: &str) -> PathBuf {
+    std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| repo_root().join(fallback))
+}
+
+/// The `kvgate` binary: `KVGATE_BIN`, else the release build.
+pub fn kvgate_bin() -> PathBuf {
+    tool_path("KVGATE_BIN", "target/release/kvgate")
+}
+
+/// The tokenizer directory that scripts/setup.sh prepares.
+pub fn tokenizer_dir() -> PathBuf {
+    tool_path("KVGATE_TOKENIZER_DIR", ".tools/models/deepseek-v3")
+}
+
+/// The sglang-router launcher.
+pub fn sglang_router_bin() -> PathBuf {
+    tool_path("KVGATE_SGLANG_ROUTER", ".tools/bin/sglang-router")
+}
+
+fn kvgate(bin: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(bin);
+    c.args(args);
+    c
+}
+
+fn port_pair() -> Result<u16> {
+    for _ in 0..50 {
+        let p = free_port()?;
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return Ok(p);
+        }
+    }
+    bail!("no two consecutive free ports")
+}
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
+    let t = Instant::now();
+    loop {
+        if f()? {
+            return Ok(());
+        }
+        ensure!(t.elapsed() < Duration::from_secs(secs), "timed out after {secs} s waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Stack {
+    /// Starts the fleet and `front` in a fresh `dir`.
+    pub fn start(dir: &Path, fleet: &FleetSpec, front: &Frontend) -> Result<Stack> {
+        let bin = &fleet.kvgate;
+        ensure!(bin.exists(), "{} not built: run `cargo build --release -p kvgate`", bin.display());
+        std::fs::create_dir_all(dir)?;
+        let tk = tokenizer_dir();
+        let tk = tk.to_str().context("tokenizer dir is not UTF-8")?.to_owned();
+        let mut procs = Vec::new();
+        let mut pids = Vec::new();
+        let (block, speedup) = (fleet.block_size.to_string(), fleet.speedup.to_string());
+        let (blocks, seqs) = (fleet.num_blocks.to_string(), fleet.max_num_seqs.to_string());
+        let (batched, interval) = (fleet.max_num_batched_tokens.to_string(), fleet.stream_interval.to_string());
+        let mut workers = Vec::new();
+        let mut zmq = Vec::new();
+        for w in 0..fleet.workers {
+            let (hp, zp) = (free_port()?, port_pair()?);
+            let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
+            let sim = kvgate(
+                bin,
+                &[
+                    "sim",
+                    "--workers",
+                    "1",
+                    "--model",
+                    MODEL,
+                    "--tokenizer-dir",
+                    &tk,
+                    "--http-port",
+                    &hp_s,
+                    "--zmq-port",
+                    &zp_s,
+                    "--timing",
+                    &fleet.timing,
+                    "--block-size",
+                    &block,
+                    "--num-blocks",
+                    &blocks,
+                    "--max-num-seqs",
+                    &seqs,
+                    "--max-num-batched-tokens",
+                    &batched,
+                    "--speedup",
+                    &speedup,
+                    "--stream-interval",
+                    &interval,
+                    "--default-max-tokens",
+                    "830",
+                    // Tokenizing a long prompt must not stall the engine's steps
+                    // (a real vLLM tokenizes in its API server process).
+                    "--threads",
+                    "2",
+                ],
+            );
+            let p = Proc::spawn(&format!("sim-{w}"), sim, dir)?;
+            pids.push((format!("sim-{w}"), p.pid()));
+            procs.push(p);
+            workers.push(SocketAddr::from(([127, 0, 0, 1], hp)));
+            zmq.push(zp);
+        }
+        for (w, &addr) in workers.iter().enumerate() {
+            wait_for_tcp(addr, Duration::from_secs(60)).with_context(|| format!("worker {w}"))?;
+        }
+        let mut stack = Stack {
+            front: workers[0],
+            workers,
+            cp_admin: None,
+            pids,
+            dir: dir.to_owned(),
+            procs,
+            _envoy: None,
+            _nats: None,
+        };
+        match front {
+            Frontend::Kvgate(mode) => stack.start_kvgate(fleet, mode, &tk, &zmq)?,
+            Frontend::Sglang(policy) => stack.start_sglang(policy)?,
+        }
+        Ok(stack)
+    }
+
+    fn start_kvgate(&mut self, fleet: &FleetSpec, mode: &str, tk: &str, zmq: &[u16]) -> Result<()> {
+        let nats = NatsServer::start(&self.dir)?;
+        self.pids.push(("nats".into(), nats.proc.pid()));
+        let nats_url = format!("nats://127.0.0.1:{}", nats.port);
+        self._nats = Some(nats);
+        let (block, seqs) = (fleet.block_size.to_string(), fleet.max_num_seqs.to_string());
+        for (w, (&addr, &zp)) in self.workers.iter().zip(zmq).enumerate() {
+            let (pub_ep, connect, replay) =
+                (format!("tcp://*:{zp}"), format!("tcp://127.0.0.1:{zp}"), format!("tcp://127.0.0.1:{}", zp + 1));
+            let (endpoint, metrics, id) = (addr.to_string(), format!("http://{addr}/metrics"), format!("w{w}"));
+            let relay = kvgate(
+                &fleet.kvgate,
+                &[
+                    "relay",
+                    "--zmq-endpoint",
+                    &pub_ep,
+                    "--zmq-connect",
+                    &connect,
+                    "--replay-endpoint",
+                    &replay,
+                    "--nats-url",
+                    &nats_url,
+                    "--model",
+                    MODEL,
+                    "--endpoint",
+                    &endpoint,
+                    "--worker-id",
+                    &id,
+                    "--metrics-url",
+                    &metrics,
+                    "--block-size",
+                    &block,
+                    "--max-num-seqs",
+                    &seqs,
+                    "--heartbeat-ms",
+                    "200",
+                ],
+            );
+            let p = Proc::spawn(&format!("relay-{w}"), relay, &self.dir)?;
+            self.pids.push((format!("relay-{w}"), p.pid()));
+            self.procs.push(p);
+        }
+        let (gp, ap) = (free_port()?, free_port()?);
+        let (grpc, admin) = (format!("127.0.0.1:{gp}"), format!("127.0.0.1:{ap}"));
+        // One model, from a file (the only way to give `[models.kv]`).
+        let mut toml = format!(
+            "[[models]]\nname = {MODEL:?}\ntokenizer_dir = {tk:?}\nblock_size = {block}\nmode = {mode:?}\n[models.kv]\n"
+        );
+        for kv in &fleet.kv_settings {
+            toml.push_str(kv);
+            toml.push('\n');
+        }
+        let cp_config = self.dir.join("control-plane.toml");
+        std::fs::write(&cp_config, toml)?;
+        let cp_config = cp_config.to_str().context("run dir is not UTF-8")?.to_owned();
+        let serve = kvgate(
+            &fleet.kvgate,
+            &[
+                "serve",
+                "--config",
+                &cp_config,
+                "--nats-url",
+                &nats_url,
+                "--listen-grpc",
+                &grpc,
+                "--listen-admin",
+                &admin,
+                "--replica-id",
+                "bench",
+            ],
+        );
+        let mut serve = serve;
+        // KVGATE_TOKENIZER_DIR (for the simulator) would stand for
+        // --tokenizer-dir, which needs --model; the file has it.
+        serve.env_remove("KVGATE_TOKENIZER_DIR");
+        let p = Proc::spawn("serve", serve, &self.dir)?;
+        self.pids.push(("control-plane".into(), p.pid()));
+        self.procs.push(p);
+        let admin: SocketAddr = admin.parse()?;
+        wait_for_tcp(admin, Duration::from_secs(60))?;
+        let n = self.workers.len();
+        wait_until("every worker live in the control plane", 60, || {
+            let r = http_request(admin, "GET", "/admin/workers", &[], b"")?;
+            let v: serde_json::Value = serde_json::from_slice(&r.body)?;
+            Ok(v[MODEL].as_array().is_some_and(|a| a.len() == n && a.iter().all(|w| w["live"] == true)))
+        })?;
+        self.cp_admin = Some(admin);
+        let (listen, eadmin) = (free_port()?, free_port()?);
+        let filter = serde_json::json!({"control_plane": {"timeout_ms": 200}}).to_string();
+        let config = self.dir.join("envoy.yaml");
+        std::fs::write(&config, render_kvgate_envoy(listen, eadmin, &self.workers, &[grpc.parse()?], &filter)?)?;
+        let envoy = Envoy::start(&config, eadmin, &self.dir)?;
+        self.pids.push(("envoy".into(), envoy.proc.pid()));
+        self._envoy = Some(envoy);
+        self.front = ([127, 0, 0, 1], listen).into();
+        Ok(())
+    }
+
+    fn start_sglang(&mut self, policy: &str) -> Result<()> {
+        let bin = sglang_router_bin();
+        ensure!(bin.exists(), "{} not installed: run scripts/setup.sh", bin.display());
+        let port = free_port()?;
+        let mut cmd = Command::new(bin);
+        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy]);
+        cmd.arg("--worker-urls");
+        for w in &self.workers {
+            cmd.arg(format!("http://{w}"));
+        }
+        // No retries or circuit breaking: a failed request is an error to
+        // count, as with Envoy (no retry policy) in the kvgate modes.
+        cmd.args(["--disable-retries", "--disable-circuit-breaker", "--log-level", "warn"]);
+        cmd.args(["--prometheus-port", &free_port()?.to_string(), "--prometheus-host", "127.0.0.1"]);
+        let p = Proc::spawn("sglang-router", cmd, &self.dir)?;
+        self.pids.push(("sglang-router".into(), p.pid()));
+        self.procs.push(p);
+        self.front = ([127, 0, 0, 1], port).into();
+        let front = self.front;
+        wait_until("sglang-router to route", 60, || {
+            self.check()?;
+            Ok(http_request(front, "GET", "/v1/models", &[], b"").is_ok_and(|r| r.status == 200))
+        })
+    }
+
+    /// Fails with the log of the first process that exited.
+    pub fn check(&mut self) -> Result<()> {
+        for p in &mut self.procs {
+            p.ensure_running()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,257 @@
+//! From one cell's records to one result row, in simulated time.
+//!
+//! - Latencies are of requests *started* inside the measurement window,
+//!   measured at the client, multiplied by the speedup (simulated time, the
+//!   time an H200 fleet would take). The gateway's own wall-clock overhead is
+//!   multiplied too, which only ever counts against the gateway.
+//! - ITL per request is `(e2e - ttft) / (output tokens - 1)`, as genai-perf
+//!   computes it; percentiles are over requests.
+//! - Throughput counts requests *completed* inside the window.
+//! - Hit rate is the workers' own `vllm:prefix_cache_hits_total /
+//!   vllm:prefix_cache_queries_total` over the window.
+//! - The oracle hit rate is what one infinite cache shared by every worker
+//!   would hit on the same requests: a later turn can reuse the previous
+//!   turn's prompt and output, a first turn its starter (after the first
+//!   conversation on that starter), whole blocks only, never the last token.
+//! - Load skew: at every 250 ms sample, the busiest worker's in-flight
+//!   requests (running + waiting) over the mean; reported as the mean over
+//!   samples, and the p95 of the spread (busiest − idlest).
+
+use serde::Serialize;
+
+use crate::runner::CellRun;
+
+/// One row of a result file (the shape issue #8 fixes, plus context).
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub mode: String,
+    pub concurrency: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p95_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p95_ms: f64,
+    pub itl_p99_ms: f64,
+    pub e2e_p50_s: f64,
+    pub e2e_p95_s: f64,
+    pub e2e_p99_s: f64,
+    pub output_tok_per_s: f64,
+    pub rps: f64,
+    pub hit_rate: f64,
+    pub oracle_hit_rate: f64,
+    pub errors: usize,
+    /// Requests started in the window (latency sample size).
+    pub requests: usize,
+    pub mean_prompt_tokens: f64,
+    pub load_skew_mean: f64,
+    pub inflight_spread_p95: f64,
+    pub max_waiting: f64,
+    /// Host CPU busy during the window (0–1) and whether it stayed below the
+    /// validity threshold.
+    pub host_cpu: f64,
+    pub valid: bool,
+    /// CPU seconds per wall second, per process role.
+    pub cpu_by_role: Vec<(String, f64)>,
+}
+
+/// The `q` quantile (0–1) of `v` by nearest rank (NaN when empty).
+pub fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+/// Shared tokens an ideal shared cache could serve for a request of
+/// `prompt` tokens that can reuse `reusable` tokens, in whole blocks, never
+/// the whole prompt (vLLM always computes the last token).
+pub fn block_hit(reusable: u64, prompt: u64, block: u64) -> u64 {
+    let cap = prompt.saturating_sub(1).min(reusable);
+    cap / block.max(1) * block.max(1)
+}
+
+/// Summarizes `run`. `starter_shared[s]` is the number of prompt tokens two
+/// first turns on starter `s` share.
+pub fn summarize(
+    mode: &str,
+    concurrency: usize,
+    run: &CellRun,
+    speedup: f64,
+    block: u64,
+    starter_shared: &[u64],
+    cpu_limit: f64,
+) -> Row {
+    let w0 = run.windows.warmup.as_secs_f64();
+    let w1 = w0 + run.windows.measure.as_secs_f64();
+    let sim_s = run.windows.measure.as_secs_f64() * speedup;
+    let inside: Vec<_> = run.records.iter().filter(|r| r.start >= w0 && r.start < w1).collect();
+    let ok: Vec<_> = inside.iter().filter(|r| r.error.is_none()).collect();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft).map(|t| t * speedup * 1e3).collect();
+    let mut itl: Vec<f64> = ok
+        .iter()
+        .filter(|r| r.completion_tokens > 1)
+        .filter_map(|r| r.ttft.map(|t| (r.e2e - t) / (r.completion_tokens - 1) as f64 * speedup * 1e3))
+        .collect();
+    let mut e2e: Vec<f64> = ok.iter().map(|r| r.e2e * speedup).collect();
+    let done: Vec<_> =
+        run.records.iter().filter(|r| r.error.is_none() && r.start + r.e2e >= w0 && r.start + r.e2e < w1).collect();
+    let out_tokens: u64 = done.iter().map(|r| r.completion_tokens).sum();
+
+    // The oracle, over requests started inside the window.
+    let mut by_conv = std::collections::HashMap::new();
+    for r in run.records.iter().filter(|r| r.error.is_none()) {
+        by_conv.insert((r.conv, r.turn), (r.prompt_tokens, r.completion_tokens));
+    }
+    let first_start = |s: usize| {
+        run.records.iter().filter(|r| r.turn == 0 && r.starter == s).map(|r| r.start).fold(f64::INFINITY, f64::min)
+    };
+    let (mut oracle_hits, mut prompt_sum) = (0u64, 0u64);
+    for r in &ok {
+        let reusable = if r.turn == 0 {
+            if first_start(r.starter) < r.start { starter_shared.get(r.starter).copied().unwrap_or(0) } else { 0 }
+        } else {
+            by_conv.get(&(r.conv, r.turn - 1)).map_or(0, |(p, c)| (p + c).saturating_sub(1))
+        };
+        oracle_hits += block_hit(reusable, r.prompt_tokens, block);
+        prompt_sum += r.prompt_tokens;
+    }
+
+    let (m0, m1) = &run.metrics;
+    let (dh, dq) =
+        m0.iter().zip(m1).fold((0.0, 0.0), |(h, q), (a, b)| (h + b.hits - a.hits, q + b.queries - a.queries));
+    let mut skews = Vec::new();
+    let mut spreads = Vec::new();
+    let mut max_waiting: f64 = 0.0;
+    for s in &run.samples {
+        let n = s.inflight.len().max(1) as f64;
+        let mean = s.inflight.iter().sum::<f64>() / n;
+        let max = s.inflight.iter().copied().fold(0.0, f64::max);
+        let min = s.inflight.iter().copied().fold(f64::INFINITY, f64::min);
+        if mean > 0.0 {
+            skews.push(max / mean);
+        }
+        spreads.push(max - min);
+        max_waiting = s.waiting.iter().copied().fold(max_waiting, f64::max);
+    }
+    let wall = run.windows.measure.as_secs_f64().max(1e-9);
+    let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+    Row {
+        mode: mode.to_owned(),
+        concurrency,
+        ttft_p50_ms: r3(quantile(&mut ttft, 0.50)),
+        ttft_p95_ms: r3(quantile(&mut ttft, 0.95)),
+        ttft_p99_ms: r3(quantile(&mut ttft, 0.99)),
+        itl_p50_ms: r3(quantile(&mut itl, 0.50)),
+        itl_p95_ms: r3(quantile(&mut itl, 0.95)),
+        itl_p99_ms: r3(quantile(&mut itl, 0.99)),
+        e2e_p50_s: r3(quantile(&mut e2e, 0.50)),
+        e2e_p95_s: r3(quantile(&mut e2e, 0.95)),
+        e2e_p99_s: r3(quantile(&mut e2e, 0.99)),
+        output_tok_per_s: r3(out_tokens as f64 / sim_s),
+        rps: r3(done.len() as f64 / sim_s),
+        hit_rate: r3(if dq > 0.0 { dh / dq } else { 0.0 }),
+        oracle_hit_rate: r3(if prompt_sum > 0 { oracle_hits as f64 / prompt_sum as f64 } else { 0.0 }),
+        errors: inside.len() - ok.len(),
+        requests: inside.len(),
+        mean_prompt_tokens: r3(if ok.is_empty() {
+            0.0
+        } else {
+            ok.iter().map(|r| r.prompt_tokens as f64).sum::<f64>() / ok.len() as f64
+        }),
+        load_skew_mean: r3(if skews.is_empty() { 1.0 } else { skews.iter().sum::<f64>() / skews.len() as f64 }),
+        inflight_spread_p95: r3(quantile(&mut spreads, 0.95)),
+        max_waiting,
+        host_cpu: r3(run.host_cpu),
+        valid: run.host_cpu < cpu_limit,
+        cpu_by_role: run.cpu_by_role.iter().map(|(r, s)| (r.clone(), r3(s / wall))).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe::WorkerMetrics;
+    use crate::runner::{LoadSample, Record, Windows};
+    use std::time::Duration;
+
+    fn rec(conv: u64, turn: usize, start: f64, ttft: f64, e2e: f64, p: u64, c: u64) -> Record {
+        Record {
+            conv,
+            starter: 0,
+            turn,
+            start,
+            ttft: Some(ttft),
+            e2e,
+            prompt_tokens: p,
+            completion_tokens: c,
+            cached_tokens: 0,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn quantiles_by_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&mut v, 0.5), 50.0);
+        assert_eq!(quantile(&mut v, 0.95), 95.0);
+        assert_eq!(quantile(&mut v, 1.0), 100.0);
+        assert_eq!(quantile(&mut [3.0], 0.99), 3.0);
+        assert!(quantile(&mut [], 0.5).is_nan());
+    }
+
+    #[test]
+    fn oracle_hits_are_whole_blocks_and_never_the_last_token() {
+        assert_eq!(block_hit(100, 1000, 32), 96);
+        assert_eq!(block_hit(5000, 1000, 32), 992); // capped at 999 tokens
+        assert_eq!(block_hit(31, 1000, 32), 0);
+        assert_eq!(block_hit(64, 64, 32), 32);
+    }
+
+    #[test]
+    fn a_cell_summarizes_in_simulated_time() {
+        let windows =
+            Windows { warmup: Duration::from_secs(1), measure: Duration::from_secs(2), drain: Duration::from_secs(1) };
+        let records = vec![
+            // Warm-up: conversation 1's first turn (the starter's first use).
+            rec(1, 0, 0.2, 0.05, 0.7, 1000, 100),
+            // In the window: conversation 1's second turn, conversation 2's first.
+            rec(1, 1, 1.2, 0.02, 0.5, 1150, 101),
+            rec(2, 0, 1.5, 0.04, 1.0, 1010, 51),
+            // Started after the window: not measured.
+            rec(2, 1, 3.1, 0.01, 0.1, 1100, 10),
+            Record { error: Some("HTTP 503".into()), ..rec(3, 0, 2.0, 0.0, 0.1, 0, 0) },
+        ];
+        let run = CellRun {
+            records,
+            samples: vec![
+                LoadSample { t: 1.5, inflight: vec![3.0, 1.0, 2.0], waiting: vec![1.0, 0.0, 0.0] },
+                LoadSample { t: 2.0, inflight: vec![2.0, 2.0, 2.0], waiting: vec![0.0, 0.0, 0.0] },
+            ],
+            metrics: (
+                vec![WorkerMetrics { queries: 100.0, hits: 50.0, ..Default::default() }; 3],
+                vec![WorkerMetrics { queries: 1100.0, hits: 950.0, ..Default::default() }; 3],
+            ),
+            host_cpu: 0.5,
+            cpu_by_role: vec![("envoy".into(), 0.2)],
+            windows,
+        };
+        let r = summarize("kv", 2, &run, 10.0, 32, &[900], 0.7);
+        assert_eq!((r.requests, r.errors), (3, 1));
+        // TTFTs 20 and 40 ms wall -> 200 and 400 ms simulated.
+        assert_eq!((r.ttft_p50_ms, r.ttft_p95_ms), (200.0, 400.0));
+        // ITL of conversation 1 turn 2: (0.5 - 0.02) / 100 s * 10.
+        assert_eq!(r.itl_p50_ms, 48.0);
+        assert_eq!(r.e2e_p95_s, 10.0);
+        // Completed inside [1, 3): conv 1 turn 2 (ends 1.7) and conv 2 turn 1 (ends 2.5): 152 tokens in 20 s.
+        assert_eq!((r.output_tok_per_s, r.rps), (7.6, 0.1));
+        assert_eq!(r.hit_rate, 0.9);
+        // Oracle: turn 2 reuses 1000 + 100 - 1 -> 1088 of 1150; the first
+        // turn of conversation 2 reuses the starter's 900 -> 896 of 1010.
+        assert_eq!(r.oracle_hit_rate, ((1088.0 + 896.0) / 2160.0 * 1000.0_f64).round() / 1000.0);
+        assert_eq!((r.load_skew_mean, r.inflight_spread_p95, r.max_waiting), (1.25, 2.0, 1.0));
+        assert!(r.valid);
+        assert_eq!(r.cpu_by_role, vec![("envoy".to_owned(), 0.1)]);
+    }
+}
