@@ -85,6 +85,75 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Two consecutive free ports on 127.0.0.1 (a simulated worker's ZMQ PUB
+/// and replay sockets).
+pub fn port_pair() -> Result<u16> {
+    for _ in 0..50 {
+        let p = free_port()?;
+        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return Ok(p);
+        }
+    }
+    bail!("no two consecutive free ports")
+}
+
+/// `kvgate relay` beside a simulated worker (`kvgate sim`) on 127.0.0.1
+/// whose ZMQ PUB port is `zmq_port` and replay port `zmq_port + 1`.
+#[derive(Debug, Clone)]
+pub struct RelaySpec<'a> {
+    /// The worker's ZMQ PUB port.
+    pub zmq_port: u16,
+    /// The worker's OpenAI address (its endpoint and `/metrics`).
+    pub worker: SocketAddr,
+    /// Worker id.
+    pub worker_id: &'a str,
+    /// `nats://…`.
+    pub nats_url: &'a str,
+    /// Served model name.
+    pub model: &'a str,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The worker's `max_num_seqs`.
+    pub max_num_seqs: usize,
+    /// Heartbeat interval.
+    pub heartbeat_ms: u64,
+}
+
+impl RelaySpec<'_> {
+    /// The arguments after the `kvgate` binary.
+    pub fn args(&self) -> Vec<String> {
+        let (z, w) = (self.zmq_port, self.worker);
+        [
+            "relay",
+            "--zmq-endpoint",
+            &format!("tcp://*:{z}"),
+            "--zmq-connect",
+            &format!("tcp://127.0.0.1:{z}"),
+            "--replay-endpoint",
+            &format!("tcp://127.0.0.1:{}", u32::from(z) + 1),
+            "--nats-url",
+            self.nats_url,
+            "--model",
+            self.model,
+            "--endpoint",
+            &w.to_string(),
+            "--worker-id",
+            self.worker_id,
+            "--metrics-url",
+            &format!("http://{w}/metrics"),
+            "--block-size",
+            &self.block_size.to_string(),
+            "--max-num-seqs",
+            &self.max_num_seqs.to_string(),
+            "--heartbeat-ms",
+            &self.heartbeat_ms.to_string(),
+        ]
+        .iter()
+        .map(|a| (*a).to_owned())
+        .collect()
+    }
+}
+
 /// Waits until something accepts TCP connections at `addr`.
 pub fn wait_for_tcp(addr: SocketAddr, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;

@@ -14,7 +14,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvgate_e2e::{Envoy, NatsServer, Proc, free_port, http_request, render_kvgate_envoy, repo_root, wait_for_tcp};
+use kvgate_e2e::{
+    Envoy, NatsServer, Proc, RelaySpec, free_port, http_request, render_kvgate_envoy, repo_root, wait_for_tcp,
+};
 
 /// The served model name (the test tokenizer's).
 pub const MODEL: &str = "deepseek-v3";
@@ -149,16 +151,6 @@ fn kvgate(bin: &Path, args: &[&str]) -> Command {
     c
 }
 
-fn port_pair() -> Result<u16> {
-    for _ in 0..50 {
-        let p = free_port()?;
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return Ok(p);
-        }
-    }
-    bail!("no two consecutive free ports")
-}
-
 fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
     let t = Instant::now();
     loop {
@@ -186,7 +178,7 @@ impl Stack {
         let mut workers = Vec::new();
         let mut zmq = Vec::new();
         for w in 0..fleet.workers {
-            let (hp, zp) = (free_port()?, port_pair()?);
+            let (hp, zp) = (free_port()?, kvgate_e2e::port_pair()?);
             let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
             let sim = kvgate(
                 bin,
@@ -255,39 +247,21 @@ impl Stack {
         self.pids.push(("nats".into(), nats.proc.pid()));
         let nats_url = format!("nats://127.0.0.1:{}", nats.port);
         self._nats = Some(nats);
-        let (block, seqs) = (fleet.block_size.to_string(), fleet.max_num_seqs.to_string());
+        let block = fleet.block_size.to_string();
         for (w, (&addr, &zp)) in self.workers.iter().zip(zmq).enumerate() {
-            let (pub_ep, connect, replay) =
-                (format!("tcp://*:{zp}"), format!("tcp://127.0.0.1:{zp}"), format!("tcp://127.0.0.1:{}", zp + 1));
-            let (endpoint, metrics, id) = (addr.to_string(), format!("http://{addr}/metrics"), format!("w{w}"));
-            let relay = kvgate(
-                &fleet.kvgate,
-                &[
-                    "relay",
-                    "--zmq-endpoint",
-                    &pub_ep,
-                    "--zmq-connect",
-                    &connect,
-                    "--replay-endpoint",
-                    &replay,
-                    "--nats-url",
-                    &nats_url,
-                    "--model",
-                    MODEL,
-                    "--endpoint",
-                    &endpoint,
-                    "--worker-id",
-                    &id,
-                    "--metrics-url",
-                    &metrics,
-                    "--block-size",
-                    &block,
-                    "--max-num-seqs",
-                    &seqs,
-                    "--heartbeat-ms",
-                    "200",
-                ],
-            );
+            let id = format!("w{w}");
+            let spec = RelaySpec {
+                zmq_port: zp,
+                worker: addr,
+                worker_id: &id,
+                nats_url: &nats_url,
+                model: MODEL,
+                block_size: fleet.block_size,
+                max_num_seqs: fleet.max_num_seqs,
+                heartbeat_ms: 200,
+            };
+            let mut relay = Command::new(&fleet.kvgate);
+            relay.args(spec.args());
             let p = Proc::spawn(&format!("relay-{w}"), relay, &self.dir)?;
             self.pids.push((format!("relay-{w}"), p.pid()));
             self.procs.push(p);

@@ -104,9 +104,13 @@ pub fn summarize(
     for r in run.records.iter().filter(|r| r.error.is_none()) {
         by_conv.insert((r.conv, r.turn), (r.prompt_tokens, r.completion_tokens));
     }
-    let first_start = |s: usize| {
-        run.records.iter().filter(|r| r.turn == 0 && r.starter == s).map(|r| r.start).fold(f64::INFINITY, f64::min)
-    };
+    // When each starter was first sent.
+    let mut first_use = std::collections::HashMap::new();
+    for r in run.records.iter().filter(|r| r.turn == 0) {
+        let t = first_use.entry(r.starter).or_insert(f64::INFINITY);
+        *t = f64::min(*t, r.start);
+    }
+    let first_start = |s: usize| first_use.get(&s).copied().unwrap_or(f64::INFINITY);
     let (mut oracle_hits, mut prompt_sum) = (0u64, 0u64);
     for r in &ok {
         let reusable = if r.turn == 0 {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::{NatsServer, Proc, free_port, http_request, wait_for_tcp};
+use kvgate_e2e::{NatsServer, Proc, RelaySpec, free_port, http_request, wait_for_tcp};
 use serde_json::Value;
 
 /// The served model name.
@@ -30,13 +30,7 @@ pub fn kvgate(args: &[&str]) -> Command {
 
 /// Two consecutive free ports (ZMQ PUB and replay).
 pub fn port_pair() -> u16 {
-    for _ in 0..50 {
-        let p = free_port().unwrap();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-    panic!("no free port pair")
+    kvgate_e2e::port_pair().unwrap()
 }
 
 pub fn until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
@@ -97,34 +91,19 @@ impl Fleet {
             let addr: SocketAddr = ([127, 0, 0, 1], hp).into();
             wait_for_tcp(addr, Duration::from_secs(30)).unwrap();
             http.push(addr);
-            let (pub_ep, connect, replay) =
-                (format!("tcp://*:{zp}"), format!("tcp://127.0.0.1:{zp}"), format!("tcp://127.0.0.1:{}", zp + 1));
-            let (endpoint, metrics, worker) = (addr.to_string(), format!("http://{addr}/metrics"), format!("w{w}"));
-            let relay = kvgate(&[
-                "relay",
-                "--zmq-endpoint",
-                &pub_ep,
-                "--zmq-connect",
-                &connect,
-                "--replay-endpoint",
-                &replay,
-                "--nats-url",
-                &nats_url,
-                "--model",
-                MODEL,
-                "--endpoint",
-                &endpoint,
-                "--worker-id",
-                &worker,
-                "--metrics-url",
-                &metrics,
-                "--block-size",
-                "16",
-                "--max-num-seqs",
-                "64",
-                "--heartbeat-ms",
-                "100",
-            ]);
+            let worker = format!("w{w}");
+            let spec = RelaySpec {
+                zmq_port: zp,
+                worker: addr,
+                worker_id: &worker,
+                nats_url: &nats_url,
+                model: MODEL,
+                block_size: 16,
+                max_num_seqs: 64,
+                heartbeat_ms: 100,
+            };
+            let mut relay = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+            relay.args(spec.args());
             procs.push(Proc::spawn(&format!("relay-{w}"), relay, dir).unwrap());
         }
         let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
