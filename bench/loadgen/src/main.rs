@@ -24,6 +24,13 @@ use kvgate_bench::{report, runner, stats, workload};
 enum Cli {
     /// The DOKS multi-turn sweep (REFERENCE-RESULTS.md §A) on 3 simulated H200s.
     Doks(DoksArgs),
+    /// Rewrites the tables (.md), charts (<stem>/*.svg) and HTML report
+    /// (.html) of result files from their JSON.
+    Report {
+        /// Result files, e.g. bench/results/doks-multiturn.json.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -76,7 +83,39 @@ struct DoksArgs {
 fn main() -> Result<()> {
     match Cli::parse() {
         Cli::Doks(a) => doks(a),
+        Cli::Report { files } => {
+            for f in files {
+                rewrite_report(&f)?;
+            }
+            Ok(())
+        }
     }
+}
+
+/// Rebuilds the reports of one result file from its JSON.
+fn rewrite_report(json: &std::path::Path) -> Result<()> {
+    let text = std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let doc: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
+    let rows: Vec<stats::Row> = serde_json::from_value(doc["rows"].clone())
+        .with_context(|| format!("{}: the rows do not have the result shape", json.display()))?;
+    let title = doc["title"].as_str().map(str::to_owned).unwrap_or_else(|| match doc["workload"].as_str() {
+        Some("doks-multiturn") | None => "DOKS multi-turn sweep".to_owned(),
+        Some(w) => w.to_owned(),
+    });
+    let context = doc["context"].as_str().map(str::to_owned).unwrap_or_else(|| {
+        format!(
+            "commit {}, {}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)",
+            doc["commit"].as_str().unwrap_or("?"),
+            doc["machine"].as_str().unwrap_or("?"),
+            doc["speedup"].as_f64().unwrap_or(f64::NAN),
+            doc["stream_interval"].as_u64().unwrap_or(0),
+            doc["warmup_s"].as_f64().unwrap_or(f64::NAN),
+            doc["window_s"].as_f64().unwrap_or(f64::NAN)
+        )
+    });
+    report::publish(json, &title, &context, &rows)?;
+    println!("{}: .md, .html and {} charts rewritten", json.display(), kvgate_bench::plot::METRICS.len());
+    Ok(())
 }
 
 fn doks(mut a: DoksArgs) -> Result<()> {
@@ -171,8 +210,14 @@ fn doks(mut a: DoksArgs) -> Result<()> {
             rows.push(row);
         }
     }
+    let context = format!(
+        "commit {commit}, {machine}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)",
+        a.speedup, a.stream_interval, a.warmup_s, a.measure_s
+    );
     let doc = serde_json::json!({
         "workload": "doks-multiturn",
+        "title": "DOKS multi-turn sweep",
+        "context": context,
         "rows": rows,
         "commit": commit,
         "machine": machine,
@@ -200,23 +245,13 @@ fn doks(mut a: DoksArgs) -> Result<()> {
         std::fs::create_dir_all(p)?;
     }
     std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
-    let mut md = format!(
-        "# DOKS multi-turn sweep\n\ncommit {commit}, {machine}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)\n\n",
-        a.speedup, a.stream_interval, a.warmup_s, a.measure_s
-    );
-    let names: Vec<String> = fronts.iter().map(Frontend::name).collect();
-    let has = |m: &str| names.iter().any(|n| n == m);
-    if has("round_robin") && has("kv") {
-        md += &report::comparison(&rows, "round_robin", "kv");
-        md.push('\n');
-    }
-    if has("sglang_cache_aware") && has("kv") {
-        md += &report::comparison(&rows, "sglang_cache_aware", "kv");
-        md.push('\n');
-    }
-    md += &report::all_modes(&rows);
-    std::fs::write(out.with_extension("md"), &md)?;
+    let md = report::publish(&out, "DOKS multi-turn sweep", &context, &rows)?;
     println!("\n{md}");
-    println!("results: {} (and .md); logs: {}", out.display(), run_dir.display());
+    println!(
+        "results: {} (and .md, .html, charts in {}/); logs: {}",
+        out.display(),
+        out.with_extension("").display(),
+        run_dir.display()
+    );
     Ok(())
 }

@@ -4,7 +4,10 @@
 
 use std::fmt::Write as _;
 
+use std::path::Path;
+
 use crate::stats::Row;
+use crate::{html, plot};
 
 fn pct(base: f64, new: f64) -> String {
     if !(base.is_finite() && new.is_finite()) || base == 0.0 {
@@ -115,37 +118,51 @@ pub fn all_modes(rows: &[Row]) -> String {
     s
 }
 
+/// The markdown of a result file: a heading, its context line, the
+/// comparisons of `kv` against round robin and against the peer (when both
+/// ran) and the table of every mode.
+pub fn markdown(title: &str, context: &str, rows: &[Row]) -> String {
+    let mut md = format!("# {title}\n\n{context}\n\n");
+    let has = |m: &str| rows.iter().any(|r| r.mode == m);
+    for base in ["round_robin", "sglang_cache_aware"] {
+        if has(base) && has("kv") {
+            md += &comparison(rows, base, "kv");
+            md.push('\n');
+        }
+    }
+    md += &all_modes(rows);
+    md
+}
+
+/// Writes everything a result file `json` (already written) gets beside it:
+/// `<stem>.md`, one SVG chart per metric in `<stem>/`, and `<stem>.html`
+/// with the tables and the charts. Returns the markdown.
+pub fn publish(json: &Path, title: &str, context: &str, rows: &[Row]) -> anyhow::Result<String> {
+    let md = markdown(title, context, rows);
+    std::fs::write(json.with_extension("md"), &md)?;
+    let dir = json.with_extension("");
+    std::fs::create_dir_all(&dir)?;
+    let mut charts = Vec::new();
+    for m in plot::METRICS {
+        let svg = plot::chart(rows, m, title);
+        std::fs::write(dir.join(format!("{}.svg", m.key)), &svg)?;
+        charts.push(svg);
+    }
+    std::fs::write(json.with_extension("html"), html::page(title, &md, &charts))?;
+    Ok(md)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn row(mode: &str, c: usize, ttft: f64, tok: f64) -> Row {
-        Row {
-            mode: mode.into(),
-            concurrency: c,
-            ttft_p50_ms: ttft,
-            ttft_p95_ms: ttft * 2.0,
-            ttft_p99_ms: ttft * 3.0,
-            itl_p50_ms: 30.0,
-            itl_p95_ms: 40.0,
-            itl_p99_ms: 50.0,
-            e2e_p50_s: 25.0,
-            e2e_p95_s: 30.0,
-            e2e_p99_s: 35.0,
-            output_tok_per_s: tok,
-            rps: 3.0,
-            hit_rate: 0.9,
-            oracle_hit_rate: 0.97,
-            errors: 0,
-            requests: 100,
-            mean_prompt_tokens: 5000.0,
-            load_skew_mean: 1.1,
-            inflight_spread_p95: 10.0,
-            max_waiting: 0.0,
-            host_cpu: 0.5,
-            valid: true,
-            cpu_by_role: vec![],
-        }
+        let mut r = crate::stats::tests::row(mode, c);
+        r.ttft_p50_ms = ttft;
+        r.ttft_p95_ms = ttft * 2.0;
+        r.ttft_p99_ms = ttft * 3.0;
+        r.output_tok_per_s = tok;
+        r
     }
 
     #[test]
@@ -157,5 +174,25 @@ mod tests {
         // ITL and E2E are equal: not a win.
         assert!(t.contains("3 of 5: TTFT p50, TTFT p95, tok/s |"), "{t}");
         assert_eq!(all_modes(&rows).lines().count(), 4);
+    }
+
+    #[test]
+    fn publish_writes_tables_charts_and_the_page() {
+        let dir = std::env::temp_dir().join(format!("kvgate-bench-publish-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = dir.join("sweep.json");
+        let rows = vec![row("round_robin", 60, 300.0, 2000.0), row("kv", 60, 240.0, 2200.0)];
+        let md = publish(&json, "Sweep", "commit x", &rows).unwrap();
+        assert!(md.starts_with("# Sweep\n\ncommit x\n"));
+        assert!(md.contains("**round_robin vs kv**") && !md.contains("sglang"));
+        assert_eq!(std::fs::read_to_string(json.with_extension("md")).unwrap(), md);
+        for m in plot::METRICS {
+            let svg = std::fs::read_to_string(dir.join("sweep").join(format!("{}.svg", m.key))).unwrap();
+            assert!(svg.starts_with("<svg") && svg.contains(m.title));
+        }
+        let page = std::fs::read_to_string(json.with_extension("html")).unwrap();
+        assert_eq!(page.matches("<svg").count(), plot::METRICS.len());
+        assert!(page.contains("<td>3 of 5: TTFT p50, TTFT p95, tok/s</td>"), "{page}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

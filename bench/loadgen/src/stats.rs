@@ -17,12 +17,12 @@
 //!   requests (running + waiting) over the mean; reported as the mean over
 //!   samples, and the p95 of the spread (busiest − idlest).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::runner::CellRun;
 
 /// One row of a result file (the shape issue #8 fixes, plus context).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     pub mode: String,
     pub concurrency: usize,
@@ -174,11 +174,41 @@ pub fn summarize(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::probe::WorkerMetrics;
     use crate::runner::{LoadSample, Record, Windows};
     use std::time::Duration;
+
+    /// A plausible row, for the tests of the reports.
+    pub(crate) fn row(mode: &str, c: usize) -> Row {
+        Row {
+            mode: mode.into(),
+            concurrency: c,
+            ttft_p50_ms: 300.0,
+            ttft_p95_ms: 600.0,
+            ttft_p99_ms: 900.0,
+            itl_p50_ms: 30.0,
+            itl_p95_ms: 40.0,
+            itl_p99_ms: 50.0,
+            e2e_p50_s: 25.0,
+            e2e_p95_s: 30.0,
+            e2e_p99_s: 35.0,
+            output_tok_per_s: 2000.0,
+            rps: 3.0,
+            hit_rate: 0.9,
+            oracle_hit_rate: 0.97,
+            errors: 0,
+            requests: 100,
+            mean_prompt_tokens: 5000.0,
+            load_skew_mean: 1.1,
+            inflight_spread_p95: 10.0,
+            max_waiting: 0.0,
+            host_cpu: 0.5,
+            valid: true,
+            cpu_by_role: vec![],
+        }
+    }
 
     fn rec(conv: u64, turn: usize, start: f64, ttft: f64, e2e: f64, p: u64, c: u64) -> Record {
         Record {
