@@ -11,6 +11,9 @@
 #                                      + chat_template.jinja (kept in the repo)
 #   .tools/peers/, .tools/bin/sglang-router  the benchmark's peer router (PyPI sglang-router,
 #                                      scripts/peers-requirements.txt, its own venv)
+#   .tools/bin/chromium                Debian's chromium (the dashboard's browser test):
+#                                      the one part installed system-wide, by apt, when
+#                                      missing and run as root; otherwise setup says how
 #   .tools/env                         KVGATE_* variables for tests and scripts
 #
 # plus the Rust target wasm32-wasip1 for the pinned toolchain. A second run
@@ -62,6 +65,22 @@ fi
 
 site=$("$tools/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
+# 2c. A headless browser for the dashboard's test: Debian's chromium (the
+#     only browser this machine's registries offer; it cannot be put in a
+#     project folder). Installed once, when missing, if we are root.
+chromium=${KVGATE_CHROMIUM_SYSTEM:-/usr/bin/chromium}
+if [ ! -x "$chromium" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing Debian's chromium (apt-get) for the dashboard's browser test"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null; }
+    else
+        echo "setup: $chromium is missing: install Debian's chromium (sudo apt-get install chromium)" >&2
+        exit 1
+    fi
+fi
+
 # 3. Stable paths to the binaries (the envoy wrapper script in venv/bin is
 #    Python; link the real binary).
 link() {
@@ -74,6 +93,7 @@ link() {
 link "$site/envoy/_bin/envoy" "$tools/bin/envoy"
 link "$tools/venv/bin/nats-server" "$tools/bin/nats-server"
 link "$tools/peers/bin/sglang-router" "$tools/bin/sglang-router"
+link "$chromium" "$tools/bin/chromium"
 
 # 4. Test tokenizer + the repo's DeepSeek-style chat template.
 model="$tools/models/deepseek-v3"
@@ -112,6 +132,7 @@ export KVGATE_NATS_SERVER="$tools/bin/nats-server"
 export KVGATE_TOKENIZER_DIR="$model"
 export KVGATE_PYTHON="$tools/venv/bin/python"
 export KVGATE_SGLANG_ROUTER="$tools/bin/sglang-router"
+export KVGATE_CHROMIUM="$tools/bin/chromium"
 EOT
 )
 if [ "$(cat "$env_file" 2>/dev/null)" != "$new_env" ]; then

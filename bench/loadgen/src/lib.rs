@@ -12,6 +12,7 @@
 //! and 300 s) and every latency and rate is reported in simulated time.
 
 pub mod client;
+pub mod dashboard;
 pub mod html;
 pub mod plot;
 pub mod probe;

@@ -24,6 +24,9 @@ use kvgate_bench::{report, runner, stats, workload};
 enum Cli {
     /// The DOKS multi-turn sweep (REFERENCE-RESULTS.md §A) on 3 simulated H200s.
     Doks(DoksArgs),
+    /// The live dashboard: every mode's stack under the same DOKS load, a
+    /// web page with a concurrency slider and rolling metrics per mode.
+    Dashboard(DashArgs),
     /// Rewrites the tables (.md), charts (<stem>/*.svg) and HTML report
     /// (.html) of result files from their JSON.
     Report {
@@ -80,9 +83,45 @@ struct DoksArgs {
     run_dir: PathBuf,
 }
 
+#[derive(clap::Args)]
+struct DashArgs {
+    /// Modes shown side by side (each gets its own fleet and front door).
+    #[arg(long, value_delimiter = ',', default_values_t = ["round_robin".to_owned(), "kv".to_owned(), "sglang_cache_aware".to_owned()])]
+    modes: Vec<String>,
+    /// Port of the page on 127.0.0.1.
+    #[arg(long, default_value_t = 8090)]
+    port: u16,
+    /// Conversations per mode at the start (the slider moves it).
+    #[arg(long, default_value_t = 12)]
+    concurrency: usize,
+    /// The slider's maximum.
+    #[arg(long, default_value_t = 180)]
+    max_concurrency: usize,
+    /// Simulated time runs this many times faster than the wall clock. The
+    /// modes share the machine, so this is lower than the sweep's.
+    #[arg(long, default_value_t = 4.0)]
+    speedup: f64,
+    /// Output tokens per streamed chunk after the first.
+    #[arg(long, default_value_t = 8)]
+    stream_interval: usize,
+    /// Rolling window of the metrics, wall seconds.
+    #[arg(long, default_value_t = 60.0)]
+    window_s: f64,
+    /// Stop by itself after this many wall seconds (default: at Ctrl-C).
+    #[arg(long)]
+    duration_s: Option<f64>,
+    /// Settings of the kv policy, `name=value`, as for `doks`.
+    #[arg(long = "kv", default_values_t = ["overlap_weight=4".to_owned()])]
+    kv_settings: Vec<String>,
+    /// Logs and configs of every stack.
+    #[arg(long, default_value = "target/bench-runs")]
+    run_dir: PathBuf,
+}
+
 fn main() -> Result<()> {
     match Cli::parse() {
         Cli::Doks(a) => doks(a),
+        Cli::Dashboard(a) => dashboard(a),
         Cli::Report { files } => {
             for f in files {
                 rewrite_report(&f)?;
@@ -90,6 +129,81 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn kv_lines(settings: &[String]) -> Result<Vec<String>> {
+    settings
+        .iter()
+        .map(|kv| {
+            let Some((k, v)) = kv.split_once('=') else { bail!("--kv {kv:?}: expected name=value") };
+            let v: f64 = v.trim().parse().with_context(|| format!("--kv {kv:?}: the value is not a number"))?;
+            Ok(format!("{} = {v:?}", k.trim()))
+        })
+        .collect()
+}
+
+fn dashboard(a: DashArgs) -> Result<()> {
+    use kvgate_bench::dashboard::{Live, serve};
+    if !(a.speedup.is_finite() && a.speedup > 0.0)
+        || a.stream_interval == 0
+        || !(a.window_s.is_finite() && a.window_s > 0.0)
+    {
+        bail!("--speedup and --window-s must be > 0 and --stream-interval at least 1");
+    }
+    let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
+    let root = kvgate_e2e::repo_root();
+    let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut fleet = FleetSpec::doks(a.speedup, a.stream_interval);
+    fleet.kv_settings = kv_lines(&a.kv_settings)?;
+    let mut stacks = Vec::new();
+    for front in &fronts {
+        let name = front.name();
+        let dir = run_dir.join(format!("dashboard-{stamp}")).join(&name);
+        println!("starting the {name} stack");
+        stacks.push((name.clone(), Stack::start(&dir, &fleet, front).with_context(|| format!("starting {name}"))?));
+    }
+    let live = Live::new(
+        stacks.iter().map(|(n, s)| (n.clone(), s.front)).collect(),
+        a.concurrency,
+        a.max_concurrency,
+        a.speedup,
+        Duration::from_secs_f64(a.window_s),
+        workload::Doks::default(),
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", a.port))
+            .await
+            .with_context(|| format!("binding 127.0.0.1:{}", a.port))?;
+        println!("dashboard: http://{}/  (Ctrl-C stops it and the stacks)", listener.local_addr()?);
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let server = tokio::spawn(serve(listener, live.clone(), stopped(rx.clone())));
+        let driver = tokio::spawn(live.clone().drive(stopped(rx.clone())));
+        let limit = a.duration_s.map(Duration::from_secs_f64).unwrap_or(Duration::MAX / 4);
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => println!("interrupted"),
+            _ = term.recv() => println!("terminated"),
+            _ = tokio::time::sleep(limit) => println!("--duration-s reached"),
+        }
+        let _ = tx.send(true);
+        let _ = server.await;
+        let _ = driver.await;
+        anyhow::Ok(())
+    })?;
+    // Users still in a turn end with the runtime; then the stacks stop.
+    rt.shutdown_timeout(Duration::from_secs(2));
+    for (name, mut s) in stacks {
+        if let Err(e) = s.check() {
+            println!("{name}: {e:#}");
+        }
+    }
+    println!("stopped");
+    Ok(())
 }
 
 /// Rebuilds the reports of one result file from its JSON.
@@ -141,11 +255,7 @@ fn doks(mut a: DoksArgs) -> Result<()> {
     let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / a.speedup);
     let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(a.measure_s), drain: wall(a.drain_s) };
     let mut fleet = FleetSpec::doks(a.speedup, a.stream_interval);
-    for kv in &a.kv_settings {
-        let Some((k, v)) = kv.split_once('=') else { bail!("--kv {kv:?}: expected name=value") };
-        let v: f64 = v.trim().parse().with_context(|| format!("--kv {kv:?}: the value is not a number"))?;
-        fleet.kv_settings.push(format!("{} = {v:?}", k.trim()));
-    }
+    fleet.kv_settings = kv_lines(&a.kv_settings)?;
     let workload = workload::Doks::default();
     let starter_shared = workload.starter_shared_tokens(&stack::tokenizer_dir())?;
     let (commit, machine) = kvgate_e2e::bench_provenance();

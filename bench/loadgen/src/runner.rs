@@ -204,7 +204,8 @@ pub async fn run_doks(
     })
 }
 
-fn chat_body(history: &[(&str, String)], max_tokens: u32) -> Vec<u8> {
+/// The streaming chat request of one turn.
+pub fn chat_body(history: &[(&str, String)], max_tokens: u32) -> Vec<u8> {
     #[derive(Serialize)]
     struct Msg<'a> {
         role: &'a str,
