@@ -24,6 +24,16 @@ use kvgate_bench::{report, runner, stats, workload};
 enum Cli {
     /// The DOKS multi-turn sweep (REFERENCE-RESULTS.md §A) on 3 simulated H200s.
     Doks(DoksArgs),
+    /// Workato-style long prefixes (REFERENCE-RESULTS.md §B): 8 documents of
+    /// 10K–100K tokens, closed loop at 16 and 32 concurrent requests, 4 workers.
+    Workato(ReqArgs),
+    /// Shared-prefix groups: 8 system prompts × 16 users, Poisson arrivals at
+    /// 4, 8 and 12 requests/s (simulated), the DOKS fleet.
+    Groups(ReqArgs),
+    /// Mooncake trace replay (../shared/traces/mooncake/conversation_trace.jsonl):
+    /// 512-token block ids as messages, arrivals as recorded (levels are
+    /// time-compression factors), 4 workers.
+    Mooncake(ReqArgs),
     /// The live dashboard: every mode's stack under the same DOKS load, a
     /// web page with a concurrency slider and rolling metrics per mode.
     Dashboard(DashArgs),
@@ -84,6 +94,48 @@ struct DoksArgs {
 }
 
 #[derive(clap::Args)]
+struct ReqArgs {
+    /// A short run: levels as given, kv / round_robin / sglang_cache_aware,
+    /// 30 s warm-up and 60 s measured; results under target/bench-runs/.
+    #[arg(long)]
+    quick: bool,
+    /// Levels: concurrency (workato), requests/s (groups), time compression (mooncake).
+    #[arg(long, value_delimiter = ',')]
+    levels: Vec<usize>,
+    /// Modes, as for `doks`.
+    #[arg(long, value_delimiter = ',', default_values_t = ["round_robin".to_owned(), "kv".to_owned(), "approx".to_owned(), "least_load".to_owned(), "sglang_cache_aware".to_owned()])]
+    modes: Vec<String>,
+    /// Simulated time runs this many times faster (default per workload).
+    #[arg(long)]
+    speedup: Option<f64>,
+    /// Output tokens per streamed chunk after the first.
+    #[arg(long, default_value_t = 8)]
+    stream_interval: usize,
+    /// Warm-up window, simulated seconds.
+    #[arg(long, default_value_t = 60.0)]
+    warmup_s: f64,
+    /// Measured window, simulated seconds.
+    #[arg(long, default_value_t = 240.0)]
+    measure_s: f64,
+    /// Longest wait for requests in flight at the end, simulated seconds.
+    #[arg(long, default_value_t = 300.0)]
+    drain_s: f64,
+    /// Settings of the kv policy, as for `doks`.
+    #[arg(long = "kv", default_values_t = ["overlap_weight=4".to_owned()])]
+    kv_settings: Vec<String>,
+    /// A level is flagged invalid when host CPU exceeds this share.
+    #[arg(long, default_value_t = 0.70)]
+    cpu_limit: f64,
+    /// Result file (default: bench/results/<workload>.json, or with --quick
+    /// target/bench-runs/<workload>-quick.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Logs and configs of every cell.
+    #[arg(long, default_value = "target/bench-runs")]
+    run_dir: PathBuf,
+}
+
+#[derive(clap::Args)]
 struct DashArgs {
     /// Modes shown side by side (each gets its own fleet and front door).
     #[arg(long, value_delimiter = ',', default_values_t = ["round_robin".to_owned(), "kv".to_owned(), "sglang_cache_aware".to_owned()])]
@@ -121,6 +173,9 @@ struct DashArgs {
 fn main() -> Result<()> {
     match Cli::parse() {
         Cli::Doks(a) => doks(a),
+        Cli::Workato(a) => requests_sweep(Kind::Workato, a),
+        Cli::Groups(a) => requests_sweep(Kind::Groups, a),
+        Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Dashboard(a) => dashboard(a),
         Cli::Report { files } => {
             for f in files {
@@ -129,6 +184,162 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Workato,
+    Groups,
+    Mooncake,
+}
+
+/// A sweep of a request-level workload: per level, every mode on a fresh
+/// stack, as `doks` does.
+fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
+    use kvgate_bench::runner::Load;
+    use kvgate_bench::workload::{Groups, Requests, Trace, Workato};
+    let (name, title, level_name, default_levels, default_speedup) = match kind {
+        Kind::Workato => {
+            ("workato-longprefix", "Workato long prefix (10K-100K-token documents)", "conc.", vec![16, 32], 4.0)
+        }
+        Kind::Groups => {
+            ("prefix-groups", "Shared-prefix groups (8 system prompts x 16 users, Poisson)", "qps", vec![4, 8, 12], 8.0)
+        }
+        Kind::Mooncake => ("mooncake", "Mooncake conversation trace replay", "compression", vec![1], 2.0),
+    };
+    if a.levels.is_empty() {
+        a.levels = default_levels;
+    }
+    if a.quick {
+        a.modes = vec!["round_robin".into(), "kv".into(), "sglang_cache_aware".into()];
+        a.warmup_s = 30.0;
+        a.measure_s = 60.0;
+    }
+    let speedup = a.speedup.unwrap_or(default_speedup);
+    if !(speedup.is_finite() && speedup > 0.0) || a.stream_interval == 0 {
+        bail!("--speedup must be > 0 and --stream-interval at least 1");
+    }
+    let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
+    let root = kvgate_e2e::repo_root();
+    let out = a.out.clone().unwrap_or_else(|| {
+        if a.quick {
+            PathBuf::from(format!("target/bench-runs/{name}-quick.json"))
+        } else {
+            PathBuf::from(format!("bench/results/{name}.json"))
+        }
+    });
+    let out = if out.is_absolute() { out } else { root.join(out) };
+    let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
+    let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / speedup);
+    let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(a.measure_s), drain: wall(a.drain_s) };
+    let mut fleet = FleetSpec::doks(speedup, a.stream_interval);
+    if kind != Kind::Groups {
+        // A larger fleet; each worker holds several long documents.
+        fleet.workers = 4;
+        fleet.num_blocks = if kind == Kind::Workato { 40_000 } else { 20_000 };
+    }
+    fleet.kv_settings = kv_lines(&a.kv_settings)?;
+    let horizon = a.warmup_s + a.measure_s;
+    let workload_for = |level: usize| -> Result<(Requests, Load)> {
+        Ok(match kind {
+            Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
+            Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
+            Kind::Mooncake => {
+                let path = kvgate_e2e::shared_dir()?.join("traces/mooncake/conversation_trace.jsonl");
+                let compress = level.max(1) as f64;
+                (
+                    Requests::Trace(Trace::mooncake(&path, horizon * 1000.0 * compress, compress, 2_000)?),
+                    Load::Open { speedup },
+                )
+            }
+        })
+    };
+    let (commit, machine) = kvgate_e2e::bench_provenance();
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    println!(
+        "== {title}: levels {:?} ({level_name}) x {} modes, speedup {speedup}x, windows {} s + {} s simulated ({:.1} s + {:.1} s wall)",
+        a.levels,
+        fronts.len(),
+        a.warmup_s,
+        a.measure_s,
+        windows.warmup.as_secs_f64(),
+        windows.measure.as_secs_f64(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut rows = Vec::new();
+    for &level in &a.levels {
+        let (wl, load) = workload_for(level)?;
+        for front in &fronts {
+            let mode = front.name();
+            let dir = run_dir.join(format!("{name}-{stamp}")).join(format!("{mode}-{level}"));
+            let mut stack =
+                Stack::start(&dir, &fleet, front).with_context(|| format!("starting the stack for {mode}"))?;
+            let run =
+                rt.block_on(runner::run_requests(stack.front, &stack.workers, &stack.pids, &wl, load, windows))?;
+            stack.check().with_context(|| format!("{mode} at {level}: a process of the stack died"))?;
+            stack.save_diagnostics(&dir);
+            drop(stack);
+            let row = stats::summarize(
+                &mode,
+                level,
+                &run,
+                speedup,
+                u64::from(fleet.block_size),
+                stats::Oracle::Prefixes(&wl),
+                a.cpu_limit,
+            );
+            println!(
+                "   {level:>3} {mode:<19} TTFT p50 {:>7.0} p95 {:>7.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} % (oracle {:>5.1} %)  n {}  errors {}  CPU {:.0} %{}",
+                row.ttft_p50_ms,
+                row.ttft_p95_ms,
+                row.itl_p50_ms,
+                row.e2e_p50_s,
+                row.output_tok_per_s,
+                row.hit_rate * 100.0,
+                row.oracle_hit_rate * 100.0,
+                row.requests,
+                row.errors,
+                row.host_cpu * 100.0,
+                if row.valid { "" } else { " (CPU above the limit: invalid)" }
+            );
+            std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
+            rows.push(row);
+        }
+    }
+    let context = format!(
+        "commit {commit}, {machine}; {} workers; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured (simulated); levels: {level_name}",
+        fleet.workers, a.stream_interval, a.warmup_s, a.measure_s
+    );
+    let doc = serde_json::json!({
+        "workload": name,
+        "title": title,
+        "context": context,
+        "level": level_name,
+        "rows": rows,
+        "commit": commit,
+        "machine": machine,
+        "speedup": speedup,
+        "window_s": a.measure_s,
+        "warmup_s": a.warmup_s,
+        "stream_interval": a.stream_interval,
+        "kv_settings": fleet.kv_settings,
+        "cpu_limit": a.cpu_limit,
+        "fleet": {
+            "workers": fleet.workers, "timing": fleet.timing, "block_size": fleet.block_size,
+            "num_blocks": fleet.num_blocks, "max_num_seqs": fleet.max_num_seqs,
+            "max_num_batched_tokens": fleet.max_num_batched_tokens,
+        },
+        "unix_time": stamp,
+        "quick": a.quick,
+    });
+    if let Some(p) = out.parent() {
+        std::fs::create_dir_all(p)?;
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
+    let md = report::publish(&out, title, &context, level_name, &rows)?;
+    println!("\n{md}");
+    println!("results: {} (and .md, .html, charts); logs: {}", out.display(), run_dir.display());
+    Ok(())
 }
 
 fn kv_lines(settings: &[String]) -> Result<Vec<String>> {
@@ -227,7 +438,8 @@ fn rewrite_report(json: &std::path::Path) -> Result<()> {
             doc["window_s"].as_f64().unwrap_or(f64::NAN)
         )
     });
-    report::publish(json, &title, &context, &rows)?;
+    let level = doc["level"].as_str().unwrap_or("conc.");
+    report::publish(json, &title, &context, level, &rows)?;
     println!("{}: .md, .html and {} charts rewritten", json.display(), kvgate_bench::plot::METRICS.len());
     Ok(())
 }
@@ -293,17 +505,17 @@ fn doks(mut a: DoksArgs) -> Result<()> {
                 1_000_000,
             ))?;
             stack.check().with_context(|| format!("{name} at {c}: a process of the stack died"))?;
-            if let Some(admin) = stack.cp_admin {
-                // The control plane's own view, for diagnosis.
-                for (path, file) in [("/metrics", "control-plane-metrics.txt"), ("/admin/workers", "workers.json")] {
-                    if let Ok(r) = kvgate_e2e::http_request(admin, "GET", path, &[], b"") {
-                        std::fs::write(dir.join(file), r.body)?;
-                    }
-                }
-            }
+            stack.save_diagnostics(&dir);
             drop(stack);
-            let row =
-                stats::summarize(&name, c, &run, a.speedup, u64::from(fleet.block_size), &starter_shared, a.cpu_limit);
+            let row = stats::summarize(
+                &name,
+                c,
+                &run,
+                a.speedup,
+                u64::from(fleet.block_size),
+                stats::Oracle::Doks(&starter_shared),
+                a.cpu_limit,
+            );
             println!(
                 "   {c:>3} {name:<19} TTFT p50 {:>6.0} p95 {:>6.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} %  errors {}  CPU {:.0} %{}",
                 row.ttft_p50_ms,
@@ -355,7 +567,7 @@ fn doks(mut a: DoksArgs) -> Result<()> {
         std::fs::create_dir_all(p)?;
     }
     std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
-    let md = report::publish(&out, "DOKS multi-turn sweep", &context, &rows)?;
+    let md = report::publish(&out, "DOKS multi-turn sweep", &context, "conc.", &rows)?;
     println!("\n{md}");
     println!(
         "results: {} (and .md, .html, charts in {}/); logs: {}",

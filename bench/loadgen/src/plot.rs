@@ -91,7 +91,7 @@ const BOTTOM: f64 = 44.0;
 
 /// One chart: `metric` against concurrency for every mode in `rows`, modes
 /// in their order of first appearance.
-pub fn chart(rows: &[Row], metric: &Metric, subtitle: &str) -> String {
+pub fn chart(rows: &[Row], metric: &Metric, subtitle: &str, level: &str) -> String {
     let mut modes: Vec<&str> = Vec::new();
     for r in rows {
         if !modes.contains(&r.mode.as_str()) {
@@ -160,8 +160,13 @@ pub fn chart(rows: &[Row], metric: &Metric, subtitle: &str) -> String {
         TOP + ph,
         TOP + ph
     );
-    let _ =
-        writeln!(s, r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">concurrency</text>"#, LEFT + pw / 2.0, H - 8.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+        LEFT + pw / 2.0,
+        H - 8.0,
+        esc(if level == "conc." { "concurrency" } else { level })
+    );
     // One line per mode, then the legend.
     for (i, mode) in modes.iter().enumerate() {
         let c = colour(mode);
@@ -223,7 +228,7 @@ mod tests {
         let mut rows = vec![row("round_robin", 60), row("kv", 60), row("round_robin", 120), row("kv", 120)];
         rows[3].valid = false;
         rows[3].ttft_p50_ms = 900.0;
-        let svg = chart(&rows, &METRICS[0], "commit abc");
+        let svg = chart(&rows, &METRICS[0], "commit abc", "conc.");
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert_eq!(svg.matches("<circle").count(), 4);
         assert_eq!(svg.matches(r##"fill="white" stroke="#d62728""##).count(), 1, "the invalid cell is hollow");
@@ -231,8 +236,8 @@ mod tests {
         // The y axis reaches past the largest value; ticks are 0..=1000.
         assert!(svg.contains(">1000</text>") && !svg.contains(">1200</text>"), "{svg}");
         // Same rows, same bytes.
-        assert_eq!(svg, chart(&rows, &METRICS[0], "commit abc"));
+        assert_eq!(svg, chart(&rows, &METRICS[0], "commit abc", "conc."));
         // One level only: still a chart, the point in the middle.
-        assert_eq!(chart(&rows[..1], &METRICS[4], "").matches("<circle").count(), 1);
+        assert_eq!(chart(&rows[..1], &METRICS[4], "", "conc.").matches("<circle").count(), 1);
     }
 }

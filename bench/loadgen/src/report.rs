@@ -41,12 +41,12 @@ pub fn wins(base: &Row, cand: &Row) -> [bool; 5] {
 }
 
 /// Table A: `base` against `cand` at every level both ran.
-pub fn comparison(rows: &[Row], base: &str, cand: &str) -> String {
+pub fn comparison(rows: &[Row], base: &str, cand: &str, level: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "**{base} vs {cand}** (simulated time; change is {cand} relative to {base})\n");
     let _ = writeln!(
         s,
-        "| conc. | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | E2E p50 s | out tok/s | hit rate | {cand} wins |"
+        "| {level} | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | E2E p50 s | out tok/s | hit rate | {cand} wins |"
     );
     let _ = writeln!(s, "|---:|---|---|---|---|---|---|---|");
     for c in levels(rows) {
@@ -82,11 +82,11 @@ pub fn comparison(rows: &[Row], base: &str, cand: &str) -> String {
 }
 
 /// Every mode at every level, with the context columns.
-pub fn all_modes(rows: &[Row]) -> String {
+pub fn all_modes(rows: &[Row], level: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| conc. | mode | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | E2E p50 / p95 s | out tok/s | req/s | hit (oracle) | skew / spread p95 / max waiting | errors | host CPU |"
+        "| {level} | mode | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | E2E p50 / p95 s | out tok/s | req/s | hit (oracle) | skew / spread p95 / max waiting | errors | host CPU |"
     );
     let _ = writeln!(s, "|---:|---|---|---|---|---:|---:|---|---|---:|---:|");
     for c in levels(rows) {
@@ -121,30 +121,31 @@ pub fn all_modes(rows: &[Row]) -> String {
 /// The markdown of a result file: a heading, its context line, the
 /// comparisons of `kv` against round robin and against the peer (when both
 /// ran) and the table of every mode.
-pub fn markdown(title: &str, context: &str, rows: &[Row]) -> String {
+pub fn markdown(title: &str, context: &str, level: &str, rows: &[Row]) -> String {
     let mut md = format!("# {title}\n\n{context}\n\n");
     let has = |m: &str| rows.iter().any(|r| r.mode == m);
     for base in ["round_robin", "sglang_cache_aware"] {
         if has(base) && has("kv") {
-            md += &comparison(rows, base, "kv");
+            md += &comparison(rows, base, "kv", level);
             md.push('\n');
         }
     }
-    md += &all_modes(rows);
+    md += &all_modes(rows, level);
     md
 }
 
 /// Writes everything a result file `json` (already written) gets beside it:
 /// `<stem>.md`, one SVG chart per metric in `<stem>/`, and `<stem>.html`
-/// with the tables and the charts. Returns the markdown.
-pub fn publish(json: &Path, title: &str, context: &str, rows: &[Row]) -> anyhow::Result<String> {
-    let md = markdown(title, context, rows);
+/// with the tables and the charts. `level` names what the rows vary
+/// (`conc.`, `qps`...). Returns the markdown.
+pub fn publish(json: &Path, title: &str, context: &str, level: &str, rows: &[Row]) -> anyhow::Result<String> {
+    let md = markdown(title, context, level, rows);
     std::fs::write(json.with_extension("md"), &md)?;
     let dir = json.with_extension("");
     std::fs::create_dir_all(&dir)?;
     let mut charts = Vec::new();
     for m in plot::METRICS {
-        let svg = plot::chart(rows, m, title);
+        let svg = plot::chart(rows, m, title, level);
         std::fs::write(dir.join(format!("{}.svg", m.key)), &svg)?;
         charts.push(svg);
     }
@@ -168,12 +169,12 @@ mod tests {
     #[test]
     fn the_comparison_says_what_won() {
         let rows = vec![row("round_robin", 60, 300.0, 2000.0), row("kv", 60, 240.0, 2200.0)];
-        let t = comparison(&rows, "round_robin", "kv");
+        let t = comparison(&rows, "round_robin", "kv", "conc.");
         assert!(t.contains("| 60 | 300 / 240 (−20 %) | 600 / 480 (−20 %) |"), "{t}");
         assert!(t.contains("2000 / 2200 (+10 %)"), "{t}");
         // ITL and E2E are equal: not a win.
         assert!(t.contains("3 of 5: TTFT p50, TTFT p95, tok/s |"), "{t}");
-        assert_eq!(all_modes(&rows).lines().count(), 4);
+        assert_eq!(all_modes(&rows, "conc.").lines().count(), 4);
     }
 
     #[test]
@@ -182,7 +183,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let json = dir.join("sweep.json");
         let rows = vec![row("round_robin", 60, 300.0, 2000.0), row("kv", 60, 240.0, 2200.0)];
-        let md = publish(&json, "Sweep", "commit x", &rows).unwrap();
+        let md = publish(&json, "Sweep", "commit x", "conc.", &rows).unwrap();
         assert!(md.starts_with("# Sweep\n\ncommit x\n"));
         assert!(md.contains("**round_robin vs kv**") && !md.contains("sglang"));
         assert_eq!(std::fs::read_to_string(json.with_extension("md")).unwrap(), md);

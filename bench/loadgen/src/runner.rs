@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 
 use crate::client::ChatClient;
 use crate::probe::{HostCpu, WorkerMetrics, process_cpu_s, scrape};
-use crate::workload::Doks;
+use crate::workload::{Doks, Req, Requests};
 
 /// Wall-clock windows of one cell.
 #[derive(Debug, Clone, Copy)]
@@ -170,7 +170,44 @@ pub async fn run_doks(
         });
     }
 
-    // The sampler: counters and CPU at both window edges, load in between.
+    let sampled = sample(t0, measure_at, stop_at, workers, pids).await;
+    while users.join_next().await.is_some() {}
+    let records = std::mem::take(&mut *records.lock().await);
+    Ok(sampled.into_run(records, windows))
+}
+
+/// What the sampler measured beside the load.
+struct Sampled {
+    samples: Vec<LoadSample>,
+    first: Vec<Option<WorkerMetrics>>,
+    last: Vec<Option<WorkerMetrics>>,
+    host_cpu: f64,
+    cpu_by_role: Vec<(String, f64)>,
+}
+
+impl Sampled {
+    fn into_run(self, records: Vec<Record>, windows: Windows) -> CellRun {
+        let unwrap = |v: Vec<Option<WorkerMetrics>>| v.into_iter().map(Option::unwrap_or_default).collect();
+        CellRun {
+            records,
+            samples: self.samples,
+            metrics: (unwrap(self.first), unwrap(self.last)),
+            host_cpu: self.host_cpu,
+            cpu_by_role: self.cpu_by_role,
+            windows,
+        }
+    }
+}
+
+/// The sampler: counters and CPU at both window edges, load every 250 ms
+/// in between. Returns at `stop_at`.
+async fn sample(
+    t0: Instant,
+    measure_at: Instant,
+    stop_at: Instant,
+    workers: &[SocketAddr],
+    pids: &[(String, u32)],
+) -> Sampled {
     tokio::time::sleep_until(measure_at.into()).await;
     let first = scrape_all(workers).await;
     let (cpu0, procs0) = (HostCpu::read(), cpu_snapshot(pids));
@@ -190,18 +227,116 @@ pub async fn run_doks(
     tokio::time::sleep_until(stop_at.into()).await;
     let last = scrape_all(workers).await;
     let (cpu1, procs1) = (HostCpu::read(), cpu_snapshot(pids));
-    while users.join_next().await.is_some() {}
     let cpu_by_role = procs1.into_iter().zip(procs0).map(|((r, b), (_, a))| (r, (b - a).max(0.0))).collect();
-    let unwrap = |v: Vec<Option<WorkerMetrics>>| v.into_iter().map(Option::unwrap_or_default).collect();
+    Sampled { samples, first, last, host_cpu: cpu1.since(&cpu0), cpu_by_role }
+}
+
+/// Sends request `i` and records what the client saw.
+async fn send_one(client: &mut ChatClient, t0: Instant, hard_stop: Instant, i: u64, req: Req) -> Record {
+    let start = Instant::now();
+    let body = chat_body(&req.history(), req.max_tokens);
+    let left = hard_stop.saturating_duration_since(start);
+    let result = tokio::time::timeout(left, client.chat(body)).await;
+    let mut rec = Record {
+        conv: i,
+        starter: req.group,
+        turn: 0,
+        start: (start - t0).as_secs_f64(),
+        ttft: None,
+        e2e: start.elapsed().as_secs_f64(),
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        cached_tokens: 0,
+        error: None,
+    };
+    match result {
+        Ok(Ok(reply)) => {
+            rec.ttft = reply.ttft.map(|d| d.as_secs_f64());
+            rec.e2e = reply.e2e.as_secs_f64();
+            rec.prompt_tokens = reply.prompt_tokens;
+            rec.completion_tokens = reply.completion_tokens;
+            rec.cached_tokens = reply.cached_tokens;
+        }
+        Ok(Err(e)) => rec.error = Some(format!("{e:#}")),
+        Err(_) => rec.error = Some("timed out at the drain limit".into()),
+    }
+    rec
+}
+
+/// How requests of a [`Requests`] workload are sent.
+#[derive(Debug, Clone, Copy)]
+pub enum Load {
+    /// `n` users, each sending the next request when its last one ended.
+    Closed(usize),
+    /// Every request at its own arrival time (open loop), the workload's
+    /// simulated arrival times divided by `speedup`.
+    Open { speedup: f64 },
+}
+
+/// Runs a request-level workload (each request independent: no history is
+/// carried between them) through `front`. Request `i` is `wl.request(i)`;
+/// the same `i` gives the same request in every mode.
+pub async fn run_requests(
+    front: SocketAddr,
+    workers: &[SocketAddr],
+    pids: &[(String, u32)],
+    wl: &Requests,
+    load: Load,
+    windows: Windows,
+) -> Result<CellRun> {
+    let t0 = Instant::now();
+    let measure_at = t0 + windows.warmup;
+    let stop_at = measure_at + windows.measure;
+    let hard_stop = stop_at + windows.drain;
+    let records = Arc::new(Mutex::new(Vec::<Record>::new()));
+    let mut tasks = tokio::task::JoinSet::new();
+    match load {
+        Load::Closed(n) => {
+            let next = Arc::new(AtomicU64::new(0));
+            let ramp = windows.warmup / 2;
+            for u in 0..n {
+                let (next, records, wl) = (next.clone(), records.clone(), wl.clone());
+                let delay = ramp.mul_f64(u as f64 / n.max(1) as f64);
+                tasks.spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let mut client = ChatClient::new(front);
+                    while Instant::now() < stop_at {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(req) = wl.request(i) else { break };
+                        let rec = send_one(&mut client, t0, hard_stop, i, req).await;
+                        records.lock().await.push(rec);
+                    }
+                });
+            }
+        }
+        Load::Open { speedup } => {
+            let (records, wl) = (records.clone(), wl.clone());
+            tasks.spawn(async move {
+                let mut inflight = tokio::task::JoinSet::new();
+                for i in 0.. {
+                    let Some(req) = wl.request(i) else { break };
+                    let at = t0 + Duration::from_secs_f64(req.at_s / speedup.max(1e-9));
+                    if at >= stop_at {
+                        break;
+                    }
+                    tokio::time::sleep_until(at.into()).await;
+                    // One connection per request in flight, as independent
+                    // clients arriving do.
+                    let mut client = ChatClient::new(front);
+                    let records = records.clone();
+                    inflight.spawn(async move {
+                        let rec = send_one(&mut client, t0, hard_stop, i, req).await;
+                        records.lock().await.push(rec);
+                    });
+                }
+                while inflight.join_next().await.is_some() {}
+            });
+        }
+    }
+    let sampled = sample(t0, measure_at, stop_at, workers, pids).await;
+    while tasks.join_next().await.is_some() {}
     let records = std::mem::take(&mut *records.lock().await);
-    Ok(CellRun {
-        records,
-        samples,
-        metrics: (unwrap(first), unwrap(last)),
-        host_cpu: cpu1.since(&cpu0),
-        cpu_by_role,
-        windows,
-    })
+    Ok(sampled.into_run(records, windows))
 }
 
 /// The streaming chat request of one turn.

@@ -113,13 +113,13 @@ pub struct Stack {
     pub dir: PathBuf,
     // Dropped in reverse start order: the frontend first.
     procs: Vec<Proc>,
-    _envoy: Option<Envoy>,
+    envoy: Option<Envoy>,
     _nats: Option<NatsServer>,
 }
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        self._envoy.take();
+        self.envoy.take();
         while let Some(mut p) = self.procs.pop() {
             p.kill();
         }
@@ -232,7 +232,7 @@ impl Stack {
             pids,
             dir: dir.to_owned(),
             procs,
-            _envoy: None,
+            envoy: None,
             _nats: None,
         };
         match front {
@@ -317,7 +317,7 @@ impl Stack {
         std::fs::write(&config, render_kvgate_envoy(listen, eadmin, &self.workers, &[grpc.parse()?], &filter)?)?;
         let envoy = Envoy::start(&config, eadmin, &self.dir)?;
         self.pids.push(("envoy".into(), envoy.proc.pid()));
-        self._envoy = Some(envoy);
+        self.envoy = Some(envoy);
         self.front = ([127, 0, 0, 1], listen).into();
         Ok(())
     }
@@ -345,6 +345,23 @@ impl Stack {
             self.check()?;
             Ok(http_request(front, "GET", "/v1/models", &[], b"").is_ok_and(|r| r.status == 200))
         })
+    }
+
+    /// Saves the control plane's own view (its metrics and workers) and
+    /// Envoy's kvgate stats into `dir`, for diagnosis. Best effort.
+    pub fn save_diagnostics(&self, dir: &Path) {
+        if let Some(admin) = self.cp_admin {
+            for (path, file) in [("/metrics", "control-plane-metrics.txt"), ("/admin/workers", "workers.json")] {
+                if let Ok(r) = http_request(admin, "GET", path, &[], b"") {
+                    let _ = std::fs::write(dir.join(file), r.body);
+                }
+            }
+        }
+        if let Some(e) = &self.envoy
+            && let Ok(r) = http_request(([127, 0, 0, 1], e.admin_port).into(), "GET", "/stats?filter=kvgate", &[], b"")
+        {
+            let _ = std::fs::write(dir.join("envoy-kvgate-stats.txt"), r.body);
+        }
     }
 
     /// Fails with the log of the first process that exited.

@@ -19,7 +19,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::runner::CellRun;
+use crate::runner::{CellRun, Record};
 
 /// One row of a result file (the shape issue #8 fixes, plus context).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -72,15 +72,85 @@ pub fn block_hit(reusable: u64, prompt: u64, block: u64) -> u64 {
     cap / block.max(1) * block.max(1)
 }
 
-/// Summarizes `run`. `starter_shared[s]` is the number of prompt tokens two
-/// first turns on starter `s` share.
+/// What an ideal shared cache could have reused, per workload.
+#[derive(Clone, Copy)]
+pub enum Oracle<'a> {
+    /// DOKS conversations: `[s]` is the number of prompt tokens two first
+    /// turns on starter `s` share; later turns reuse the previous turn.
+    Doks(&'a [u64]),
+    /// Request-level workloads: a request can reuse the longest run of
+    /// leading segments that a request started before it also had, in
+    /// proportion of its words (record `conv` is the request number).
+    Prefixes(&'a crate::workload::Requests),
+}
+
+/// The prefix oracle: (reusable tokens, prompt tokens) of the `ok` records,
+/// the history being every record in start order.
+fn prefix_oracle(records: &[Record], ok: &[&&Record], wl: &crate::workload::Requests, block: u64) -> (u64, u64) {
+    use std::collections::{HashMap, HashSet};
+    let mut order: Vec<&Record> = records.iter().collect();
+    order.sort_by(|a, b| a.start.total_cmp(&b.start));
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut reusable: HashMap<u64, u64> = HashMap::new();
+    for r in order {
+        let Some(req) = wl.request(r.conv) else { continue };
+        let segs: Vec<_> = req.segments().copied().collect();
+        let total: usize = segs.iter().map(|s| s.words).sum();
+        let (mut chain, mut shared, mut matching) = (0xCBF2_9CE4_8422_2325u64, 0usize, true);
+        for s in &segs {
+            chain = crate::workload::mix(chain, s.id);
+            if matching && seen.contains(&chain) {
+                shared += s.words;
+            } else {
+                matching = false;
+            }
+            seen.insert(chain);
+        }
+        if r.error.is_none() && total > 0 {
+            let tokens = (r.prompt_tokens as f64 * shared as f64 / total as f64) as u64;
+            reusable.entry(r.conv).or_insert(tokens);
+        }
+    }
+    ok.iter().fold((0, 0), |(h, p), r| {
+        (h + block_hit(reusable.get(&r.conv).copied().unwrap_or(0), r.prompt_tokens, block), p + r.prompt_tokens)
+    })
+}
+
+/// The DOKS oracle: (reusable tokens, prompt tokens) of the `ok` records.
+fn doks_oracle(records: &[Record], ok: &[&&Record], starter_shared: &[u64], block: u64) -> (u64, u64) {
+    let mut by_conv = std::collections::HashMap::new();
+    for r in records.iter().filter(|r| r.error.is_none()) {
+        by_conv.insert((r.conv, r.turn), (r.prompt_tokens, r.completion_tokens));
+    }
+    // When each starter was first sent.
+    let mut first_use = std::collections::HashMap::new();
+    for r in records.iter().filter(|r| r.turn == 0) {
+        let t = first_use.entry(r.starter).or_insert(f64::INFINITY);
+        *t = f64::min(*t, r.start);
+    }
+    let first_start = |s: usize| first_use.get(&s).copied().unwrap_or(f64::INFINITY);
+    let (mut oracle_hits, mut prompt_sum) = (0u64, 0u64);
+    for r in ok {
+        let reusable = if r.turn == 0 {
+            if first_start(r.starter) < r.start { starter_shared.get(r.starter).copied().unwrap_or(0) } else { 0 }
+        } else {
+            by_conv.get(&(r.conv, r.turn - 1)).map_or(0, |(p, c)| (p + c).saturating_sub(1))
+        };
+        oracle_hits += block_hit(reusable, r.prompt_tokens, block);
+        prompt_sum += r.prompt_tokens;
+    }
+
+    (oracle_hits, prompt_sum)
+}
+
+/// Summarizes `run`.
 pub fn summarize(
     mode: &str,
     concurrency: usize,
     run: &CellRun,
     speedup: f64,
     block: u64,
-    starter_shared: &[u64],
+    oracle: Oracle<'_>,
     cpu_limit: f64,
 ) -> Row {
     let w0 = run.windows.warmup.as_secs_f64();
@@ -100,27 +170,10 @@ pub fn summarize(
     let out_tokens: u64 = done.iter().map(|r| r.completion_tokens).sum();
 
     // The oracle, over requests started inside the window.
-    let mut by_conv = std::collections::HashMap::new();
-    for r in run.records.iter().filter(|r| r.error.is_none()) {
-        by_conv.insert((r.conv, r.turn), (r.prompt_tokens, r.completion_tokens));
-    }
-    // When each starter was first sent.
-    let mut first_use = std::collections::HashMap::new();
-    for r in run.records.iter().filter(|r| r.turn == 0) {
-        let t = first_use.entry(r.starter).or_insert(f64::INFINITY);
-        *t = f64::min(*t, r.start);
-    }
-    let first_start = |s: usize| first_use.get(&s).copied().unwrap_or(f64::INFINITY);
-    let (mut oracle_hits, mut prompt_sum) = (0u64, 0u64);
-    for r in &ok {
-        let reusable = if r.turn == 0 {
-            if first_start(r.starter) < r.start { starter_shared.get(r.starter).copied().unwrap_or(0) } else { 0 }
-        } else {
-            by_conv.get(&(r.conv, r.turn - 1)).map_or(0, |(p, c)| (p + c).saturating_sub(1))
-        };
-        oracle_hits += block_hit(reusable, r.prompt_tokens, block);
-        prompt_sum += r.prompt_tokens;
-    }
+    let (oracle_hits, prompt_sum) = match oracle {
+        Oracle::Doks(starter_shared) => doks_oracle(&run.records, &ok, starter_shared, block),
+        Oracle::Prefixes(wl) => prefix_oracle(&run.records, &ok, wl, block),
+    };
 
     let (m0, m1) = &run.metrics;
     let (dh, dq) =
@@ -271,7 +324,7 @@ pub(crate) mod tests {
             cpu_by_role: vec![("envoy".into(), 0.2)],
             windows,
         };
-        let r = summarize("kv", 2, &run, 10.0, 32, &[900], 0.7);
+        let r = summarize("kv", 2, &run, 10.0, 32, Oracle::Doks(&[900]), 0.7);
         assert_eq!((r.requests, r.errors), (3, 1));
         // TTFTs 20 and 40 ms wall -> 200 and 400 ms simulated.
         assert_eq!((r.ttft_p50_ms, r.ttft_p95_ms), (200.0, 400.0));

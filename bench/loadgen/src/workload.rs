@@ -185,3 +185,372 @@ mod tests {
         assert_ne!(a.get(..80), b.get(..80));
     }
 }
+
+// ---------------------------------------------------------------------------
+// Request-level workloads: independent requests whose prompts share prefixes
+// (no history carried between requests).
+
+/// A piece of prompt text: the same `id` is the same text everywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Identity of the text.
+    pub id: u64,
+    /// Its length in words ([`TOKENS_PER_WORD`] tokens a word).
+    pub words: usize,
+}
+
+impl Segment {
+    /// A segment of about `tokens` tokens.
+    pub fn of_tokens(id: u64, tokens: u64) -> Segment {
+        Segment { id, words: ((tokens as f64 / TOKENS_PER_WORD).round() as usize).max(1) }
+    }
+
+    /// Its text (starts with a space-free tag, so segments never merge into
+    /// one token across a boundary differently from request to request).
+    pub fn text(&self) -> String {
+        let mut t = format!("[{:x}] ", self.id);
+        t.push_str(&bench_words(mix(0x5E6, self.id), self.words));
+        t.push('\n');
+        t
+    }
+}
+
+/// Tokens per word of [`bench_words`] text in long segments with the test
+/// tokenizer (measured: a 93,458-word document is 113,3xx tokens; the DOKS
+/// starters, shorter, are nearer 1.07).
+pub const TOKENS_PER_WORD: f64 = 1.2;
+
+/// One chat message made of segments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub role: &'static str,
+    pub parts: Vec<Segment>,
+}
+
+/// One request of a request-level workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Req {
+    /// Document / group / first block: what it shares its prefix with.
+    pub group: usize,
+    /// Arrival, simulated seconds from the start (open loop only).
+    pub at_s: f64,
+    pub messages: Vec<Message>,
+    pub max_tokens: u32,
+}
+
+impl Req {
+    /// The chat messages, as the client sends them.
+    pub fn history(&self) -> Vec<(&'static str, String)> {
+        self.messages.iter().map(|m| (m.role, m.parts.iter().map(Segment::text).collect::<String>())).collect()
+    }
+
+    /// Every segment in prompt order.
+    pub fn segments(&self) -> impl Iterator<Item = &Segment> {
+        self.messages.iter().flat_map(|m| m.parts.iter())
+    }
+}
+
+/// The Workato-style long-prefix workload (REFERENCE-RESULTS.md §B): each
+/// request is one of `docs` long documents (10K–100K tokens) as the system
+/// message plus its own short question.
+#[derive(Debug, Clone)]
+pub struct Workato {
+    pub docs: usize,
+    pub doc_tokens: (u64, u64),
+    pub question_tokens: (u64, u64),
+    pub output_tokens: (u32, u32),
+    pub seed: u64,
+}
+
+impl Default for Workato {
+    fn default() -> Self {
+        Workato {
+            docs: 8,
+            doc_tokens: (10_000, 100_000),
+            question_tokens: (30, 60),
+            output_tokens: (300, 700),
+            seed: 0x3A70,
+        }
+    }
+}
+
+/// Shared-prefix groups: `groups` system prompts, `users` per group each
+/// with a context of their own, Poisson arrivals at `qps` (simulated).
+#[derive(Debug, Clone)]
+pub struct Groups {
+    pub groups: usize,
+    pub users: usize,
+    pub system_tokens: (u64, u64),
+    pub context_tokens: (u64, u64),
+    pub question_tokens: (u64, u64),
+    pub output_tokens: (u32, u32),
+    pub qps: f64,
+    pub seed: u64,
+    /// Arrival times, simulated seconds (precomputed up to the horizon).
+    pub arrivals: std::sync::Arc<Vec<f64>>,
+}
+
+impl Groups {
+    /// 8 groups × 16 users, system prompts of 2K–4K tokens, contexts of
+    /// 300–800 tokens, 200–400 output tokens, arrivals up to `horizon_s`.
+    pub fn new(qps: f64, horizon_s: f64) -> Groups {
+        let seed = 0x6A0F;
+        let mut arrivals = Vec::new();
+        let mut t = 0.0;
+        let mut i = 0u64;
+        while t < horizon_s && qps > 0.0 {
+            // Exponential gaps from a uniform in (0, 1].
+            let u = ((mix(seed ^ 0xA11, i) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+            t += -u.ln() / qps;
+            arrivals.push(t);
+            i += 1;
+        }
+        Groups {
+            groups: 8,
+            users: 16,
+            system_tokens: (2_000, 4_000),
+            context_tokens: (300, 800),
+            question_tokens: (20, 40),
+            output_tokens: (200, 400),
+            qps,
+            seed,
+            arrivals: std::sync::Arc::new(arrivals),
+        }
+    }
+}
+
+/// One request of a trace.
+#[derive(Debug, Clone)]
+pub struct TraceReq {
+    /// Arrival, ms from the start.
+    pub ms: f64,
+    /// Its prefix-block ids.
+    pub blocks: Vec<u64>,
+    /// Output tokens.
+    pub output: u32,
+}
+
+/// A request trace with prefix-block ids (Mooncake's format: `hash_ids` of
+/// 512-token blocks, equal ids at equal positions share a prefix).
+#[derive(Debug, Clone)]
+pub struct Trace {
+    /// The trace's requests, in arrival order.
+    pub reqs: std::sync::Arc<Vec<TraceReq>>,
+    /// Tokens of each block id (512, or less for a request's last block).
+    pub block_tokens: std::sync::Arc<std::collections::HashMap<u64, u64>>,
+    /// Arrivals are divided by this (time compression).
+    pub compress: f64,
+    /// Output tokens are capped at this.
+    pub max_output: u32,
+}
+
+impl Trace {
+    /// Reads a Mooncake JSONL trace; keeps requests arriving before `until_ms`.
+    pub fn mooncake(path: &std::path::Path, until_ms: f64, compress: f64, max_output: u32) -> anyhow::Result<Trace> {
+        use anyhow::Context as _;
+        #[derive(serde::Deserialize)]
+        struct Line {
+            timestamp: f64,
+            input_length: u64,
+            output_length: u32,
+            hash_ids: Vec<u64>,
+        }
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut reqs = Vec::new();
+        let mut block_tokens = std::collections::HashMap::new();
+        for (n, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let l: Line = serde_json::from_str(line).with_context(|| format!("{}:{}", path.display(), n + 1))?;
+            if l.timestamp >= until_ms {
+                break;
+            }
+            if l.hash_ids.is_empty() {
+                continue;
+            }
+            let last = l.hash_ids.len() - 1;
+            for (k, id) in l.hash_ids.iter().enumerate() {
+                let tokens =
+                    if k < last { 512 } else { l.input_length.saturating_sub(512 * last as u64).clamp(1, 512) };
+                block_tokens.entry(*id).or_insert(tokens);
+            }
+            reqs.push(TraceReq { ms: l.timestamp, blocks: l.hash_ids, output: l.output_length });
+        }
+        Ok(Trace {
+            reqs: std::sync::Arc::new(reqs),
+            block_tokens: std::sync::Arc::new(block_tokens),
+            compress: compress.max(1e-9),
+            max_output,
+        })
+    }
+}
+
+/// A request-level workload.
+#[derive(Debug, Clone)]
+pub enum Requests {
+    Workato(Workato),
+    Groups(Groups),
+    Trace(Trace),
+}
+
+/// Segment ids of the three kinds never collide (top byte).
+fn seg_id(kind: u64, n: u64) -> u64 {
+    (kind << 56) | (n & ((1 << 56) - 1))
+}
+
+impl Requests {
+    /// Request `i`, or `None` past the end of a finite workload.
+    pub fn request(&self, i: u64) -> Option<Req> {
+        match self {
+            Requests::Workato(w) => {
+                let h = mix(w.seed, i);
+                let doc = (h % w.docs.max(1) as u64) as usize;
+                let doc_tokens = between(mix(w.seed, 0xD0C0 + doc as u64), w.doc_tokens);
+                let q = Segment::of_tokens(seg_id(2, i), between(h >> 8, w.question_tokens));
+                let (lo, hi) = w.output_tokens;
+                Some(Req {
+                    group: doc,
+                    at_s: 0.0,
+                    messages: vec![
+                        Message { role: "system", parts: vec![Segment::of_tokens(seg_id(1, doc as u64), doc_tokens)] },
+                        Message { role: "user", parts: vec![q] },
+                    ],
+                    max_tokens: between(h >> 24, (u64::from(lo), u64::from(hi))) as u32,
+                })
+            }
+            Requests::Groups(g) => {
+                let at_s = *g.arrivals.get(usize::try_from(i).ok()?)?;
+                let h = mix(g.seed, i);
+                let group = (h % g.groups.max(1) as u64) as usize;
+                let user = (h >> 8) % g.users.max(1) as u64;
+                let sys = Segment::of_tokens(
+                    seg_id(3, group as u64),
+                    between(mix(g.seed, 0x5750 + group as u64), g.system_tokens),
+                );
+                let uid = group as u64 * 1_000_003 + user;
+                let ctx = Segment::of_tokens(seg_id(4, uid), between(mix(g.seed, 0xC070 + uid), g.context_tokens));
+                let q = Segment::of_tokens(seg_id(5, i), between(h >> 16, g.question_tokens));
+                let (lo, hi) = g.output_tokens;
+                Some(Req {
+                    group,
+                    at_s,
+                    messages: vec![
+                        Message { role: "system", parts: vec![sys] },
+                        Message { role: "user", parts: vec![ctx, q] },
+                    ],
+                    max_tokens: between(h >> 32, (u64::from(lo), u64::from(hi))) as u32,
+                })
+            }
+            Requests::Trace(t) => {
+                let TraceReq { ms, blocks: ids, output: out } = t.reqs.get(usize::try_from(i).ok()?)?;
+                // One message per block: system, then user and assistant in
+                // turn (a conversation's transcript), ending with the user.
+                let mut messages: Vec<Message> = ids
+                    .iter()
+                    .enumerate()
+                    .map(|(k, id)| Message {
+                        role: if k == 0 {
+                            "system"
+                        } else if k % 2 == 1 {
+                            "user"
+                        } else {
+                            "assistant"
+                        },
+                        parts: vec![Segment::of_tokens(seg_id(6, *id), t.block_tokens.get(id).copied().unwrap_or(512))],
+                    })
+                    .collect();
+                if messages.last().is_none_or(|m| m.role != "user") {
+                    messages.push(Message { role: "user", parts: vec![Segment { id: seg_id(7, 0), words: 2 }] });
+                }
+                Some(Req {
+                    group: ids.first().copied().unwrap_or(0) as usize,
+                    at_s: ms / 1000.0 / t.compress,
+                    messages,
+                    max_tokens: (*out).clamp(1, t.max_output.max(1)),
+                })
+            }
+        }
+    }
+
+    /// The file stem of its results.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Requests::Workato(_) => "workato-longprefix",
+            Requests::Groups(_) => "prefix-groups",
+            Requests::Trace(_) => "mooncake",
+        }
+    }
+}
+
+#[cfg(test)]
+mod request_tests {
+    use super::*;
+
+    #[test]
+    fn workato_requests_share_their_document_and_nothing_else() {
+        let w = Requests::Workato(Workato::default());
+        let (a, b) = (w.request(1).unwrap(), w.request(1).unwrap());
+        assert_eq!(a, b, "deterministic");
+        let reqs: Vec<Req> = (0..64).map(|i| w.request(i).unwrap()).collect();
+        for r in &reqs {
+            assert_eq!(r.messages.len(), 2);
+            let doc = r.messages[0].parts[0];
+            let tokens = doc.words as f64 * TOKENS_PER_WORD;
+            assert!((9_900.0..=100_100.0).contains(&tokens), "{tokens}");
+            assert!((300..=700).contains(&r.max_tokens));
+        }
+        let same_doc: Vec<&Req> = reqs.iter().filter(|r| r.group == reqs[0].group).collect();
+        assert!(same_doc.len() > 1);
+        assert_eq!(same_doc[0].messages[0], same_doc[1].messages[0]);
+        assert_ne!(same_doc[0].messages[1], same_doc[1].messages[1]);
+        // The text of a segment is stable and starts with its tag.
+        let s = Segment { id: 7, words: 5 };
+        assert_eq!(s.text(), s.text());
+        assert!(s.text().starts_with("[7] ") && s.text().split_whitespace().count() == 6);
+    }
+
+    #[test]
+    fn groups_arrive_as_poisson_at_the_rate() {
+        let g = Groups::new(10.0, 1_000.0);
+        let n = g.arrivals.len() as f64;
+        assert!((n - 10_000.0).abs() < 400.0, "{n}");
+        let w = Requests::Groups(g);
+        let r = w.request(3).unwrap();
+        assert_eq!(r.messages[0].role, "system");
+        assert_eq!(r.messages[1].parts.len(), 2);
+        assert!(w.request(1_000_000).is_none(), "past the horizon");
+        let mut prev = 0.0;
+        for i in 0..100 {
+            let at = w.request(i).unwrap().at_s;
+            assert!(at > prev);
+            prev = at;
+        }
+    }
+
+    #[test]
+    fn a_trace_becomes_alternating_messages_of_its_blocks() {
+        let dir = std::env::temp_dir().join(format!("kvgate-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.jsonl");
+        std::fs::write(
+            &p,
+            "{\"timestamp\": 0, \"input_length\": 1100, \"output_length\": 5, \"hash_ids\": [0, 1, 2]}\n\
+             {\"timestamp\": 2000, \"input_length\": 700, \"output_length\": 9000, \"hash_ids\": [0, 3]}\n\
+             {\"timestamp\": 9000, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [4]}\n",
+        )
+        .unwrap();
+        let t = Requests::Trace(Trace::mooncake(&p, 5_000.0, 2.0, 1_000).unwrap());
+        let a = t.request(0).unwrap();
+        let roles: Vec<&str> = a.messages.iter().map(|m| m.role).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"], "ends with the user");
+        assert_eq!(a.segments().count(), 4);
+        assert_eq!((a.messages[2].parts[0].words as f64 * TOKENS_PER_WORD).round(), 76.0, "the last block's 76 tokens");
+        let b = t.request(1).unwrap();
+        assert_eq!(b.at_s, 1.0, "2 s compressed 2x");
+        assert_eq!(b.max_tokens, 1_000, "capped");
+        assert_eq!(a.messages[0], b.messages[0], "block 0 is shared");
+        assert!(t.request(2).is_none(), "after the cut");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -28,7 +28,7 @@ fn cell(front: Frontend) -> kvgate_bench::stats::Row {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let run = rt.block_on(run_doks(stack.front, &stack.workers, &stack.pids, &workload, 6, windows, 0)).unwrap();
     stack.check().unwrap();
-    summarize(&front.name(), 6, &run, 25.0, 32, &shared, 1.01)
+    summarize(&front.name(), 6, &run, 25.0, 32, kvgate_bench::stats::Oracle::Doks(&shared), 1.01)
 }
 
 #[test]

@@ -136,6 +136,7 @@ fn routing(c: &mut Criterion) {
                             worker: *w,
                             overlap_blocks: 0,
                             overlap_any_tier_blocks: 0,
+                            inflight_overlap_blocks: f.tracker.inflight_prefix(*w, &seqs),
                             load: f.tracker.load(*w),
                             excluded: false,
                         })

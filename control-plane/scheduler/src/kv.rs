@@ -14,7 +14,8 @@
 //! 180. For each eligible candidate `w`, with `n` prompt blocks:
 //!
 //! ```text
-//! overlap_w  = device_overlap + host_hit_weight × (any_tier_overlap − device_overlap)
+//! cached_w   = device_overlap + host_hit_weight × (any_tier_overlap − device_overlap)
+//! overlap_w  = max(cached_w, inflight_hit_weight × inflight_overlap)
 //! prefill_w  = n − overlap_w                         this request's new work
 //! pending_w  = prefill blocks of w's requests still without a first token
 //! decode_w   = active blocks (max of predicted and measured)
@@ -31,13 +32,21 @@
 //!    request's decode.
 //! 2. **Pending prefill** makes a burst of sticky requests to one worker raise
 //!    its cost at once, before any heartbeat shows the queue.
-//! 3. **Measured load is fused with predicted load** (maximum of the two), so
+//! 3. **Blocks in flight count as overlap.** A prefix that a worker is still
+//!    prefilling for an earlier request is in no event yet, so the index
+//!    alone sends a second request on the same long document to another
+//!    worker, which recomputes it, while the first worker's pending prefill
+//!    makes it look expensive. The load tracker knows the prompt blocks of
+//!    every request in flight per worker; the leading ones this request
+//!    shares count as overlap (the engine caches them chunk by chunk), and
+//!    the pending prefill they stand for is not charged twice.
+//! 4. **Measured load is fused with predicted load** (maximum of the two), so
 //!    traffic the router did not route, and undercounting between replicas,
 //!    still count.
-//! 4. **Ties** (costs within `tie_epsilon` blocks) go to the less loaded worker
+//! 5. **Ties** (costs within `tie_epsilon` blocks) go to the less loaded worker
 //!    (fewer requests, then fewer active blocks), then at random. Without
 //!    overlap, this is least-load routing, not "first worker".
-//! 5. **Optional softmax** (`temperature > 0`) samples among the non-saturated
+//! 6. **Optional softmax** (`temperature > 0`) samples among the non-saturated
 //!    workers with weights `exp(−(cost − min) / (temperature × n))`.
 //!
 //! # Complexity
@@ -64,6 +73,12 @@ pub struct KvConfig {
     /// 0.5, because loading it back costs about half of recomputing it on
     /// H200-class hardware. 0 ignores host tiers.
     pub host_hit_weight: f64,
+    /// Worth of a block that a request in flight on the worker shares with
+    /// this one (it is being computed there), relative to a cached block.
+    /// 1.0: with chunked prefill the engine caches each chunk as soon as it
+    /// is computed, so a follower reuses what is done and the rest is done
+    /// once; 0 ignores in-flight prompts (Dynamo's behaviour).
+    pub inflight_hit_weight: f64,
     /// Cost of one request ahead in the worker's queue, in blocks. 200: at
     /// the DOKS operating point a batch slot frees about every 0.5 s, and a
     /// 32-token block of prefill takes about 2.5 ms (Llama-3.1-70B FP8 on
@@ -85,6 +100,7 @@ impl Default for KvConfig {
             pending_weight: 1.0,
             decode_weight: 1.0,
             host_hit_weight: 0.5,
+            inflight_hit_weight: 1.0,
             queue_penalty_blocks: 200.0,
             tie_epsilon: 0.5,
             temperature: 0.0,
@@ -112,10 +128,15 @@ impl KvPolicy {
         let k = &self.config;
         let device = f64::from(c.overlap_blocks.min(prompt_blocks));
         let any = f64::from(c.overlap_any_tier_blocks.min(prompt_blocks)).max(device);
-        let overlap = device + k.host_hit_weight * (any - device);
+        let cached = device + k.host_hit_weight * (any - device);
+        let inflight = k.inflight_hit_weight * f64::from(c.inflight_overlap_blocks.min(prompt_blocks));
+        let overlap = cached.max(inflight);
         let prefill = f64::from(prompt_blocks) - overlap;
+        // Pending prefill this request would share is its own overlap, not
+        // a delay on top of it.
+        let pending = (c.load.prefill_pending_blocks as f64 - (inflight - cached).max(0.0)).max(0.0);
         k.overlap_weight * prefill
-            + k.pending_weight * c.load.prefill_pending_blocks as f64
+            + k.pending_weight * pending
             + k.decode_weight * c.load.effective_active_blocks() as f64
             + k.queue_penalty_blocks * f64::from(c.load.queued_if_added())
     }
@@ -176,8 +197,9 @@ impl Policy for KvPolicy {
         }
         let chosen = scored.first()?.idx;
         let fallbacks = scored.iter().skip(1).take(self.config.fallbacks).map(|s| s.idx).collect();
-        let best_overlap = eligible(candidates).filter_map(|i| candidates.get(i)).map(|c| c.overlap_blocks).max();
-        let chosen_overlap = candidates.get(chosen).map_or(0, |c| c.overlap_blocks);
+        let seen = |c: &Candidate| c.overlap_blocks.max(c.inflight_overlap_blocks);
+        let best_overlap = eligible(candidates).filter_map(|i| candidates.get(i)).map(seen).max();
+        let chosen_overlap = candidates.get(chosen).map_or(0, seen);
         let reason = if chosen_overlap > 0 && Some(chosen_overlap) == best_overlap { Reason::Kv } else { Reason::Load };
         Some(Decision { chosen, fallbacks, reason })
     }

@@ -8,6 +8,7 @@
 //! | [`LoadTracker::done`] | O(prompt blocks) |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
+//! | [`LoadTracker::inflight_prefix`] | O(shared leading blocks + 1) |
 //!
 //! Active blocks are deduplicated per worker: a multiset of the prompt's
 //! sequence hashes, so ten requests sharing a 4,000-token system prompt count
@@ -98,6 +99,17 @@ impl LoadTracker {
     ) -> Result<(), LifecycleError> {
         let new_prefill_blocks = (prompt.len() as u64).saturating_sub(u64::from(overlap_blocks));
         self.insert(request_id, worker, prompt.into(), 0, new_prefill_blocks, output_blocks, now_ms)
+    }
+
+    /// Leading blocks of `prompt` that requests in flight on `worker` share
+    /// (their prompt hashes, deduplicated). Stops at the first block none of
+    /// them has, so a worker sharing nothing costs one lookup.
+    pub fn inflight_prefix(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> u32 {
+        let Some(w) = self.workers.get(&worker) else { return 0 };
+        if w.prompt_blocks.is_empty() {
+            return 0;
+        }
+        prompt.iter().take_while(|h| w.prompt_blocks.contains_key(h)).count() as u32
     }
 
     /// A request routed by another control-plane replica, known only by its

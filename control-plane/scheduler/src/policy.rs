@@ -59,6 +59,10 @@ pub struct Candidate {
     /// Leading prompt blocks it holds in any tier (≥ `overlap_blocks` when
     /// it offloads to host memory).
     pub overlap_any_tier_blocks: u32,
+    /// Leading prompt blocks that requests already routed to it and still in
+    /// flight share with this one: blocks it is computing (or holds without
+    /// its events having arrived yet). 0 when unknown.
+    pub inflight_overlap_blocks: u32,
     /// Its load.
     pub load: Load,
     /// Not to be chosen (unhealthy, draining, heartbeats stale).

@@ -3,8 +3,8 @@
 use kvgate_index::WorkerIdx;
 use kvgate_protocol::SequenceHash;
 use kvgate_scheduler::{
-    ApproxConfig, ApproxPolicy, Candidate, KvPolicy, Load, LoadTracker, Measured, Mode, Policy, Reason, RequestView,
-    RoundRobinPolicy,
+    ApproxConfig, ApproxPolicy, Candidate, KvConfig, KvPolicy, Load, LoadTracker, Measured, Mode, Policy, Reason,
+    RequestView, RoundRobinPolicy,
 };
 use proptest::prelude::*;
 
@@ -13,7 +13,14 @@ fn request(blocks: u32) -> RequestView<'static> {
 }
 
 fn cand(w: u32, overlap: u32, load: Load) -> Candidate {
-    Candidate { worker: WorkerIdx(w), overlap_blocks: overlap, overlap_any_tier_blocks: overlap, load, excluded: false }
+    Candidate {
+        worker: WorkerIdx(w),
+        overlap_blocks: overlap,
+        overlap_any_tier_blocks: overlap,
+        inflight_overlap_blocks: 0,
+        load,
+        excluded: false,
+    }
 }
 
 fn active(blocks: u64) -> Load {
@@ -35,6 +42,40 @@ fn dynamo_worked_example() {
     assert_eq!(cands[d.chosen].worker, WorkerIdx(2));
     assert_eq!(d.reason, Reason::Kv);
     assert_eq!(d.fallbacks, vec![0, 2], "runners-up by cost: 90 then 99");
+}
+
+/// A second request on a long document that the first worker is still
+/// prefilling (no stored event yet) follows it: the blocks in flight there
+/// count as overlap and their pending prefill is not charged twice. Without
+/// it (weight 0, Dynamo's behaviour), the pending prefill sends the second
+/// request to an idle worker, which recomputes the whole document.
+#[test]
+fn a_prefix_still_prefilling_draws_its_followers() {
+    let busy = Load { inflight: 1, prefill_pending_blocks: 3_000, active_blocks: 3_100, ..Load::default() };
+    let mut first = cand(0, 0, busy);
+    first.inflight_overlap_blocks = 3_000;
+    let idle = cand(1, 0, Load::default());
+    let cfg = KvConfig { overlap_weight: 4.0, ..KvConfig::default() };
+    let mut rng = fastrand::Rng::with_seed(3);
+    let d = KvPolicy::new(cfg).pick(&request(3_002), &[first, idle], &mut rng).unwrap();
+    assert_eq!(d.chosen, 0);
+    assert_eq!(d.reason, Reason::Kv);
+    // cost = 4 × 2 new blocks + 0 pending (shared) + 3,100 active.
+    assert_eq!(KvPolicy::new(cfg).cost(3_002, &first), 8.0 + 3_100.0);
+    let off = KvConfig { inflight_hit_weight: 0.0, ..cfg };
+    let d = KvPolicy::new(off).pick(&request(3_002), &[first, idle], &mut rng).unwrap();
+    assert_eq!(d.chosen, 1, "without in-flight overlap the document is recomputed elsewhere");
+
+    // The tracker reports the shared leading blocks of what is in flight.
+    let mut t = LoadTracker::new();
+    let doc: Vec<SequenceHash> = (0..50).map(SequenceHash).collect();
+    t.added("a", WorkerIdx(0), &doc, 0, 10, 0).unwrap();
+    let mut other = doc[..30].to_vec();
+    other.push(SequenceHash(999));
+    assert_eq!(t.inflight_prefix(WorkerIdx(0), &other), 30);
+    assert_eq!(t.inflight_prefix(WorkerIdx(1), &other), 0);
+    t.done("a").unwrap();
+    assert_eq!(t.inflight_prefix(WorkerIdx(0), &other), 0, "gone when the request is done");
 }
 
 /// A worker at its running limit is not chosen while another has room, even
@@ -248,7 +289,8 @@ proptest! {
         learned in proptest::collection::vec(0u64..4, 0..4),
     ) {
         let cands: Vec<Candidate> = cands.into_iter().enumerate().map(|(i, (o, extra, load, excluded))| Candidate {
-            worker: WorkerIdx(i as u32), overlap_blocks: o, overlap_any_tier_blocks: o + extra, load, excluded,
+            worker: WorkerIdx(i as u32), overlap_blocks: o, overlap_any_tier_blocks: o + extra,
+            inflight_overlap_blocks: extra, load, excluded,
         }).collect();
         let any_eligible = cands.iter().any(|c| !c.excluded);
         let keys = [1u64, 2, 3, 4];

@@ -64,6 +64,8 @@ pub struct RawKv {
     pub decode_weight: Option<f64>,
     /// See [`KvConfig::host_hit_weight`].
     pub host_hit_weight: Option<f64>,
+    /// See [`KvConfig::inflight_hit_weight`].
+    pub inflight_hit_weight: Option<f64>,
     /// See [`KvConfig::queue_penalty_blocks`].
     pub queue_penalty_blocks: Option<f64>,
     /// See [`KvConfig::tie_epsilon`].
@@ -259,6 +261,7 @@ impl Config {
                 pending_weight: weight(f("kv.pending_weight"), k.pending_weight, d.pending_weight)?,
                 decode_weight: weight(f("kv.decode_weight"), k.decode_weight, d.decode_weight)?,
                 host_hit_weight: weight(f("kv.host_hit_weight"), k.host_hit_weight, d.host_hit_weight)?,
+                inflight_hit_weight: weight(f("kv.inflight_hit_weight"), k.inflight_hit_weight, d.inflight_hit_weight)?,
                 queue_penalty_blocks: weight(
                     f("kv.queue_penalty_blocks"),
                     k.queue_penalty_blocks,
@@ -270,6 +273,9 @@ impl Config {
             };
             if kv.host_hit_weight > 1.0 {
                 return Err(err(f("kv.host_hit_weight"), kv.host_hit_weight, "must be in [0, 1]"));
+            }
+            if kv.inflight_hit_weight > 1.0 {
+                return Err(err(f("kv.inflight_hit_weight"), kv.inflight_hit_weight, "must be in [0, 1]"));
             }
             let mut static_workers = Vec::new();
             for (j, w) in m.workers.into_iter().enumerate() {

@@ -631,10 +631,12 @@ impl ModelState {
             }
             let d = device.get(&w.idx).copied().unwrap_or(0);
             let h = any.get(&w.idx).copied().unwrap_or(0);
+            let inflight = if self.mode == Mode::Kv { self.tracker.inflight_prefix(w.idx, &hashes) } else { 0 };
             cands.push(Candidate {
                 worker: w.idx,
                 overlap_blocks: d,
                 overlap_any_tier_blocks: d.max(h),
+                inflight_overlap_blocks: inflight,
                 load: self.tracker.load(w.idx),
                 excluded: false,
             });
@@ -670,8 +672,9 @@ impl ModelState {
             self.policy.observe(&view, chosen.worker, now_ms);
         }
         let output_blocks = u64::from(expected_output_tokens.div_ceil(bs.get()));
-        let _ =
-            self.tracker.added(input.request_id, chosen.worker, &hashes, chosen.overlap_blocks, output_blocks, now_ms);
+        // Its new prefill excludes what requests in flight there compute.
+        let shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
+        let _ = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
         self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         let reason = if load_only_reason { pb::PickReason::Fallback } else { reason_pb(decision.reason) };
         let mode = self.mode.name();
