@@ -24,7 +24,7 @@ use kvgate_bench::{report, runner, stats, workload};
 enum Cli {
     /// The DOKS multi-turn sweep (REFERENCE-RESULTS.md §A) on 3 simulated H200s.
     Doks(DoksArgs),
-    /// Workato-style long prefixes (REFERENCE-RESULTS.md §B): 8 documents of
+    /// Workato-style long prefixes (REFERENCE-RESULTS.md §B): 24 documents of
     /// 10K–100K tokens, closed loop at 16 and 32 concurrent requests, 4 workers.
     Workato(ReqArgs),
     /// Shared-prefix groups: 8 system prompts × 16 users, Poisson arrivals at
@@ -200,7 +200,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     use kvgate_bench::workload::{Groups, Requests, Trace, Workato};
     let (name, title, level_name, default_levels, default_speedup) = match kind {
         Kind::Workato => {
-            ("workato-longprefix", "Workato long prefix (10K-100K-token documents)", "conc.", vec![16, 32], 4.0)
+            ("workato-longprefix", "Workato long prefix (24 documents of 10K-100K tokens)", "conc.", vec![16, 32], 4.0)
         }
         Kind::Groups => {
             ("prefix-groups", "Shared-prefix groups (8 system prompts x 16 users, Poisson)", "qps", vec![4, 8, 12], 8.0)
@@ -236,7 +236,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     if kind != Kind::Groups {
         // A larger fleet; each worker holds several long documents.
         fleet.workers = 4;
-        fleet.num_blocks = if kind == Kind::Workato { 40_000 } else { 20_000 };
+        fleet.num_blocks = 20_000;
     }
     fleet.kv_settings = kv_lines(&a.kv_settings)?;
     let horizon = a.warmup_s + a.measure_s;
