@@ -2,11 +2,12 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks dashboard report clean-tools
+.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-workloads dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
 	@echo "make bench-doks - the full DOKS sweep (7 levels x 5 modes, ~35 min) -> bench/results/doks-multiturn.json"
+	@echo "make bench-workloads - Workato long prefix, shared-prefix groups, Mooncake replay (~35 min)"
 	@echo "make dashboard - live dashboard on http://127.0.0.1:8090/: kv, round robin, sglang under one slider"
 	@echo "make report - rewrite the .md/.html/.svg reports of bench/results/*.json from the JSON"
 	@echo "make test   - install tools, lint, build the Wasm target, run all tests"
@@ -37,6 +38,13 @@ bench-doks: setup
 	cargo build -q --release -p kvgate -p kvgate-bench
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; target/release/kvgate-bench doks $(ARGS)
+
+# The request-level workloads (~35 min): workato-longprefix, prefix-groups, mooncake.
+bench-workloads: setup
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; target/release/kvgate-bench workato --measure-s 120 && \
+	  target/release/kvgate-bench groups --measure-s 180 && target/release/kvgate-bench mooncake --measure-s 120
 
 # The live dashboard (Ctrl-C stops it and every stack it started).
 dashboard: setup
