@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 
 use crate::client::ChatClient;
 use crate::probe::{HostCpu, WorkerMetrics, process_cpu_s, scrape};
-use crate::workload::{Doks, Req, Requests};
+use crate::workload::{Doks, Requests};
 
 /// Wall-clock windows of one cell.
 #[derive(Debug, Clone, Copy)]
@@ -129,42 +129,12 @@ pub async fn run_doks(
                     }
                     history.push(("user", t.user.clone()));
                     let body = chat_body(&history, t.max_tokens);
-                    let start = Instant::now();
-                    let left = hard_stop.saturating_duration_since(start);
-                    let result = tokio::time::timeout(left, client.chat(body)).await;
-                    let mut rec = Record {
-                        conv: conv.id,
-                        starter: conv.starter,
-                        turn,
-                        start: (start - t0).as_secs_f64(),
-                        ttft: None,
-                        e2e: start.elapsed().as_secs_f64(),
-                        prompt_tokens: 0,
-                        completion_tokens: 0,
-                        cached_tokens: 0,
-                        error: None,
-                    };
-                    match result {
-                        Ok(Ok(reply)) => {
-                            rec.ttft = reply.ttft.map(|d| d.as_secs_f64());
-                            rec.e2e = reply.e2e.as_secs_f64();
-                            rec.prompt_tokens = reply.prompt_tokens;
-                            rec.completion_tokens = reply.completion_tokens;
-                            rec.cached_tokens = reply.cached_tokens;
-                            records.lock().await.push(rec);
-                            history.push(("assistant", reply.text));
-                        }
-                        Ok(Err(e)) => {
-                            rec.error = Some(format!("{e:#}"));
-                            records.lock().await.push(rec);
-                            continue 'conversations;
-                        }
-                        Err(_) => {
-                            rec.error = Some("timed out at the drain limit".into());
-                            records.lock().await.push(rec);
-                            break 'conversations;
-                        }
-                    }
+                    let (rec, text) = timed_chat(&mut client, t0, hard_stop, body, (conv.id, conv.starter, turn)).await;
+                    records.lock().await.push(rec);
+                    // After an error the conversation starts over; after the
+                    // drain limit, `stop_at` has passed and the loop ends.
+                    let Some(text) = text else { continue 'conversations };
+                    history.push(("assistant", text));
                 }
             }
         });
@@ -231,16 +201,23 @@ async fn sample(
     Sampled { samples, first, last, host_cpu: cpu1.since(&cpu0), cpu_by_role }
 }
 
-/// Sends request `i` and records what the client saw.
-async fn send_one(client: &mut ChatClient, t0: Instant, hard_stop: Instant, i: u64, req: Req) -> Record {
+/// Sends one chat request (given up at `hard_stop`) and records what the
+/// client saw; `id` is (conversation or request number, starter or group,
+/// turn). Returns the reply's text, or `None` when it failed.
+async fn timed_chat(
+    client: &mut ChatClient,
+    t0: Instant,
+    hard_stop: Instant,
+    body: Vec<u8>,
+    (conv, starter, turn): (u64, usize, usize),
+) -> (Record, Option<String>) {
     let start = Instant::now();
-    let body = chat_body(&req.history(), req.max_tokens);
     let left = hard_stop.saturating_duration_since(start);
     let result = tokio::time::timeout(left, client.chat(body)).await;
     let mut rec = Record {
-        conv: i,
-        starter: req.group,
-        turn: 0,
+        conv,
+        starter,
+        turn,
         start: (start - t0).as_secs_f64(),
         ttft: None,
         e2e: start.elapsed().as_secs_f64(),
@@ -249,18 +226,25 @@ async fn send_one(client: &mut ChatClient, t0: Instant, hard_stop: Instant, i: u
         cached_tokens: 0,
         error: None,
     };
-    match result {
+    let text = match result {
         Ok(Ok(reply)) => {
             rec.ttft = reply.ttft.map(|d| d.as_secs_f64());
             rec.e2e = reply.e2e.as_secs_f64();
             rec.prompt_tokens = reply.prompt_tokens;
             rec.completion_tokens = reply.completion_tokens;
             rec.cached_tokens = reply.cached_tokens;
+            Some(reply.text)
         }
-        Ok(Err(e)) => rec.error = Some(format!("{e:#}")),
-        Err(_) => rec.error = Some("timed out at the drain limit".into()),
-    }
-    rec
+        Ok(Err(e)) => {
+            rec.error = Some(format!("{e:#}"));
+            None
+        }
+        Err(_) => {
+            rec.error = Some("timed out at the drain limit".into());
+            None
+        }
+    };
+    (rec, text)
 }
 
 /// How requests of a [`Requests`] workload are sent.
@@ -303,7 +287,14 @@ pub async fn run_requests(
                     while Instant::now() < stop_at {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let Some(req) = wl.request(i) else { break };
-                        let rec = send_one(&mut client, t0, hard_stop, i, req).await;
+                        let (rec, _) = timed_chat(
+                            &mut client,
+                            t0,
+                            hard_stop,
+                            chat_body(&req.history(), req.max_tokens),
+                            (i, req.group, 0),
+                        )
+                        .await;
                         records.lock().await.push(rec);
                     }
                 });
@@ -325,7 +316,14 @@ pub async fn run_requests(
                     let mut client = ChatClient::new(front);
                     let records = records.clone();
                     inflight.spawn(async move {
-                        let rec = send_one(&mut client, t0, hard_stop, i, req).await;
+                        let (rec, _) = timed_chat(
+                            &mut client,
+                            t0,
+                            hard_stop,
+                            chat_body(&req.history(), req.max_tokens),
+                            (i, req.group, 0),
+                        )
+                        .await;
                         records.lock().await.push(rec);
                     });
                 }
