@@ -14,6 +14,11 @@
 #   .tools/bin/chromium                Debian's chromium (the dashboard's browser test):
 #                                      the one part installed system-wide, by apt, when
 #                                      missing and run as root; otherwise setup says how
+#   .tools/npm/                        npm packages with the Gateway API, Envoy Gateway, Istio
+#                                      and Prometheus Operator schemas (deploy/validate)
+#   .tools/kubectl-debian/             Debian's kubernetes-client (kubectl 1.20, kustomize
+#                                      v2.0.3), unpacked without installing; the manifests must
+#                                      render with it and with a newer system kubectl if any
 #   .tools/env                         KVGATE_* variables for tests and scripts
 #
 # plus the Rust target wasm32-wasip1 for the pinned toolchain. A second run
@@ -81,6 +86,37 @@ if [ ! -x "$chromium" ]; then
     fi
 fi
 
+# 2d. Manifest validation (issue #9): the npm schema packages, pinned by
+#     deploy/validate/package-lock.json, and Debian's kubectl.
+npm_dir="$tools/npm"
+lock="$root/deploy/validate/package-lock.json"
+nwant=$(cat "$root/deploy/validate/package.json" "$lock" | sha256sum | cut -d' ' -f1)
+if [ ! -d "$npm_dir/node_modules" ] || [ "$(cat "$npm_dir/.kvgate-lock" 2>/dev/null)" != "$nwant" ]; then
+    command -v npm >/dev/null || { echo "setup: npm (Node.js) is required for manifest validation" >&2; exit 1; }
+    say "installing the manifest schemas from npm into $npm_dir"
+    mkdir -p "$npm_dir"
+    install -m 0644 "$root/deploy/validate/package.json" "$lock" "$npm_dir/"
+    (cd "$npm_dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+    echo "$nwant" > "$npm_dir/.kvgate-lock"
+fi
+if ! cmp -s "$root/deploy/validate/validate-crds.mjs" "$npm_dir/validate-crds.mjs"; then
+    install -m 0644 "$root/deploy/validate/validate-crds.mjs" "$npm_dir/validate-crds.mjs"
+fi
+kubectl_deb="$tools/kubectl-debian/usr/bin/kubectl"
+if [ ! -x "$kubectl_deb" ]; then
+    command -v apt-get >/dev/null || { echo "setup: apt-get is required to fetch Debian's kubernetes-client" >&2; exit 1; }
+    say "fetching Debian's kubernetes-client (kubectl) into $tools/kubectl-debian"
+    tmpdeb=$(mktemp -d)
+    (cd "$tmpdeb" && { apt-get download kubernetes-client >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get download kubernetes-client >/dev/null 2>&1; }; })
+    deb=$(ls "$tmpdeb"/kubernetes-client_*.deb 2>/dev/null | head -n1)
+    [ -n "$deb" ] || { echo "setup: apt-get download kubernetes-client failed" >&2; exit 1; }
+    rm -rf "$tools/kubectl-debian"
+    dpkg-deb -x "$deb" "$tools/kubectl-debian"
+    rm -rf "$tmpdeb"
+fi
+kubectl_sys=$(command -v kubectl || true)
+
 # 3. Stable paths to the binaries (the envoy wrapper script in venv/bin is
 #    Python; link the real binary).
 link() {
@@ -94,6 +130,7 @@ link "$site/envoy/_bin/envoy" "$tools/bin/envoy"
 link "$tools/venv/bin/nats-server" "$tools/bin/nats-server"
 link "$tools/peers/bin/sglang-router" "$tools/bin/sglang-router"
 link "$chromium" "$tools/bin/chromium"
+link "$kubectl_deb" "$tools/bin/kubectl-debian"
 
 # 4. Test tokenizer + the repo's DeepSeek-style chat template.
 model="$tools/models/deepseek-v3"
@@ -133,6 +170,9 @@ export KVGATE_TOKENIZER_DIR="$model"
 export KVGATE_PYTHON="$tools/venv/bin/python"
 export KVGATE_SGLANG_ROUTER="$tools/bin/sglang-router"
 export KVGATE_CHROMIUM="$tools/bin/chromium"
+export KVGATE_NPM="$npm_dir"
+export KVGATE_KUBECTL_DEBIAN="$tools/bin/kubectl-debian"
+export KVGATE_KUBECTL="$kubectl_sys"
 EOT
 )
 if [ "$(cat "$env_file" 2>/dev/null)" != "$new_env" ]; then

@@ -11,6 +11,8 @@
 use std::future::Future;
 use std::time::Duration;
 
+use kvgate_protocol::nats_url::NatsAuth;
+
 use futures_util::StreamExt;
 use kvgate_protocol::pb;
 use kvgate_protocol::subject::Subjects;
@@ -105,14 +107,41 @@ async fn http_get(url: &str, timeout: Duration) -> Option<String> {
 
 /// Runs the relay until `shutdown` resolves.
 pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    let nats = async_nats::connect(&opts.nats_url).await.map_err(nats_err)?;
+    // Credentials in the URL become connect options (the client ignores them there).
+    let url = kvgate_protocol::nats_url::split_nats_url(&opts.nats_url);
+    let connect = async_nats::ConnectOptions::new().name(format!("kvgate-relay {}", opts.worker_id));
+    let connect = match url.auth {
+        NatsAuth::None => connect,
+        NatsAuth::UserPassword { user, password } => connect.user_and_password(user, password),
+        NatsAuth::Token(token) => connect.token(token),
+    };
+    let nats = connect.connect(url.servers.as_str()).await.map_err(nats_err)?;
     let kv_subject = opts.subjects.kv_events(&opts.model, &opts.worker_id);
     let hb_subject = opts.subjects.heartbeat(&opts.model, &opts.worker_id);
     let mut snapshots = nats.subscribe(opts.subjects.snapshot(&opts.model, &opts.worker_id)).await.map_err(nats_err)?;
 
+    tokio::pin!(shutdown);
     let mut sub = zeromq::SubSocket::new();
     match &opts.zmq {
-        ZmqMode::Connect(e) => sub.connect(e).await.map_err(zmq_err)?,
+        // The engine binds and may not be up yet (vLLM takes minutes to load
+        // a model, and in a pod both containers start together): retry with
+        // backoff until it is, or until shutdown.
+        ZmqMode::Connect(e) => {
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                match sub.connect(e).await {
+                    Ok(()) => break,
+                    Err(err) => {
+                        tracing::warn!(endpoint = %e, error = %err, "engine's KV event socket not up yet; retrying")
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = &mut shutdown => return Ok(()),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
         ZmqMode::Bind(e) => {
             sub.bind(e).await.map_err(zmq_err)?;
         }
@@ -143,7 +172,6 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
         ),
         None => None,
     };
-    tokio::pin!(shutdown);
 
     loop {
         let mut actions = Vec::new();

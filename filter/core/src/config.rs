@@ -193,14 +193,24 @@ impl Config {
             })?
         };
         let cluster = raw.control_plane.cluster.unwrap_or_else(|| "kvgate_control_plane".into());
-        if cluster.is_empty() || cluster.len() > 60 || cluster.bytes().any(|b| b <= b' ' || b >= 0x7f) {
-            return Err(err("control_plane.cluster", &cluster, "must be 1 to 60 printable ASCII characters"));
+        if cluster.is_empty() || cluster.bytes().any(|b| b <= b' ' || b >= 0x7f) {
+            return Err(err("control_plane.cluster", &cluster, "must be printable ASCII characters"));
         }
         let authority = raw.control_plane.authority.unwrap_or_default();
-        // (Both limits keep the serialized GrpcService below 128 bytes, so
-        // that it is valid UTF-8, which the proxy-wasm API requires.)
-        if authority.len() > 60 || authority.bytes().any(|b| b <= b' ' || b >= 0x7f) {
-            return Err(err("control_plane.authority", &authority, "must be a host[:port] of at most 60 characters"));
+        if authority.bytes().any(|b| b <= b' ' || b >= 0x7f) {
+            return Err(err("control_plane.authority", &authority, "must be a host[:port] of printable ASCII"));
+        }
+        // The serialized GrpcService below must be valid UTF-8 (the
+        // proxy-wasm API takes it as a string): every length prefix under
+        // 128, i.e. cluster + (authority + 2 when set) at most 125 bytes.
+        // Istio's cluster names (`outbound|50051||<service FQDN>`) fit.
+        let authority_cost = if authority.is_empty() { 0 } else { authority.len() + 2 };
+        if cluster.len() + authority_cost > 125 {
+            return Err(err(
+                "control_plane.cluster",
+                &cluster,
+                "cluster plus authority (+2 when set) must be at most 125 characters",
+            ));
         }
         let timeout_ms = range(
             "control_plane.timeout_ms",
@@ -297,6 +307,28 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_cluster_names_fit_while_the_grpc_service_stays_utf8() {
+        let cfg = |c: &str, a: &str| {
+            let json = format!(r#"{{"control_plane":{{"cluster":"{c}","authority":"{a}"}}}}"#);
+            Config::parse(json.as_bytes())
+        };
+        // Istio's cluster for a Service, with its FQDN as authority.
+        let istio = cfg(
+            "outbound|50051||kvgate-control-plane.kvgate.svc.cluster.local",
+            "kvgate-control-plane.kvgate.svc.cluster.local",
+        )
+        .unwrap();
+        assert!(std::str::from_utf8(&istio.grpc_service).is_ok());
+        // At the limit: still UTF-8; one byte more is refused.
+        let c = "c".repeat(100);
+        let at = cfg(&c, &"a".repeat(23)).unwrap();
+        assert!(std::str::from_utf8(&at.grpc_service).is_ok());
+        assert!(std::str::from_utf8(&cfg(&"c".repeat(125), "").unwrap().grpc_service).is_ok());
+        assert_eq!(cfg(&c, &"a".repeat(24)).unwrap_err().field, "control_plane.cluster");
+        assert!(cfg(&"c".repeat(126), "").is_err());
+    }
 
     #[test]
     fn defaults_and_full() {

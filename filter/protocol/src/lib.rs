@@ -25,6 +25,7 @@ extern crate alloc;
 extern crate std;
 
 pub mod hash;
+pub mod nats_url;
 pub mod segment;
 pub mod subject;
 
