@@ -238,11 +238,25 @@ impl NatsServer {
         bail!("nats-server did not start")
     }
 
+    /// Starts nats-server on a free port requiring this user and password.
+    pub fn start_with_auth(dir: &Path, user: &str, password: &str) -> Result<Self> {
+        for _ in 0..5 {
+            if let Ok(s) = Self::start_args(dir, free_port()?, &["--user", user, "--pass", password]) {
+                return Ok(s);
+            }
+        }
+        bail!("nats-server did not start")
+    }
+
     /// Starts nats-server on `port` (e.g. again after a restart).
     pub fn start_on(dir: &Path, port: u16) -> Result<Self> {
+        Self::start_args(dir, port, &[])
+    }
+
+    fn start_args(dir: &Path, port: u16, extra: &[&str]) -> Result<Self> {
         let bin = tool("KVGATE_NATS_SERVER", "nats-server")?;
         let mut cmd = Command::new(&bin);
-        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"]).arg(dir.join("jetstream"));
+        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"]).arg(dir.join("jetstream")).args(extra);
         let mut proc = Proc::spawn(&format!("nats-server-{port}"), cmd, dir)?;
         wait_for_tcp(([127, 0, 0, 1], port).into(), Duration::from_secs(10))?;
         proc.ensure_running()?;

@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
@@ -489,5 +489,119 @@ fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
     assert_eq!(prom(&m, "kvgate_pick_elided_messages_total"), Some(12.0), "{m}");
     assert_eq!(prom(&m, "kvgate_pick_resends_total"), Some(0.0), "{m}");
     assert_eq!(gw.stat("pick_resends"), 0);
+    fleet.check();
+}
+
+// ------------------------------------------------------- monitoring --
+
+/// Metric names in a Prometheus text exposition (`name{...} v` or `name v`).
+fn metric_names(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next().map(str::to_owned))
+        .collect()
+}
+
+/// Every metric name a Grafana expression uses: the identifiers with the
+/// components' prefixes (kvgate_, vllm:, envoy_).
+fn dashboard_metrics(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let b = expr.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        let rest = &expr[i..];
+        let starts = ["kvgate_", "vllm:", "envoy_"].iter().any(|p| rest.starts_with(p));
+        let boundary = i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_' || b[i - 1] == b':');
+        if starts && boundary {
+            let len = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')).unwrap_or(rest.len());
+            out.push(rest[..len].to_owned());
+            i += len;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+#[test]
+fn nats_credentials_work_and_the_grafana_dashboard_uses_only_exported_metrics() {
+    let dir = scratch_dir("gw-monitoring").unwrap();
+    // NATS requires a password: workers only become live in the control
+    // plane if both the relays and the control plane authenticated.
+    let mut fleet = Fleet::start_with(&dir, 2, "1", Some(("kvgate", "s3cret-pw")));
+    // A relay with a wrong password is refused and says so.
+    let bad = common::kvgate(&[
+        "relay",
+        "--zmq-endpoint",
+        "tcp://127.0.0.1:1",
+        "--nats-url",
+        &format!("nats://kvgate:wrong@127.0.0.1:{}", fleet.nats.port),
+        "--model",
+        MODEL,
+        "--endpoint",
+        "127.0.0.1:9",
+    ])
+    .output()
+    .unwrap();
+    assert!(!bad.status.success(), "a relay with a wrong NATS password kept running");
+    let err = String::from_utf8_lossy(&bad.stderr).to_lowercase();
+    assert!(err.contains("authori") || err.contains("auth"), "no authentication error: {err}");
+
+    let gw = start_gateway(&dir, &fleet.http, fleet.grpc, &json!({"reports": {"interval_ms": 100}}));
+    for turn in 0..3 {
+        let r = gw.post("/v1/chat/completions", &[], &chat_body(&format!("monitoring turn {turn} ").repeat(40)));
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    until(10, "completion reports at the control plane", || {
+        prom(&fleet.metrics(), "kvgate_reports_total{kind=\"accurate\"}").is_some_and(|v| v >= 1.0)
+            || fleet.metrics().contains("kvgate_reports_total")
+    });
+    until(10, "stored blocks in the index", || (0..2).any(|w| fleet.blocks(w) > 0));
+
+    let get = |addr: SocketAddr, path: &str| {
+        let r = http_request(addr, "GET", path, &[], b"").unwrap();
+        assert_eq!(r.status, 200, "GET {addr}{path}");
+        String::from_utf8(r.body).unwrap()
+    };
+    let mut exported = metric_names(&fleet.metrics());
+    for (i, w) in fleet.http.iter().enumerate() {
+        exported.extend(metric_names(&get(*w, "/metrics")));
+        exported.extend(metric_names(&get(fleet.relay_metrics[i], "/metrics")));
+    }
+    let envoy_admin: SocketAddr = ([127, 0, 0, 1], gw.envoy.admin_port).into();
+    exported.extend(metric_names(&get(envoy_admin, "/stats/prometheus")));
+
+    let dashboard: Value = serde_json::from_slice(
+        &std::fs::read(kvgate_e2e::repo_root().join("deploy/monitoring/kvgate-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    let panels = dashboard["panels"].as_array().unwrap();
+    let mut missing = BTreeSet::new();
+    let mut used = 0;
+    for p in panels.iter().filter(|p| p["type"] != "row") {
+        let targets = p["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "panel {} has no query", p["title"]);
+        for t in targets {
+            let expr = t["expr"].as_str().unwrap();
+            let names = dashboard_metrics(expr);
+            assert!(!names.is_empty(), "panel {}: no kvgate/vLLM/Envoy metric in {expr}", p["title"]);
+            for n in names {
+                used += 1;
+                let base = ["_bucket", "_sum", "_count"].iter().find_map(|s| n.strip_suffix(s)).unwrap_or(&n);
+                let known = exported.contains(&n)
+                    || ["_bucket", "_sum", "_count"].iter().any(|s| exported.contains(&format!("{base}{s}")));
+                if !known {
+                    missing.insert(n);
+                }
+            }
+        }
+    }
+    assert!(used >= 30, "the dashboard uses only {used} metrics");
+    let envoyish: Vec<&String> =
+        exported.iter().filter(|n| n.contains("kvgate") || n.contains("steered") || n.contains("fallback")).collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard uses metrics no component exports: {missing:?}; Envoy exports for kvgate: {envoyish:?}"
+    );
     fleet.check();
 }

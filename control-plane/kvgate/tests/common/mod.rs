@@ -54,14 +54,33 @@ pub struct Fleet {
     pub grpc: SocketAddr,
     /// The control plane's admin address.
     pub admin: SocketAddr,
+    /// Each relay's own /metrics address.
+    pub relay_metrics: Vec<SocketAddr>,
 }
 
 impl Fleet {
     /// Starts `workers` simulated workers (time sped up `speedup` times)
     /// and waits until the control plane sees them all live.
     pub fn start(dir: &Path, workers: usize, speedup: &str) -> Fleet {
-        let nats = NatsServer::start(dir).unwrap();
-        let nats_url = format!("nats://127.0.0.1:{}", nats.port);
+        Self::start_with(dir, workers, speedup, None)
+    }
+
+    /// Like [`Fleet::start`]; with `auth`, NATS requires that user and
+    /// password and every client finds them in its NATS URL.
+    pub fn start_with(dir: &Path, workers: usize, speedup: &str, auth: Option<(&str, &str)>) -> Fleet {
+        let (nats, nats_url) = match auth {
+            Some((u, p)) => {
+                let n = NatsServer::start_with_auth(dir, u, p).unwrap();
+                let url = format!("nats://{u}:{p}@127.0.0.1:{}", n.port);
+                (n, url)
+            }
+            None => {
+                let n = NatsServer::start(dir).unwrap();
+                let url = format!("nats://127.0.0.1:{}", n.port);
+                (n, url)
+            }
+        };
+        let mut relay_metrics = Vec::new();
         let tk = tokenizer_dir();
         let tk = tk.to_str().unwrap();
         let mut procs: Vec<Proc> = Vec::new();
@@ -103,7 +122,9 @@ impl Fleet {
                 heartbeat_ms: 100,
             };
             let mut relay = Command::new(env!("CARGO_BIN_EXE_kvgate"));
-            relay.args(spec.args());
+            let rm: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();
+            relay.args(spec.args()).arg("--listen-metrics").arg(rm.to_string());
+            relay_metrics.push(rm);
             procs.push(Proc::spawn(&format!("relay-{w}"), relay, dir).unwrap());
         }
         let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
@@ -126,7 +147,8 @@ impl Fleet {
             "cp-e2e",
         ]);
         procs.push(Proc::spawn("serve", serve, dir).unwrap());
-        let fleet = Fleet { nats, procs, http, grpc: grpc.parse().unwrap(), admin: admin.parse().unwrap() };
+        let fleet =
+            Fleet { nats, procs, http, grpc: grpc.parse().unwrap(), admin: admin.parse().unwrap(), relay_metrics };
         wait_for_tcp(fleet.admin, Duration::from_secs(30)).unwrap();
         until(30, "every worker live in the control plane", || {
             fleet.workers()[MODEL].as_array().is_some_and(|a| a.len() == workers && a.iter().all(|w| w["live"] == true))
