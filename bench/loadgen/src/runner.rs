@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 
 use crate::client::ChatClient;
 use crate::probe::{HostCpu, WorkerMetrics, process_cpu_s, scrape};
-use crate::workload::{Doks, Requests};
+use crate::workload::{Doks, Req, Requests};
 
 /// Wall-clock windows of one cell.
 #[derive(Debug, Clone, Copy)]
@@ -257,6 +257,20 @@ pub enum Load {
     Open { speedup: f64 },
 }
 
+/// Sends request `i` of a request-level workload and keeps its record.
+async fn record_request(
+    client: &mut ChatClient,
+    t0: Instant,
+    hard_stop: Instant,
+    i: u64,
+    req: &Req,
+    records: &Mutex<Vec<Record>>,
+) {
+    let (rec, _) =
+        timed_chat(client, t0, hard_stop, chat_body(&req.history(), req.max_tokens), (i, req.group, 0)).await;
+    records.lock().await.push(rec);
+}
+
 /// Runs a request-level workload (each request independent: no history is
 /// carried between them) through `front`. Request `i` is `wl.request(i)`;
 /// the same `i` gives the same request in every mode.
@@ -287,15 +301,7 @@ pub async fn run_requests(
                     while Instant::now() < stop_at {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let Some(req) = wl.request(i) else { break };
-                        let (rec, _) = timed_chat(
-                            &mut client,
-                            t0,
-                            hard_stop,
-                            chat_body(&req.history(), req.max_tokens),
-                            (i, req.group, 0),
-                        )
-                        .await;
-                        records.lock().await.push(rec);
+                        record_request(&mut client, t0, hard_stop, i, &req, &records).await;
                     }
                 });
             }
@@ -316,15 +322,7 @@ pub async fn run_requests(
                     let mut client = ChatClient::new(front);
                     let records = records.clone();
                     inflight.spawn(async move {
-                        let (rec, _) = timed_chat(
-                            &mut client,
-                            t0,
-                            hard_stop,
-                            chat_body(&req.history(), req.max_tokens),
-                            (i, req.group, 0),
-                        )
-                        .await;
-                        records.lock().await.push(rec);
+                        record_request(&mut client, t0, hard_stop, i, &req, &records).await;
                     });
                 }
                 while inflight.join_next().await.is_some() {}
