@@ -552,9 +552,9 @@ fn nats_credentials_work_and_the_grafana_dashboard_uses_only_exported_metrics() 
         let r = gw.post("/v1/chat/completions", &[], &chat_body(&format!("monitoring turn {turn} ").repeat(40)));
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     }
-    until(10, "completion reports at the control plane", || {
-        prom(&fleet.metrics(), "kvgate_reports_total{kind=\"accurate\"}").is_some_and(|v| v >= 1.0)
-            || fleet.metrics().contains("kvgate_reports_total")
+    let reports = format!("kvgate_reports_total{{model=\"{MODEL}\",kind=\"all\"}}");
+    until(10, "the three completion reports at the control plane", || {
+        prom(&fleet.metrics(), &reports).is_some_and(|v| v >= 3.0)
     });
     until(10, "stored blocks in the index", || (0..2).any(|w| fleet.blocks(w) > 0));
 
