@@ -40,6 +40,8 @@ enum Behave {
     Slow(Duration, String),
     /// Fail with this status.
     Fail(tonic::Code),
+    /// Sleep, then fail like `Fail`.
+    SlowFail(Duration, tonic::Code),
     /// OK with no endpoint.
     Empty,
     /// Answer with this endpoint and say the conversation is retained; but
@@ -80,6 +82,10 @@ impl Router for Stub {
                 Ok(Response::new(answer(e, vec![])))
             }
             Behave::Fail(code) => Err(Status::new(code, "stub says no")),
+            Behave::SlowFail(d, code) => {
+                tokio::time::sleep(d).await;
+                Err(Status::new(code, "stub says no, late"))
+            }
             Behave::Empty => Ok(Response::new(pb::PickResponse::default())),
             Behave::RetainThenForget(_) if elided => {
                 Ok(Response::new(pb::PickResponse { resend: true, ..Default::default() }))
@@ -262,6 +268,10 @@ fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
         (Behave::Fail(tonic::Code::Internal), "grpc_error"),
         (Behave::Fail(tonic::Code::NotFound), "unknown_model"),
         (Behave::Fail(tonic::Code::Unavailable), "unavailable"),
+        // The control plane's own UNAVAILABLE just before the deadline is
+        // not a timeout: Envoy's status message tells them apart, where
+        // elapsed time cannot (a loaded machine delivers late).
+        (Behave::SlowFail(Duration::from_millis(timeout_ms - 30), tonic::Code::Unavailable), "unavailable"),
         (Behave::Empty, "unusable_answer"),
         (Behave::Answer("not-an-endpoint".into(), vec![]), "unusable_answer"),
         (Behave::Slow(Duration::from_millis(3000), addrs[0].to_string()), "timeout"),
@@ -281,6 +291,7 @@ fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
     assert_eq!(gw.stat("fallback.timeout"), 1);
     assert_eq!(gw.stat("fallback.unusable_answer"), 2);
     assert_eq!(gw.stat("fallback.grpc_error"), 1);
+    assert_eq!(gw.stat("fallback.unavailable"), 2);
 
     // Bodies the filter does not route pass through byte for byte, unasked.
     let picks_before = stub.picks();
@@ -310,7 +321,7 @@ fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
         assert!(r.header("x-kvgate-reason").is_none());
     }
     assert_eq!(stub.picks(), picks_before);
-    assert_eq!(gw.stat("requests"), 3 + 6 + 3);
+    assert_eq!(gw.stat("requests"), 3 + 7 + 3);
 
     // Completion reports of everything that went through the steering path.
     until(10, "completion reports", || stub.stub.reports.lock().unwrap().len() >= 12);

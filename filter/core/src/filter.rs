@@ -34,6 +34,11 @@ use crate::pick::{Answer, Decision, RequestMeta, answer, chain_hashes, encode_pi
 use crate::retained::Retained;
 use crate::usage::{Tail, find_usage};
 
+/// What Envoy's gRPC status message carries when its own per-call timer
+/// ended the call (response code details, `upstream request
+/// timeout{response_timeout}` in Envoy 1.40).
+const TIMEOUT_MARK: &str = "{response_timeout}";
+
 /// Debug response headers (`debug_headers: true`).
 pub const DEBUG_ENDPOINT: &str = "x-kvgate-endpoint";
 /// Worker id of the primary endpoint.
@@ -272,23 +277,33 @@ impl RequestFilter {
                 }
                 Answer::Resend | Answer::Unusable => Cause::UnusableAnswer,
             },
-            // DEADLINE_EXCEEDED, or UNAVAILABLE at about the deadline (how
-            // Envoy reports its own timeout). Envoy's timers run on its event
-            // loop's cached clock and fire up to a few ms early (seen: 398.6
-            // ms for 400 ms), hence the slack: 10 %, at least 5 ms.
+            // DEADLINE_EXCEEDED, or UNAVAILABLE that Envoy's own timer
+            // raised: its status message says so (see `timed_out`).
             4 => Cause::Timeout,
-            14 if {
-                let timeout_us = u64::from(self.cfg.timeout_ms) * 1000;
-                elapsed_us + (timeout_us / 10).max(5000) >= timeout_us
-            } =>
-            {
-                Cause::Timeout
-            }
+            14 if self.timed_out(host, elapsed_us) => Cause::Timeout,
             14 => Cause::Unavailable,
             5 => Cause::UnknownModel,
             _ => Cause::GrpcError,
         };
         self.fail(host, cause, true);
+    }
+
+    /// Whether an UNAVAILABLE status is Envoy's own timeout. Envoy says so
+    /// in the status message (`…{response_timeout}`); a status sent by the
+    /// control plane says `{via_upstream}`, a refused connection names its
+    /// own cause. Elapsed time is only the last resort, when the host gives
+    /// no message: on a loaded machine an immediate UNAVAILABLE can arrive
+    /// late. Envoy's timers run on the event loop's cached clock and fire up
+    /// to a few ms early (seen: 398.6 ms for 400 ms), hence 10 % slack, at
+    /// least 5 ms.
+    fn timed_out(&self, host: &impl Host, elapsed_us: u64) -> bool {
+        match host.grpc_status_message() {
+            Some(m) => m.contains(TIMEOUT_MARK),
+            None => {
+                let timeout_us = u64::from(self.cfg.timeout_ms) * 1000;
+                elapsed_us + (timeout_us / 10).max(5000) >= timeout_us
+            }
+        }
     }
 
     /// The one failure path.
@@ -545,21 +560,35 @@ mod tests {
 
     #[test]
     fn every_grpc_failure_fails_open_with_its_cause() {
-        for (status, answer_bytes, after_us, cause) in [
-            (14, None, 50_000, Cause::Timeout),
-            (4, None, 10, Cause::Timeout),
-            (14, None, 100, Cause::Unavailable),
-            (5, None, 100, Cause::UnknownModel),
-            (13, None, 100, Cause::GrpcError),
-            (0, Some(answer("")), 100, Cause::UnusableAnswer),
-            (0, Some(vec![0xff; 3]), 100, Cause::UnusableAnswer),
+        // Envoy 1.40's messages: its own timer, a status the server sent,
+        // a refused connection.
+        let own_timeout = Some("upstream request timeout{response_timeout}");
+        let from_server = Some("no%20worker{via_upstream}");
+        let refused = Some("upstream connect error or disconnect/reset before headers{remote_connection_failure}");
+        for (status, message, answer_bytes, after_us, cause) in [
+            (14, own_timeout, None, 50_000, Cause::Timeout),
+            // The message decides, not the clock: a loaded machine can
+            // deliver the server's immediate UNAVAILABLE late, and a timer
+            // can fire early.
+            (14, from_server, None, 50_000, Cause::Unavailable),
+            (14, refused, None, 49_000, Cause::Unavailable),
+            (14, own_timeout, None, 40_000, Cause::Timeout),
+            // No message: the clock, with 10 % slack.
+            (14, None, None, 45_000, Cause::Timeout),
+            (14, None, None, 100, Cause::Unavailable),
+            (4, None, None, 10, Cause::Timeout),
+            (5, from_server, None, 100, Cause::UnknownModel),
+            (13, from_server, None, 100, Cause::GrpcError),
+            (0, None, Some(answer("")), 100, Cause::UnusableAnswer),
+            (0, None, Some(vec![0xff; 3]), 100, Cause::UnusableAnswer),
         ] {
             let h = MockHost::post("/v1/chat/completions");
+            h.set_grpc_message(message);
             let mut f = RequestFilter::new(cfg(""));
             let t = to_pick(&mut f, &h, CHAT);
             h.advance_us(after_us);
             f.on_pick_response(&h, t, status, answer_bytes.as_deref());
-            assert_eq!(f.cause(), Some(cause), "status {status}");
+            assert_eq!(f.cause(), Some(cause), "status {status} {message:?} after {after_us} us");
             assert_eq!(h.request_header(DESTINATION_HEADER), None);
             assert!(h.calls().contains(&Call::Resume));
             assert_eq!(h.metric_value(Metric::Fallback(cause)), 1);

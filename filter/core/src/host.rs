@@ -196,6 +196,11 @@ pub trait Host {
     fn add_response_header(&self, name: &str, value: &str);
     /// `len` bytes of the current response body chunk from `start`.
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>>;
+    /// The message of the gRPC status of the call that just ended (only
+    /// asked on failures). Envoy marks the cause in braces: its own timeout
+    /// is `upstream request timeout{response_timeout}`, a status the server
+    /// sent ends in `{via_upstream}`.
+    fn grpc_status_message(&self) -> Option<String>;
     /// Starts `kvgate.v1.Router/Pick`; returns the call's token.
     fn dispatch_pick(&self, grpc_service: &[u8], message: &[u8], timeout_ms: u32) -> Option<u32>;
     /// Resumes a paused request.

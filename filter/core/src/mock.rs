@@ -33,6 +33,7 @@ pub struct MockHost {
     metrics: RefCell<[u64; Metric::COUNT]>,
     refuse: Cell<bool>,
     next_token: Cell<u32>,
+    grpc_message: RefCell<Option<String>>,
 }
 
 impl MockHost {
@@ -67,6 +68,11 @@ impl MockHost {
     /// Moves the clock.
     pub fn advance_us(&self, us: u64) {
         self.now_ns.set(self.now_ns.get() + us * 1000);
+    }
+
+    /// The gRPC status message the next failed call reports.
+    pub fn set_grpc_message(&self, m: Option<&str>) {
+        *self.grpc_message.borrow_mut() = m.map(str::to_owned);
     }
 
     /// Makes `dispatch_pick` fail.
@@ -128,6 +134,9 @@ impl Host for MockHost {
     }
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
         self.chunk.borrow().get(start..start.checked_add(len)?).map(<[u8]>::to_vec)
+    }
+    fn grpc_status_message(&self) -> Option<String> {
+        self.grpc_message.borrow().clone()
     }
     fn dispatch_pick(&self, _svc: &[u8], message: &[u8], _timeout_ms: u32) -> Option<u32> {
         if self.refuse.get() {

@@ -84,6 +84,9 @@ impl Host for Envoy<'_> {
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpResponseBody, start, len).ok().flatten()
     }
+    fn grpc_status_message(&self) -> Option<String> {
+        hostcalls::get_grpc_status().ok().and_then(|(_, m)| m)
+    }
     fn dispatch_pick(&self, grpc_service: &[u8], message: &[u8], timeout_ms: u32) -> Option<u32> {
         let service = std::str::from_utf8(grpc_service).ok()?;
         hostcalls::dispatch_grpc_call(
