@@ -457,7 +457,47 @@ pub fn render_kvgate_envoy(
     control_plane: &[SocketAddr],
     filter_config: &str,
 ) -> Result<String> {
+    render_kvgate_envoy_tls(listen, admin, workers, control_plane, filter_config, None)
+}
+
+/// The client side of mutual TLS to the control plane: PEM files this
+/// Envoy reads.
+#[derive(Debug, Clone)]
+pub struct ControlPlaneTls<'a> {
+    /// CA of the control plane's server certificate.
+    pub ca_file: &'a Path,
+    /// This Envoy's client certificate chain.
+    pub cert_file: &'a Path,
+    /// Its private key.
+    pub key_file: &'a Path,
+    /// The name checked in the server certificate (sent as SNI).
+    pub sni: &'a str,
+}
+
+/// [`render_kvgate_envoy`], and with `tls` the control-plane cluster speaks
+/// mutual TLS (`envoy/control-plane-tls.yaml`).
+pub fn render_kvgate_envoy_tls(
+    listen: u16,
+    admin: u16,
+    workers: &[SocketAddr],
+    control_plane: &[SocketAddr],
+    filter_config: &str,
+    tls: Option<&ControlPlaneTls<'_>>,
+) -> Result<String> {
     ensure!(!filter_config.contains(['\'', '\n']), "filter config must be one line without single quotes");
+    let transport_socket = match tls {
+        None => String::new(),
+        Some(t) => {
+            let fragment = std::fs::read_to_string(repo_root().join("envoy/control-plane-tls.yaml"))?;
+            let vars = BTreeMap::from([
+                ("CA_FILE", t.ca_file.display().to_string()),
+                ("CERT_FILE", t.cert_file.display().to_string()),
+                ("KEY_FILE", t.key_file.display().to_string()),
+                ("SNI", t.sni.to_owned()),
+            ]);
+            render_template(&fragment, &vars)?.trim_end().to_owned()
+        }
+    };
     let template = std::fs::read_to_string(repo_root().join("envoy/kvgate.yaml"))?;
     let vars = BTreeMap::from([
         ("LISTEN_PORT", listen.to_string()),
@@ -466,6 +506,7 @@ pub fn render_kvgate_envoy(
         ("CONTROL_PLANE_ENDPOINTS", endpoints_yaml(control_plane)),
         ("WASM_PATH", filter_wasm()?.display().to_string()),
         ("FILTER_CONFIG", filter_config.to_owned()),
+        ("CONTROL_PLANE_TRANSPORT_SOCKET", transport_socket),
     ]);
     render_template(&template, &vars)
 }

@@ -98,6 +98,15 @@ struct ServeArgs {
     /// Snapshot timeout in milliseconds.
     #[arg(long, env = "KVGATE_SNAPSHOT_TIMEOUT_MS")]
     snapshot_timeout_ms: Option<u64>,
+    /// PEM certificate chain: the gRPC port then speaks TLS only.
+    #[arg(long, env = "KVGATE_TLS_CERT_FILE")]
+    tls_cert_file: Option<std::path::PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, env = "KVGATE_TLS_KEY_FILE")]
+    tls_key_file: Option<std::path::PathBuf>,
+    /// PEM CA bundle: gRPC clients must present a certificate it signed.
+    #[arg(long, env = "KVGATE_TLS_CLIENT_CA_FILE")]
+    tls_client_ca_file: Option<std::path::PathBuf>,
     /// A model served without a file (or added to it).
     #[arg(long, env = "KVGATE_MODEL")]
     model: Option<String>,
@@ -129,7 +138,17 @@ fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
     macro_rules! over {
         ($($f:ident),*) => { $( if a.$f.is_some() { raw.$f = a.$f.clone(); } )* };
     }
-    over!(listen_grpc, listen_admin, nats_url, subject_prefix, replica_id, snapshot_timeout_ms);
+    over!(
+        listen_grpc,
+        listen_admin,
+        nats_url,
+        subject_prefix,
+        replica_id,
+        snapshot_timeout_ms,
+        tls_cert_file,
+        tls_key_file,
+        tls_client_ca_file
+    );
     if let Some(name) = a.model {
         let mut workers = Vec::new();
         for w in &a.workers {

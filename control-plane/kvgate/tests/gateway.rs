@@ -616,3 +616,173 @@ fn nats_credentials_work_and_the_grafana_dashboard_uses_only_exported_metrics() 
     );
     fleet.check();
 }
+
+// ----------------------------------------------------------------- mTLS --
+
+/// A CA, and certificates it signs, as PEM files in `dir`.
+struct TestCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    ca_file: std::path::PathBuf,
+}
+
+impl TestCa {
+    fn new(dir: &std::path::Path, name: &str) -> TestCa {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let cert = params.self_signed(&key).unwrap();
+        let ca_file = dir.join(format!("{name}.crt"));
+        std::fs::write(&ca_file, cert.pem()).unwrap();
+        TestCa { issuer: rcgen::Issuer::new(params, key), ca_file }
+    }
+
+    /// A leaf certificate for `dns` (server and client use), as
+    /// (certificate file, key file).
+    fn leaf(&self, dir: &std::path::Path, name: &str, dns: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec![dns.to_owned()]).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages =
+            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let (c, k) = (dir.join(format!("{name}.crt")), dir.join(format!("{name}.key")));
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        (c, k)
+    }
+}
+
+#[test]
+fn mutual_tls_between_filter_and_control_plane() {
+    const SNI: &str = "kvgate-control-plane.kvgate.svc";
+    let dir = scratch_dir("gw-mtls").unwrap();
+    let ca = TestCa::new(&dir, "kvgate-ca");
+    let (server_crt, server_key) = ca.leaf(&dir, "control-plane", SNI);
+    let (client_crt, client_key) = ca.leaf(&dir, "gateway", "gateway.kvgate.svc");
+    let rogue = TestCa::new(&dir, "rogue-ca");
+    let (rogue_crt, rogue_key) = rogue.leaf(&dir, "rogue-gateway", "gateway.kvgate.svc");
+
+    // The real control plane, static workers (the echo upstreams), TLS on
+    // its gRPC port with client certificates required.
+    let (_ups, addrs) = upstreams(2);
+    let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
+    let grpc: SocketAddr = ([127, 0, 0, 1], gp).into();
+    let mut serve = common::kvgate(&["serve", "--nats-url", "off", "--model", MODEL, "--block-size", "16"]);
+    serve.env_remove("KVGATE_TOKENIZER_DIR");
+    serve.args(["--listen-grpc", &grpc.to_string(), "--listen-admin", &format!("127.0.0.1:{ap}")]);
+    serve.arg("--tls-cert-file").arg(&server_crt).arg("--tls-key-file").arg(&server_key);
+    serve.env("KVGATE_TLS_CLIENT_CA_FILE", &ca.ca_file);
+    for (i, a) in addrs.iter().enumerate() {
+        serve.args(["--worker", &format!("w{i}={a}")]);
+    }
+    let mut cp = kvgate_e2e::Proc::spawn("serve-tls", serve, &dir).unwrap();
+    kvgate_e2e::wait_for_tcp(grpc, Duration::from_secs(30)).unwrap();
+
+    let filter = json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}).to_string();
+    let gateway = |name: &str, tls: Option<kvgate_e2e::ControlPlaneTls<'_>>| {
+        let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
+        let config = dir.join(format!("envoy-{name}.yaml"));
+        let text = kvgate_e2e::render_kvgate_envoy_tls(listen, admin, &addrs, &[grpc], &filter, tls.as_ref()).unwrap();
+        std::fs::write(&config, text).unwrap();
+        envoy_validate(&config).unwrap();
+        let sub = dir.join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        Gateway { envoy: Envoy::start(&config, admin, &sub).unwrap(), listen: ([127, 0, 0, 1], listen).into() }
+    };
+    let ask = |gw: &Gateway| {
+        let r = gw.post("/v1/chat/completions", &[], &chat_body("over mutual TLS"));
+        echoed(&r);
+        (r.header("x-kvgate-worker").map(str::to_owned), r.header("x-kvgate-fallback").map(str::to_owned))
+    };
+
+    // The gateway's certificate is signed by the CA the control plane
+    // trusts, and it trusts the control plane's: routed.
+    let good = gateway(
+        "good",
+        Some(kvgate_e2e::ControlPlaneTls {
+            ca_file: &ca.ca_file,
+            cert_file: &client_crt,
+            key_file: &client_key,
+            sni: SNI,
+        }),
+    );
+    for _ in 0..3 {
+        let (worker, fallback) = ask(&good);
+        assert!(worker.as_deref().is_some_and(|w| w.starts_with('w')), "not routed: {worker:?} {fallback:?}");
+        assert_eq!(fallback, None);
+    }
+    assert_eq!(good.stat("steered"), 3);
+    let ssl = |gw: &Gateway, s: &str| gw.envoy.stat(&format!("cluster.kvgate_control_plane.ssl.{s}")).unwrap_or(0);
+    assert!(ssl(&good, "handshake") >= 1);
+
+    // Refused, and every request still answered through the fallback:
+    // a client certificate of another CA (the control plane refuses it),
+    let stranger = gateway(
+        "stranger",
+        Some(kvgate_e2e::ControlPlaneTls {
+            ca_file: &ca.ca_file,
+            cert_file: &rogue_crt,
+            key_file: &rogue_key,
+            sni: SNI,
+        }),
+    );
+    // a control plane Envoy cannot verify (it trusts only the rogue CA),
+    let distrustful = gateway(
+        "distrustful",
+        Some(kvgate_e2e::ControlPlaneTls {
+            ca_file: &rogue.ca_file,
+            cert_file: &client_crt,
+            key_file: &client_key,
+            sni: SNI,
+        }),
+    );
+    // a certificate name that is not the one Envoy asks for,
+    let misnamed = gateway(
+        "misnamed",
+        Some(kvgate_e2e::ControlPlaneTls {
+            ca_file: &ca.ca_file,
+            cert_file: &client_crt,
+            key_file: &client_key,
+            sni: "someone-else.kvgate.svc",
+        }),
+    );
+    // and plaintext to the TLS port.
+    let plaintext = gateway("plaintext", None);
+    for (name, gw) in
+        [("stranger", &stranger), ("distrustful", &distrustful), ("misnamed", &misnamed), ("plaintext", &plaintext)]
+    {
+        let (worker, fallback) = ask(gw);
+        assert_eq!(worker, None, "{name}");
+        assert_eq!(fallback.as_deref(), Some("unavailable"), "{name}");
+        assert_eq!(gw.stat("steered"), 0, "{name}");
+    }
+    // Each for its own reason: Envoy refused the server's certificate (not
+    // signed by its CA; not the name asked for); the control plane refused
+    // the stranger's (Envoy's handshake completes, the server's check ends
+    // the connection).
+    assert!(ssl(&distrustful, "fail_verify_error") >= 1);
+    assert!(ssl(&misnamed, "fail_verify_san") >= 1);
+    for gw in [&stranger, &plaintext] {
+        assert_eq!(ssl(gw, "fail_verify_error") + ssl(gw, "fail_verify_san"), 0);
+    }
+    // The refused handshakes did not disturb the control plane.
+    assert_eq!(ask(&good).1, None);
+    cp.ensure_running().unwrap();
+
+    // A key that does not hold PEM stops the start with the field's name.
+    let junk = dir.join("junk.key");
+    std::fs::write(&junk, "not a key").unwrap();
+    let out = common::kvgate(&["serve", "--nats-url", "off", "--model", MODEL, "--block-size", "16"])
+        .env_remove("KVGATE_TOKENIZER_DIR")
+        .args(["--listen-grpc", "127.0.0.1:0", "--listen-admin", "off"])
+        .arg("--tls-cert-file")
+        .arg(&server_crt)
+        .arg("--tls-key-file")
+        .arg(&junk)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tls_key_file") && err.contains("no PEM block"), "{err}");
+}

@@ -28,7 +28,7 @@
 //! ```
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use kvgate_protocol::BlockSize;
 use kvgate_scheduler::{KvConfig, Mode};
@@ -137,6 +137,14 @@ pub struct RawConfig {
     pub token_cache_tokens: Option<usize>,
     /// Sampled verification of chunked tokenization.
     pub tokenize_verify_every: Option<u64>,
+    /// PEM certificate chain served on the gRPC port; with `tls_key_file`,
+    /// the port speaks TLS only.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
+    /// PEM CA bundle: when set, every gRPC client must present a
+    /// certificate it signed (mutual TLS).
+    pub tls_client_ca_file: Option<PathBuf>,
     /// Models.
     #[serde(default)]
     pub models: Vec<RawModel>,
@@ -156,6 +164,18 @@ pub struct ModelSettings {
     pub routing: ModelConfig,
     /// Tokenizer directory.
     pub tokenizer_dir: Option<PathBuf>,
+}
+
+/// TLS on the gRPC port, validated: the files existed and held PEM when the
+/// configuration was read (they are loaded again at start).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsFiles {
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Private key.
+    pub key: PathBuf,
+    /// CA of the clients' certificates; `None` = no client certificate asked.
+    pub client_ca: Option<PathBuf>,
 }
 
 /// The validated configuration.
@@ -181,6 +201,8 @@ pub struct Config {
     pub token_cache_tokens: usize,
     /// Sampled verification period.
     pub tokenize_verify_every: u64,
+    /// TLS on the gRPC port (`None` = plaintext).
+    pub tls: Option<TlsFiles>,
     /// Models.
     pub models: Vec<ModelSettings>,
 }
@@ -192,6 +214,42 @@ fn addr(field: &str, v: &str) -> Result<SocketAddr, ConfigError> {
 fn weight(field: String, v: Option<f64>, default: f64) -> Result<f64, ConfigError> {
     let x = v.unwrap_or(default);
     if x.is_finite() && x >= 0.0 { Ok(x) } else { Err(err(field, x, "must be a finite number ≥ 0")) }
+}
+
+/// A PEM file that exists and holds a block of one of `labels`
+/// (`CERTIFICATE`, `PRIVATE KEY`, …).
+fn pem_file(field: &str, path: &Path, labels: &[&str]) -> Result<(), ConfigError> {
+    let text = std::fs::read(path).map_err(|e| err(field, path.display(), format!("cannot read: {e}")))?;
+    let text = String::from_utf8_lossy(&text);
+    let found = labels.iter().any(|l| text.contains(&format!("-----BEGIN {l}-----")));
+    if found {
+        Ok(())
+    } else {
+        Err(err(field, path.display(), format!("no PEM block of {} in this file", labels.join(" / "))))
+    }
+}
+
+fn tls_files(
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    client_ca: Option<PathBuf>,
+) -> Result<Option<TlsFiles>, ConfigError> {
+    let empty = |p: Option<PathBuf>| p.filter(|p| !p.as_os_str().is_empty());
+    match (empty(cert), empty(key), empty(client_ca)) {
+        (None, None, None) => Ok(None),
+        (Some(cert), Some(key), client_ca) => {
+            pem_file("tls_cert_file", &cert, &["CERTIFICATE"])?;
+            pem_file("tls_key_file", &key, &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"])?;
+            if let Some(ca) = &client_ca {
+                pem_file("tls_client_ca_file", ca, &["CERTIFICATE"])?;
+            }
+            Ok(Some(TlsFiles { cert, key, client_ca }))
+        }
+        (None, Some(_), _) | (None, None, Some(_)) => {
+            Err(err("tls_cert_file", "<missing>", "required with tls_key_file or tls_client_ca_file"))
+        }
+        (Some(_), None, _) => Err(err("tls_key_file", "<missing>", "required with tls_cert_file")),
+    }
 }
 
 impl Config {
@@ -233,6 +291,7 @@ impl Config {
         if snapshot_timeout_ms < 10 {
             return Err(err("snapshot_timeout_ms", snapshot_timeout_ms, "must be ≥ 10"));
         }
+        let tls = tls_files(raw.tls_cert_file, raw.tls_key_file, raw.tls_client_ca_file)?;
         if raw.models.is_empty() {
             return Err(err("models", "[]", "at least one model is required"));
         }
@@ -316,6 +375,7 @@ impl Config {
             snapshot_timeout_ms,
             token_cache_tokens: raw.token_cache_tokens.unwrap_or(8 << 20),
             tokenize_verify_every: raw.tokenize_verify_every.unwrap_or(1000),
+            tls,
             models,
         })
     }
@@ -371,5 +431,45 @@ mod tests {
         let e = RawConfig::from_toml("listen_grpcc = \"x\"\n", "config.toml").unwrap_err();
         assert_eq!(e.field, "config.toml");
         assert!(e.reason.contains("listen_grpcc"), "{e}");
+    }
+
+    #[test]
+    fn tls_files_come_together_and_hold_pem() {
+        let dir = std::env::temp_dir().join(format!("kvgate-tls-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cert = dir.join("tls.crt");
+        let key = dir.join("tls.key");
+        let junk = dir.join("junk.pem");
+        std::fs::write(&cert, "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n").unwrap();
+        std::fs::write(&key, "-----BEGIN PRIVATE KEY-----\nAA==\n-----END PRIVATE KEY-----\n").unwrap();
+        std::fs::write(&junk, "not pem").unwrap();
+        let with = |c: Option<&Path>, k: Option<&Path>, ca: Option<&Path>| {
+            Config::validate(RawConfig {
+                tls_cert_file: c.map(Path::to_path_buf),
+                tls_key_file: k.map(Path::to_path_buf),
+                tls_client_ca_file: ca.map(Path::to_path_buf),
+                models: vec![model("m")],
+                ..Default::default()
+            })
+        };
+        assert_eq!(with(None, None, None).unwrap().tls, None);
+        let t = with(Some(&cert), Some(&key), Some(&cert)).unwrap().tls.unwrap();
+        assert_eq!((t.cert, t.key, t.client_ca), (cert.clone(), key.clone(), Some(cert.clone())));
+        assert_eq!(with(Some(&cert), Some(&key), None).unwrap().tls.unwrap().client_ca, None);
+        // An empty value (an unset environment variable in a manifest) is unset.
+        assert_eq!(with(Some(Path::new("")), Some(Path::new("")), None).unwrap().tls, None);
+
+        let e = with(Some(&cert), None, None).unwrap_err();
+        assert_eq!((e.field.as_str(), e.reason.as_str()), ("tls_key_file", "required with tls_cert_file"));
+        assert_eq!(with(None, Some(&key), None).unwrap_err().field, "tls_cert_file");
+        assert_eq!(with(None, None, Some(&cert)).unwrap_err().field, "tls_cert_file");
+        let e = with(Some(&junk), Some(&key), None).unwrap_err();
+        assert_eq!(e.field, "tls_cert_file");
+        assert!(e.reason.contains("no PEM block of CERTIFICATE"), "{e}");
+        assert_eq!(with(Some(&cert), Some(&cert), None).unwrap_err().field, "tls_key_file");
+        assert_eq!(with(Some(&cert), Some(&key), Some(&key)).unwrap_err().field, "tls_client_ca_file");
+        let e = with(Some(&dir.join("missing.crt")), Some(&key), None).unwrap_err();
+        assert!(e.reason.starts_with("cannot read"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

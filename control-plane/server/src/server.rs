@@ -41,6 +41,9 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(String),
+    /// The TLS files could not be read or used.
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// The gRPC service.
@@ -82,6 +85,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
     on_bound: impl FnOnce(Bound, Arc<App>) + Send,
 ) -> Result<(), ServeError> {
+    // Certificates are read once, before anything binds: a bad file stops
+    // the start with its name. Rotation is a (rolling) restart.
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(files) = &config.tls {
+        builder = builder.tls_config(server_tls(files)?).map_err(|e| ServeError::Tls(format!("{e:?}")))?;
+    }
     let (app, inflight_rx) = App::new(config)?;
     let cfg = &app.config;
     let grpc_listener = tokio::net::TcpListener::bind(cfg.listen_grpc)
@@ -150,7 +159,7 @@ pub async fn run(
     // Pick requests carry whole prompts (~0.5 MB at 100K tokens): windows
     // and frames large enough that a request arrives without waiting for
     // WINDOW_UPDATEs, in few frames (measured: `make bench-gateway`).
-    let result = tonic::transport::Server::builder()
+    let result = builder
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(32 << 20))
         .max_frame_size(Some(1 << 20))
@@ -162,6 +171,17 @@ pub async fn run(
     let _ = stop_tx.send(true);
     while tasks.join_next().await.is_some() {}
     result.map_err(|e| ServeError::Grpc(e.to_string()))
+}
+
+/// The gRPC port's TLS settings from the configured PEM files.
+fn server_tls(files: &crate::config::TlsFiles) -> Result<tonic::transport::ServerTlsConfig, ServeError> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| ServeError::Tls(format!("{}: {e}", p.display())));
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(&files.cert)?, read(&files.key)?));
+    if let Some(ca) = &files.client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(tls)
 }
 
 /// Credentials from the NATS URL as connect options (the client library

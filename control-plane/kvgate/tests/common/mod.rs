@@ -68,6 +68,17 @@ impl Fleet {
     /// Like [`Fleet::start`]; with `auth`, NATS requires that user and
     /// password and every client finds them in its NATS URL.
     pub fn start_with(dir: &Path, workers: usize, speedup: &str, auth: Option<(&str, &str)>) -> Fleet {
+        Self::start_full(dir, workers, speedup, auth, &[])
+    }
+
+    /// Like [`Fleet::start_with`], with more arguments for `kvgate serve`.
+    pub fn start_full(
+        dir: &Path,
+        workers: usize,
+        speedup: &str,
+        auth: Option<(&str, &str)>,
+        serve_args: &[&str],
+    ) -> Fleet {
         let (nats, nats_url) = match auth {
             Some((u, p)) => {
                 let n = NatsServer::start_with_auth(dir, u, p).unwrap();
@@ -129,7 +140,7 @@ impl Fleet {
         }
         let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
         let (grpc, admin) = (format!("127.0.0.1:{gp}"), format!("127.0.0.1:{ap}"));
-        let serve = kvgate(&[
+        let mut serve = kvgate(&[
             "serve",
             "--model",
             MODEL,
@@ -146,6 +157,7 @@ impl Fleet {
             "--replica-id",
             "cp-e2e",
         ]);
+        serve.args(serve_args);
         procs.push(Proc::spawn("serve", serve, dir).unwrap());
         let fleet =
             Fleet { nats, procs, http, grpc: grpc.parse().unwrap(), admin: admin.parse().unwrap(), relay_metrics };
