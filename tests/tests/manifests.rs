@@ -139,7 +139,9 @@ fn every_kustomization_renders_with_both_kubectls_and_validates() {
     for want in [
         "deploy/overlays/dev",
         "deploy/overlays/production",
+        "deploy/overlays/production-mtls",
         "gateway-api/envoy-gateway",
+        "gateway-api/envoy-gateway-mtls",
         "gateway-api/istio",
         "gateway-api/inference-extension",
     ] {
@@ -193,6 +195,21 @@ fn objects(dir: &Path) -> Vec<Value> {
     serde_json::from_slice::<Value>(&std::fs::read(&j).unwrap()).unwrap().as_array().unwrap().clone()
 }
 
+/// A YAML text as JSON (PyYAML, as validate.py reads manifests).
+fn yaml_to_json(text: &str) -> Value {
+    use std::io::Write;
+    let mut child = Command::new(python())
+        .args(["-c", "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 fn find<'a>(objs: &'a [Value], kind: &str, name_prefix: &str) -> Vec<&'a Value> {
     objs.iter()
         .filter(|o| o["kind"] == kind && o["metadata"]["name"].as_str().is_some_and(|n| n.starts_with(name_prefix)))
@@ -215,6 +232,58 @@ fn configurations_inside_the_manifests_are_accepted_by_their_readers() {
     assert_eq!(cluster["name"].as_str(), Some(cfg.cluster.as_str()));
     assert!(patches.iter().any(|p| p["operation"]["path"] == "/typed_config/config/allow_on_headers_stop_iteration"
         && p["operation"]["value"] == true));
+
+    // Mutual TLS (envoy-gateway-mtls): the control-plane cluster's
+    // transport socket is envoy/control-plane-tls.yaml, which the gateway
+    // tests run in a real Envoy against `kvgate serve`, with the files of
+    // the Secret the EnvoyProxy mounts.
+    let tls_epp = find(&objs, "EnvoyPatchPolicy", "kvgate")
+        .into_iter()
+        .find(|p| !p["spec"]["jsonPatches"][0]["operation"]["value"]["transport_socket"].is_null())
+        .expect("an EnvoyPatchPolicy with mutual TLS");
+    let socket = &tls_epp["spec"]["jsonPatches"][0]["operation"]["value"]["transport_socket"];
+    let mount = "/etc/kvgate-tls";
+    let (ca, crt, key) = (format!("{mount}/ca.crt"), format!("{mount}/tls.crt"), format!("{mount}/tls.key"));
+    let fragment = kvgate_e2e::render_template(
+        &std::fs::read_to_string(repo_root().join("envoy/control-plane-tls.yaml")).unwrap(),
+        &std::collections::BTreeMap::from([
+            ("CA_FILE", ca),
+            ("CERT_FILE", crt),
+            ("KEY_FILE", key),
+            ("SNI", "kvgate-control-plane.kvgate.svc".to_owned()),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(socket, &yaml_to_json(&fragment)["transport_socket"], "EG's transport socket is not the tested one");
+    let proxy = find(&objs, "EnvoyProxy", "kvgate-mtls")[0];
+    let eg_pod = &proxy["spec"]["provider"]["kubernetes"]["envoyDeployment"];
+    assert_eq!(eg_pod["container"]["volumeMounts"][0]["mountPath"], mount);
+    assert_eq!(eg_pod["pod"]["volumes"][0]["secret"]["secretName"], "kvgate-gateway-tls");
+    let gateways = find(&objs, "Gateway", "kvgate");
+    assert!(gateways.iter().any(|g| g["spec"]["infrastructure"]["parametersRef"]["name"] == "kvgate-mtls"));
+    // production-mtls: the control plane reads its TLS files from the
+    // mounted Secret, and is probed over HTTP (a gRPC probe cannot do TLS).
+    let cp = find(&objs, "Deployment", "kvgate-control-plane")
+        .into_iter()
+        .find(|d| d["spec"]["template"]["spec"]["containers"][0]["env"].to_string().contains("KVGATE_TLS_CERT_FILE"))
+        .expect("a control plane with TLS");
+    let pod = &cp["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let tls_mount = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == "tls").unwrap();
+    let tls_dir = tls_mount["mountPath"].as_str().unwrap();
+    for e in c["env"].as_array().unwrap().iter().filter(|e| e["name"].as_str().unwrap().starts_with("KVGATE_TLS_")) {
+        assert!(e["value"].as_str().unwrap().starts_with(&format!("{tls_dir}/")), "{e}");
+    }
+    assert!(
+        c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["name"] == "tls" || !tls_dir.starts_with(&format!("{}/", m["mountPath"].as_str().unwrap()))),
+        "TLS mounted inside another volume"
+    );
+    assert!(pod["volumes"].as_array().unwrap().iter().any(|v| v["secret"]["secretName"] == "kvgate-control-plane-tls"));
+    assert!(c["livenessProbe"]["grpc"].is_null() && c["livenessProbe"]["httpGet"]["path"] == "/healthz");
 
     // Istio: the ECDS Wasm config parses and calls Istio's cluster for the
     // control plane's Service.

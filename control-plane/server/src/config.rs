@@ -13,6 +13,10 @@
 //! snapshot_timeout_ms = 3000
 //! token_cache_tokens = 8388608         # per model
 //! tokenize_verify_every = 1000         # sampled whole-prompt check, 0 = off
+//! # TLS on the gRPC port (all three unset = plaintext):
+//! tls_cert_file = "/etc/kvgate-tls/tls.crt"
+//! tls_key_file = "/etc/kvgate-tls/tls.key"
+//! tls_client_ca_file = "/etc/kvgate-tls/ca.crt"   # clients need a certificate it signed
 //!
 //! [[models]]
 //! name = "deepseek-v3"
