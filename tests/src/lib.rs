@@ -511,6 +511,29 @@ pub fn render_kvgate_envoy_tls(
     render_template(&template, &vars)
 }
 
+/// Renders `envoy/endpoint-picker.yaml`: Envoy's ext_proc filter calling
+/// kvgate's endpoint picker at `picker`, with these body modes
+/// (`FULL_DUPLEX_STREAMED`, `BUFFERED`, `STREAMED`, `NONE`).
+pub fn render_picker_envoy(
+    listen: u16,
+    admin: u16,
+    workers: &[SocketAddr],
+    picker: SocketAddr,
+    request_body_mode: &str,
+    response_body_mode: &str,
+) -> Result<String> {
+    let template = std::fs::read_to_string(repo_root().join("envoy/endpoint-picker.yaml"))?;
+    let vars = BTreeMap::from([
+        ("LISTEN_PORT", listen.to_string()),
+        ("ADMIN_PORT", admin.to_string()),
+        ("WORKER_ENDPOINTS", endpoints_yaml(workers)),
+        ("PICKER_ENDPOINTS", endpoints_yaml(&[picker])),
+        ("REQUEST_BODY_MODE", request_body_mode.to_owned()),
+        ("RESPONSE_BODY_MODE", response_body_mode.to_owned()),
+    ]);
+    render_template(&template, &vars)
+}
+
 /// FNV-1a of a body: what [`EchoUpstream`] reports as `body_fnv`, so that a
 /// test can tell a body arrived byte for byte.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
@@ -837,6 +860,30 @@ impl Drop for EchoUpstream {
     }
 }
 
+/// A chunked request body (trailers, if any, are read and dropped).
+fn read_chunked(reader: &mut impl BufRead) -> Result<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        let mut size_line = String::new();
+        reader.read_line(&mut size_line)?;
+        let size_text = size_line.trim_end().split(';').next().unwrap_or_default();
+        let size = usize::from_str_radix(size_text.trim(), 16).with_context(|| format!("chunk size {size_line:?}"))?;
+        if size == 0 {
+            loop {
+                let mut l = String::new();
+                if reader.read_line(&mut l)? == 0 || l.trim_end().is_empty() {
+                    return Ok(body);
+                }
+            }
+        }
+        let start = body.len();
+        body.resize(start + size, 0);
+        reader.read_exact(&mut body[start..])?;
+        let mut crlf = [0u8; 2];
+        reader.read_exact(&mut crlf)?;
+    }
+}
+
 /// Serves HTTP/1.1 keep-alive requests on one connection.
 fn serve_echo(conn: TcpStream, name: &str, served: &AtomicU64) -> Result<()> {
     conn.set_nonblocking(false)?;
@@ -851,6 +898,7 @@ fn serve_echo(conn: TcpStream, name: &str, served: &AtomicU64) -> Result<()> {
         }
         let mut headers = Vec::new();
         let mut content_length = 0usize;
+        let mut chunked = false;
         loop {
             let mut l = String::new();
             reader.read_line(&mut l)?;
@@ -863,11 +911,19 @@ fn serve_echo(conn: TcpStream, name: &str, served: &AtomicU64) -> Result<()> {
                 if k == "content-length" {
                     content_length = v.trim().parse()?;
                 }
+                if k == "transfer-encoding" && v.trim().eq_ignore_ascii_case("chunked") {
+                    chunked = true;
+                }
                 headers.push((k, v.trim().to_owned()));
             }
         }
-        let mut body = vec![0; content_length];
-        reader.read_exact(&mut body)?;
+        let body = if chunked {
+            read_chunked(&mut reader)?
+        } else {
+            let mut body = vec![0; content_length];
+            reader.read_exact(&mut body)?;
+            body
+        };
         served.fetch_add(1, Ordering::Relaxed);
         let hdrs: Vec<String> = headers.iter().map(|(k, v)| format!("{:?}:{:?}", k, v)).collect();
         let resp_body = format!(

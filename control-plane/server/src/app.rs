@@ -44,6 +44,8 @@ pub struct App {
     pub subjects: Subjects,
     /// Process-wide counters.
     pub global: Global,
+    /// The endpoint picker's counters.
+    pub epp: crate::epp::EppCounters,
     start: Instant,
     /// Replica-sync events to publish (model, event).
     pub inflight_tx: tokio::sync::mpsc::UnboundedSender<(String, pb::InflightEvent)>,
@@ -119,6 +121,7 @@ impl App {
                 models,
                 subjects,
                 global: Global::default(),
+                epp: Default::default(),
                 start: Instant::now(),
                 inflight_tx: tx,
                 nats_connected: std::sync::atomic::AtomicBool::new(false),
@@ -420,6 +423,26 @@ impl App {
             let _ =
                 writeln!(o, "kvgate_pick_errors_total{{cause=\"{c}\"}} {}", g.pick_errors[i].load(Ordering::Relaxed));
         }
+        metrics::header(
+            &mut o,
+            "kvgate_epp_requests_total",
+            "counter",
+            "Requests the endpoint picker (ext_proc) answered, by outcome.",
+        );
+        for (i, c) in crate::epp::OUTCOMES.iter().enumerate() {
+            let _ = writeln!(
+                o,
+                "kvgate_epp_requests_total{{outcome=\"{c}\"}} {}",
+                self.epp.outcomes[i].load(Ordering::Relaxed)
+            );
+        }
+        metrics::header(
+            &mut o,
+            "kvgate_epp_stream_errors_total",
+            "counter",
+            "ext_proc streams the data plane ended with an error.",
+        );
+        let _ = writeln!(o, "kvgate_epp_stream_errors_total {}", self.epp.stream_errors.load(Ordering::Relaxed));
         metrics::header(&mut o, "kvgate_grpc_responses_total", "counter", "gRPC responses by status code.");
         for (i, c) in g.grpc_status.iter().enumerate() {
             let n = c.load(Ordering::Relaxed);

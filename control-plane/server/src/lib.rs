@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod epp;
 pub mod metrics;
 pub mod model;
 pub mod server;
@@ -20,6 +21,13 @@ mod generated {
     include!("gen/kvgate.v1.tonic.rs");
 }
 pub use generated::{router_client, router_server};
+
+/// Generated messages and server of kvgate's subset of Envoy's ext_proc
+/// protocol (`envoy.service.ext_proc.v3`; checked in; `make proto`).
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod ext_proc {
+    include!("gen/envoy.service.ext_proc.v3.rs");
+}
 
 /// Prompt tokenization with the segment cache (lives in `kvgate-tokenize`,
 /// shared with the simulator).

@@ -145,6 +145,14 @@ pub async fn run(
     health_reporter.set_serving::<RouterServer<Service>>().await;
     let svc = RouterServer::new(Service { app: app.clone() })
         .max_decoding_message_size(app.config.max_prompt_bytes + (1 << 20));
+    // The endpoint picker (Gateway API Inference Extension) on the same port.
+    let epp = crate::ext_proc::external_processor_server::ExternalProcessorServer::new(
+        crate::epp::EndpointPicker::new(app.clone()),
+    )
+    .max_decoding_message_size(app.config.max_prompt_bytes + (2 << 20));
+    health_reporter
+        .set_service_status("envoy.service.ext_proc.v3.ExternalProcessor", tonic_health::ServingStatus::Serving)
+        .await;
     let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
     // Every error status (ours, and tonic's own for undecodable requests) is
     // a trailers-only response: count it from the headers.
@@ -166,6 +174,7 @@ pub async fn run(
         .layer(count_errors)
         .add_service(health_service)
         .add_service(svc)
+        .add_service(epp)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     let _ = stop_tx.send(true);

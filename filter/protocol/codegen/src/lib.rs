@@ -9,7 +9,13 @@
 //! generated here too and checked in at
 //! `control-plane/server/src/gen/kvgate.v1.tonic.rs`.
 //!
-//! * `cargo run -p kvgate-protocol-codegen` (or `make proto`) rewrites both.
+//! The endpoint picker's subset of Envoy's ext_proc protocol
+//! (`envoy/service/ext_proc/v3/kvgate_subset.proto`: messages and the
+//! server of `envoy.service.ext_proc.v3.ExternalProcessor`) is generated
+//! into `control-plane/server/src/gen/envoy.service.ext_proc.v3.rs`.
+//!
+//! * `cargo run -p kvgate-protocol-codegen` (or `make proto`) rewrites all
+//!   three.
 //! * The test `checked_in_code_matches_proto` fails when the `.proto` files
 //!   and the checked-in code have drifted apart.
 
@@ -80,9 +86,44 @@ pub fn generate_service(root: &Path) -> Result<String> {
     Ok(format!("{HEADER}{code}"))
 }
 
+/// The ext_proc subset, relative to [`proto_root`].
+pub const EXT_PROC_FILE: &str = "envoy/service/ext_proc/v3/kvgate_subset.proto";
+
+/// Its protobuf package.
+pub const EXT_PROC_PACKAGE: &str = "envoy.service.ext_proc.v3";
+
+/// `control-plane/server/src/gen/envoy.service.ext_proc.v3.rs`.
+pub fn ext_proc_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../control-plane/server/src/gen")
+        .join(format!("{EXT_PROC_PACKAGE}.rs"))
+}
+
+/// Messages and server (no client) of the ext_proc subset; Struct comes
+/// from `prost-types`.
+pub fn generate_ext_proc(root: &Path) -> Result<String> {
+    let fds = protox::compile([root.join(EXT_PROC_FILE)], [root]).context("compiling the ext_proc subset")?;
+    let out = tempdir()?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(false)
+        .build_transport(true)
+        .out_dir(&out)
+        .compile_fds(fds)
+        .context("generating the ext_proc code")?;
+    let path = out.join(format!("{EXT_PROC_PACKAGE}.rs"));
+    let code = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let _ = std::fs::remove_dir_all(&out);
+    Ok(format!("{HEADER}{code}"))
+}
+
 /// Every generated file: (checked-in path, fresh code).
 pub fn generate_all(root: &Path) -> Result<Vec<(PathBuf, String)>> {
-    Ok(vec![(generated_path(), generate(root)?), (service_path(), generate_service(root)?)])
+    Ok(vec![
+        (generated_path(), generate(root)?),
+        (service_path(), generate_service(root)?),
+        (ext_proc_path(), generate_ext_proc(root)?),
+    ])
 }
 
 /// Checks every generated file against its checked-in copy.
