@@ -285,6 +285,23 @@ fn configurations_inside_the_manifests_are_accepted_by_their_readers() {
     assert!(pod["volumes"].as_array().unwrap().iter().any(|v| v["secret"]["secretName"] == "kvgate-control-plane-tls"));
     assert!(c["livenessProbe"]["grpc"].is_null() && c["livenessProbe"]["httpGet"]["path"] == "/healthz");
 
+    // Inference Extension: the pool's endpoint picker is the control
+    // plane's gRPC port (where `kvgate serve` serves ext_proc), over h2c,
+    // and the pool selects the vLLM pods.
+    let pool = find(&objs, "InferencePool", "vllm")[0];
+    let picker = &pool["spec"]["endpointPickerRef"];
+    let svc = find(&objs, "Service", picker["name"].as_str().unwrap())
+        .into_iter()
+        .find(|s| s["metadata"]["name"] == picker["name"])
+        .expect("the picker's Service");
+    let port = svc["spec"]["ports"].as_array().unwrap().iter().find(|p| p["port"] == picker["port"]["number"]).unwrap();
+    assert_eq!((port["name"].as_str(), port["appProtocol"].as_str()), (Some("grpc"), Some("kubernetes.io/h2c")));
+    let vllm = find(&objs, "Deployment", "vllm")[0];
+    let labels = &vllm["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in pool["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&labels[k], v, "the pool does not select the vLLM pods");
+    }
+
     // Istio: the ECDS Wasm config parses and calls Istio's cluster for the
     // control plane's Service.
     let ef = find(&objs, "EnvoyFilter", "kvgate-wasm-config")[0];

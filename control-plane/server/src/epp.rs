@@ -822,7 +822,10 @@ mod tests {
             _ => None,
         };
         assert_eq!(status(&run("/v1/chat/completions", b"{not json")), Some(400));
-        assert_eq!(status(&run("/v1/chat/completions", br#"{"model":"other","messages":[{"role":"user","content":"hi"}]}"#)), Some(404));
+        assert_eq!(
+            status(&run("/v1/chat/completions", br#"{"model":"other","messages":[{"role":"user","content":"hi"}]}"#)),
+            Some(404)
+        );
         // A batch of prompts is valid but not routed by prefix: by load.
         let r = run("/v1/completions", br#"{"model":"m","prompt":["a","b"]}"#);
         assert!(destination_of(&r).is_some());
