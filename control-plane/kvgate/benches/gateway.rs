@@ -7,7 +7,12 @@
 //!   fallback balancer picks);
 //! * **kvgate**: `envoy/kvgate.yaml`, the built `.wasm` filter calling the
 //!   real control plane (`kvgate serve`, release build, the DeepSeek-V3
-//!   tokenizer, the two upstreams as static workers).
+//!   tokenizer, the two upstreams as static workers);
+//! * **endpoint_picker**: `envoy/endpoint-picker.yaml`, no Wasm: Envoy's
+//!   ext_proc filter in full-duplex mode (as Inference Extension gateways
+//!   configure it) calling another `kvgate serve` as the InferencePool's
+//!   endpoint picker; and **endpoint_picker_buffered**, the same with a
+//!   BUFFERED request body (sent once, not echoed).
 //!
 //! Requests are chat completions whose system prompt has ~8K or ~100K
 //! tokens followed by a new user question each time (the multi-turn case:
@@ -31,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_e2e::{
     EchoUpstream, Envoy, Proc, bench_provenance, bench_words, envoy_validate, free_port, render_kvgate_envoy,
-    render_local_envoy, scratch_dir, wait_for_tcp,
+    render_local_envoy, render_picker_envoy, scratch_dir, wait_for_tcp,
 };
 use kvgate_server::router_client::RouterClient;
 use serde_json::{Value, json};
@@ -65,6 +70,7 @@ impl Client {
         self.r.read_line(&mut line).unwrap();
         assert!(line.starts_with("HTTP/1.1 200"), "{line}");
         let mut len = 0usize;
+        let mut chunked = false;
         loop {
             line.clear();
             self.r.read_line(&mut line).unwrap();
@@ -72,29 +78,60 @@ impl Client {
             if l.is_empty() {
                 break;
             }
-            if let Some((k, v)) = l.split_once(':')
-                && k.eq_ignore_ascii_case("content-length")
-            {
-                len = v.trim().parse().unwrap();
+            if let Some((k, v)) = l.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    len = v.trim().parse().unwrap();
+                }
+                if k.eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked") {
+                    chunked = true;
+                }
             }
         }
-        let mut buf = vec![0; len];
-        self.r.read_exact(&mut buf).unwrap();
+        if chunked {
+            // (A full-duplex ext_proc response: Envoy drops content-length.)
+            loop {
+                line.clear();
+                self.r.read_line(&mut line).unwrap();
+                let size = usize::from_str_radix(line.trim_end(), 16).unwrap();
+                let mut buf = vec![0; size + 2];
+                self.r.read_exact(&mut buf).unwrap();
+                if size == 0 {
+                    break;
+                }
+            }
+        } else {
+            let mut buf = vec![0; len];
+            self.r.read_exact(&mut buf).unwrap();
+        }
         t.elapsed()
     }
 }
 
-/// On-CPU nanoseconds of all threads of a process.
+/// On-CPU nanoseconds of a process, threads that have exited included.
+///
+/// `/proc/<pid>/stat` utime + stime (clock ticks) counts every thread the
+/// process ever had; summing `/proc/<pid>/task/*/schedstat` would lose the
+/// time of threads that exit between two reads (tokio's blocking pool
+/// retires idle threads) and the difference could go negative.
 fn cpu_ns(pid: u32) -> u64 {
-    let mut total = 0;
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for t in tasks.flatten() {
-            if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-                total += s.split_whitespace().next().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-            }
-        }
-    }
-    total
+    static TICK_NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let tick_ns = *TICK_NS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .filter(|&hz| hz > 0)
+            .map_or(10_000_000, |hz| 1_000_000_000 / hz)
+    });
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
+    // Fields after the command name, which may itself hold spaces or ')'.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return 0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); utime is field 14, stime field 15.
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    (ticks(11) + ticks(12)) * tick_ns
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -200,6 +237,9 @@ fn main() {
         .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"));
     let (serve, grpc, serve_admin) = start_serve(&dir, "serve", Some(&tk), &addrs);
     let (serve_lo, grpc_lo, _) = start_serve(&dir, "serve-load-only", None, &addrs);
+    // The endpoint picker's own control plane, so that each path's control
+    // plane CPU is measured apart.
+    let (serve_epp, grpc_epp, epp_admin) = start_serve(&dir, "serve-epp", Some(&tk), &addrs);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
 
     let mut rows = serde_json::Map::new();
@@ -226,10 +266,18 @@ fn main() {
             ("filter_no_callout", Some(None)),
             ("filter_load_only_cp", Some(Some(grpc_lo))),
             ("kvgate", Some(Some(grpc))),
+            ("endpoint_picker", Some(Some(grpc_epp))),
+            ("endpoint_picker_buffered", Some(Some(grpc_epp))),
         ] {
             let (l, a) = (free_port().unwrap(), free_port().unwrap());
             let yaml = match cp {
                 None => render_local_envoy(l, a, &addrs).unwrap(),
+                Some(Some(cp)) if name == "endpoint_picker" => {
+                    render_picker_envoy(l, a, &addrs, cp, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED").unwrap()
+                }
+                Some(Some(cp)) if name == "endpoint_picker_buffered" => {
+                    render_picker_envoy(l, a, &addrs, cp, "BUFFERED", "STREAMED").unwrap()
+                }
                 // A cluster that does not exist: the callout fails at
                 // dispatch and the request fails open (filter work only).
                 Some(None) => render_kvgate_envoy(l, a, &addrs, &[grpc], &filter(1000))
@@ -251,7 +299,8 @@ fn main() {
         for arm in &mut arms {
             arm.cpu0 = cpu_ns(arm.envoy.proc.pid());
         }
-        let (cs0, cl0) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()));
+        let (cs0, cl0, ce0) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()), cpu_ns(serve_epp.pid()));
+        let picked0 = cp_counter(epp_admin, "kvgate_epp_requests_total{outcome=\"routed\"}");
         let elided0 = cp_counter(serve_admin, "kvgate_pick_elided_messages_total");
         let resends0 = cp_counter(serve_admin, "kvgate_pick_resends_total");
         let n = arms.len();
@@ -263,7 +312,9 @@ fn main() {
                 arm.lat.push(d.as_secs_f64() * 1e6);
             }
         }
-        let (cs1, cl1) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()));
+        let (cs1, cl1, ce1) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()), cpu_ns(serve_epp.pid()));
+        let picked = cp_counter(epp_admin, "kvgate_epp_requests_total{outcome=\"routed\"}") - picked0;
+        assert_eq!(picked, 2.0 * pairs as f64, "endpoint_picker: every request must be routed by the picker");
         let elided = cp_counter(serve_admin, "kvgate_pick_elided_messages_total") - elided0;
         let resends = cp_counter(serve_admin, "kvgate_pick_resends_total") - resends0;
         // Envoy computes histogram quantiles when it flushes stats (every 5 s).
@@ -273,7 +324,7 @@ fn main() {
         let mut stats = serde_json::Map::new();
         for (k, arm) in arms.iter_mut().enumerate() {
             arm.lat.sort_by(f64::total_cmp);
-            let cpu = per(cpu_ns(arm.envoy.proc.pid()) - arm.cpu0);
+            let cpu = per(cpu_ns(arm.envoy.proc.pid()).saturating_sub(arm.cpu0));
             let steered = arm.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered0[k];
             match arm.name {
                 "kvgate" | "filter_load_only_cp" => {
@@ -305,15 +356,30 @@ fn main() {
             "kvgate_p50_us": k50, "kvgate_p99_us": k99,
             "added_p50_us": r(k50 - b50), "added_p99_us": r(k99 - b99),
             "envoy_cpu_us_per_req": {"baseline": g("baseline", "envoy_cpu_us_per_req"), "kvgate": g("kvgate", "envoy_cpu_us_per_req")},
-            "control_plane_cpu_us_per_req": per(cs1 - cs0),
+            "control_plane_cpu_us_per_req": per(cs1.saturating_sub(cs0)),
             "elided_messages_per_req": elided / pairs as f64,
             "resends": resends,
+            "endpoint_picker": {
+                "what": "the same Pick through Envoy's ext_proc filter (full-duplex request and response bodies) to kvgate serve as the InferencePool's endpoint picker, no Wasm; its own control plane",
+                "p50_us": g("endpoint_picker", "p50_us"), "p99_us": g("endpoint_picker", "p99_us"),
+                "added_p50_us": r(g("endpoint_picker", "p50_us") - b50),
+                "added_p99_us": r(g("endpoint_picker", "p99_us") - b99),
+                "vs_filter_added_p50_ratio": if k50 - b50 > 0.0 { r((g("endpoint_picker", "p50_us") - b50) / (k50 - b50)) } else { 0.0 },
+                "envoy_cpu_us_per_req": g("endpoint_picker", "envoy_cpu_us_per_req"),
+                "control_plane_cpu_us_per_req_both_picker_arms": per(ce1.saturating_sub(ce0)),
+                "buffered": {
+                    "what": "the same with BUFFERED request and STREAMED response bodies (the body goes to the picker once and is not echoed)",
+                    "added_p50_us": r(g("endpoint_picker_buffered", "p50_us") - b50),
+                    "added_p99_us": r(g("endpoint_picker_buffered", "p99_us") - b99),
+                    "envoy_cpu_us_per_req": g("endpoint_picker_buffered", "envoy_cpu_us_per_req"),
+                },
+            },
             "breakdown": {
                 "what": "added p50 of the filter alone (callout fails at dispatch), of the filter with a control plane that decodes and routes by load (no tokenization), and of the full path",
                 "filter_no_callout_added_p50_us": r(g("filter_no_callout", "p50_us") - b50),
                 "filter_load_only_cp_added_p50_us": r(g("filter_load_only_cp", "p50_us") - b50),
                 "kvgate_added_p50_us": r(k50 - b50),
-                "load_only_control_plane_cpu_us_per_req": per(cl1 - cl0),
+                "load_only_control_plane_cpu_us_per_req": per(cl1.saturating_sub(cl0)),
                 "kvgate_pick_rtt_p50_us": stats["kvgate"]["filter_pick_rtt_p50_us"].clone(),
                 "arms": stats,
             },
@@ -321,7 +387,7 @@ fn main() {
                      "met": k50 - b50 <= goal_p50 && k99 - b99 <= goal_p99},
         });
         table.push(format!(
-            "{label:>5} {tokens:>7} tok {:>7} B | baseline p50 {b50:>7.1} p99 {b99:>7.1} | kvgate p50 {k50:>7.1} p99 {k99:>7.1} | added p50 {:>7.1} p99 {:>7.1} µs (filter alone {:>6.1}, + load-only callout {:>6.1}) | envoy CPU/req {:>6.1} → {:>6.1} µs, control plane {:>6.1} µs",
+            "{label:>5} {tokens:>7} tok {:>7} B | baseline p50 {b50:>7.1} p99 {b99:>7.1} | kvgate p50 {k50:>7.1} p99 {k99:>7.1} | added p50 {:>7.1} p99 {:>7.1} µs (filter alone {:>6.1}, + load-only callout {:>6.1}) | envoy CPU/req {:>6.1} → {:>6.1} µs, control plane {:>6.1} µs | endpoint picker (ext_proc) added p50 {:>7.1} p99 {:>7.1} µs, buffered {:>7.1} / {:>7.1} µs",
             bodies[20].len(),
             k50 - b50,
             k99 - b99,
@@ -329,14 +395,18 @@ fn main() {
             g("filter_load_only_cp", "p50_us") - b50,
             g("baseline", "envoy_cpu_us_per_req"),
             g("kvgate", "envoy_cpu_us_per_req"),
-            per(cs1 - cs0)
+            per(cs1.saturating_sub(cs0)),
+            g("endpoint_picker", "p50_us") - b50,
+            g("endpoint_picker", "p99_us") - b99,
+            g("endpoint_picker_buffered", "p50_us") - b50,
+            g("endpoint_picker_buffered", "p99_us") - b99,
         ));
         rows.insert(label.into(), row);
     }
     let (commit, machine) = bench_provenance();
     let mut result = Value::Object(rows);
     result["what"] = json!(
-        "client latency through Envoy 1.40 with the kvgate filter + real control plane vs the same Envoy without the filter, arms interleaved request by request, sequential keep-alive requests, 1 Envoy worker thread each"
+        "client latency through Envoy 1.40 with the kvgate filter + real control plane vs the same Envoy without the filter (and vs the ext_proc endpoint-picker path), arms interleaved request by request, sequential keep-alive requests, 1 Envoy worker thread each"
     );
     result["commit"] = json!(commit);
     result["machine"] = json!(machine);

@@ -70,17 +70,25 @@ pub fn generate(root: &Path) -> Result<String> {
 /// The tonic server and client code of the services in [`PACKAGE`], with
 /// messages taken from `kvgate_protocol::pb` (not generated again).
 pub fn generate_service(root: &Path) -> Result<String> {
-    let fds = compile(root)?;
+    let config = tonic_prost_build::configure().build_client(true).extern_path(".kvgate.v1", "::kvgate_protocol::pb");
+    tonic_code(config, compile(root)?, PACKAGE)
+}
+
+/// Runs tonic's generator (servers always, with transport) on `fds` and
+/// returns the code of `package`, with [`HEADER`].
+fn tonic_code(
+    config: tonic_prost_build::Builder,
+    fds: prost_types::FileDescriptorSet,
+    package: &str,
+) -> Result<String> {
     let out = tempdir()?;
-    tonic_prost_build::configure()
+    config
         .build_server(true)
-        .build_client(true)
         .build_transport(true)
         .out_dir(&out)
-        .extern_path(".kvgate.v1", "::kvgate_protocol::pb")
         .compile_fds(fds)
-        .context("generating tonic code")?;
-    let path = out.join(format!("{PACKAGE}.rs"));
+        .with_context(|| format!("generating tonic code for {package}"))?;
+    let path = out.join(format!("{package}.rs"));
     let code = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let _ = std::fs::remove_dir_all(&out);
     Ok(format!("{HEADER}{code}"))
@@ -103,18 +111,7 @@ pub fn ext_proc_path() -> PathBuf {
 /// from `prost-types`.
 pub fn generate_ext_proc(root: &Path) -> Result<String> {
     let fds = protox::compile([root.join(EXT_PROC_FILE)], [root]).context("compiling the ext_proc subset")?;
-    let out = tempdir()?;
-    tonic_prost_build::configure()
-        .build_server(true)
-        .build_client(false)
-        .build_transport(true)
-        .out_dir(&out)
-        .compile_fds(fds)
-        .context("generating the ext_proc code")?;
-    let path = out.join(format!("{EXT_PROC_PACKAGE}.rs"));
-    let code = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let _ = std::fs::remove_dir_all(&out);
-    Ok(format!("{HEADER}{code}"))
+    tonic_code(tonic_prost_build::configure().build_client(false), fds, EXT_PROC_PACKAGE)
 }
 
 /// Every generated file: (checked-in path, fresh code).
