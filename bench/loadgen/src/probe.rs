@@ -54,6 +54,11 @@ pub struct WorkerMetrics {
     pub running: f64,
     /// `vllm:num_requests_waiting`.
     pub waiting: f64,
+    /// `vllm:time_to_first_token_seconds_sum` (the engine's own TTFT, from
+    /// the request's arrival at the worker; simulated seconds).
+    pub ttft_sum_s: f64,
+    /// `vllm:time_to_first_token_seconds_count`.
+    pub ttft_count: f64,
 }
 
 /// Parses the series the report uses from Prometheus text.
@@ -71,6 +76,8 @@ pub fn parse_metrics(text: &str) -> WorkerMetrics {
             "vllm:prefix_cache_hits_total" => m.hits += v,
             "vllm:num_requests_running" => m.running += v,
             "vllm:num_requests_waiting" => m.waiting += v,
+            "vllm:time_to_first_token_seconds_sum" => m.ttft_sum_s += v,
+            "vllm:time_to_first_token_seconds_count" => m.ttft_count += v,
             _ => {}
         }
     }
@@ -93,8 +100,21 @@ mod tests {
                     vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1.0\n\
                     vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 1000.0\n\
                     vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 900.0\n\
-                    vllm:prefix_cache_hits_total_other 5\n";
-        assert_eq!(parse_metrics(text), WorkerMetrics { queries: 1000.0, hits: 900.0, running: 3.0, waiting: 1.0 });
+                    vllm:prefix_cache_hits_total_other 5\n\
+                    vllm:time_to_first_token_seconds_bucket{le=\"0.5\",model_name=\"m\"} 7\n\
+                    vllm:time_to_first_token_seconds_sum{model_name=\"m\"} 2.5\n\
+                    vllm:time_to_first_token_seconds_count{model_name=\"m\"} 8\n";
+        assert_eq!(
+            parse_metrics(text),
+            WorkerMetrics {
+                queries: 1000.0,
+                hits: 900.0,
+                running: 3.0,
+                waiting: 1.0,
+                ttft_sum_s: 2.5,
+                ttft_count: 8.0
+            }
+        );
     }
 
     #[test]

@@ -131,7 +131,35 @@ pub fn markdown(title: &str, context: &str, level: &str, rows: &[Row]) -> String
         }
     }
     md += &all_modes(rows, level);
+    if rows.iter().any(|r| r.worker_ttft_mean_ms > 0.0) {
+        md.push('\n');
+        md += &ttft_split(rows, level);
+    }
     md
+}
+
+/// Where mean TTFT goes, per mode and level: the workers' own TTFT (from
+/// arrival at the worker: queueing, prefill, the engine's first-token
+/// overhead) and the rest, the frontend's share (gateway or router in
+/// front, first chunk back), in simulated time like every latency here.
+pub fn ttft_split(rows: &[Row], level: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "Mean TTFT, split (ms, simulated time):\n");
+    let _ = writeln!(s, "| {level} | mode | at the client | at the worker | frontend share |");
+    let _ = writeln!(s, "|---:|---|---:|---:|---:|");
+    for c in levels(rows) {
+        for r in rows.iter().filter(|r| r.concurrency == c && r.worker_ttft_mean_ms > 0.0) {
+            let _ = writeln!(
+                s,
+                "| {c} | {} | {:.0} | {:.0} | {:.0} |",
+                r.mode,
+                r.ttft_mean_ms,
+                r.worker_ttft_mean_ms,
+                r.ttft_mean_ms - r.worker_ttft_mean_ms
+            );
+        }
+    }
+    s
 }
 
 /// Writes everything a result file `json` (already written) gets beside it:
@@ -175,6 +203,8 @@ mod tests {
         // ITL and E2E are equal: not a win.
         assert!(t.contains("3 of 5: TTFT p50, TTFT p95, tok/s |"), "{t}");
         assert_eq!(all_modes(&rows, "conc.").lines().count(), 4);
+        // Mean 350 ms at the client, 330 at the worker: 20 ms in front.
+        assert!(ttft_split(&rows, "conc.").contains("| 60 | kv | 350 | 330 | 20 |"));
     }
 
     #[test]

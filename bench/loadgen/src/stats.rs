@@ -40,6 +40,16 @@ pub struct Row {
     pub hit_rate: f64,
     pub oracle_hit_rate: f64,
     pub errors: usize,
+    /// Mean TTFT at the client (ms, simulated time).
+    #[serde(default)]
+    pub ttft_mean_ms: f64,
+    /// Mean TTFT the workers measured themselves, from each request's
+    /// arrival at the worker (`vllm:time_to_first_token_seconds`, ms,
+    /// simulated time). The difference to `ttft_mean_ms` is the frontend's
+    /// share: the gateway or router on the way in and the first chunk on
+    /// the way out, multiplied by the speedup like everything else.
+    #[serde(default)]
+    pub worker_ttft_mean_ms: f64,
     /// Requests started in the window (latency sample size).
     pub requests: usize,
     pub mean_prompt_tokens: f64,
@@ -178,6 +188,11 @@ pub fn summarize(
     let (m0, m1) = &run.metrics;
     let (dh, dq) =
         m0.iter().zip(m1).fold((0.0, 0.0), |(h, q), (a, b)| (h + b.hits - a.hits, q + b.queries - a.queries));
+    let (ts, tn) = m0
+        .iter()
+        .zip(m1)
+        .fold((0.0, 0.0), |(s, n), (a, b)| (s + b.ttft_sum_s - a.ttft_sum_s, n + b.ttft_count - a.ttft_count));
+    let ttft_mean = if ttft.is_empty() { 0.0 } else { ttft.iter().sum::<f64>() / ttft.len() as f64 };
     let mut skews = Vec::new();
     let mut spreads = Vec::new();
     let mut max_waiting: f64 = 0.0;
@@ -211,6 +226,8 @@ pub fn summarize(
         hit_rate: r3(if dq > 0.0 { dh / dq } else { 0.0 }),
         oracle_hit_rate: r3(if prompt_sum > 0 { oracle_hits as f64 / prompt_sum as f64 } else { 0.0 }),
         errors: inside.len() - ok.len(),
+        ttft_mean_ms: r3(ttft_mean),
+        worker_ttft_mean_ms: r3(if tn > 0.0 { ts / tn * 1e3 } else { 0.0 }),
         requests: inside.len(),
         mean_prompt_tokens: r3(if ok.is_empty() {
             0.0
@@ -252,6 +269,8 @@ pub(crate) mod tests {
             hit_rate: 0.9,
             oracle_hit_rate: 0.97,
             errors: 0,
+            ttft_mean_ms: 350.0,
+            worker_ttft_mean_ms: 330.0,
             requests: 100,
             mean_prompt_tokens: 5000.0,
             load_skew_mean: 1.1,
@@ -317,8 +336,26 @@ pub(crate) mod tests {
                 LoadSample { t: 2.0, inflight: vec![2.0, 2.0, 2.0], waiting: vec![0.0, 0.0, 0.0] },
             ],
             metrics: (
-                vec![WorkerMetrics { queries: 100.0, hits: 50.0, ..Default::default() }; 3],
-                vec![WorkerMetrics { queries: 1100.0, hits: 950.0, ..Default::default() }; 3],
+                vec![
+                    WorkerMetrics {
+                        queries: 100.0,
+                        hits: 50.0,
+                        ttft_sum_s: 1.0,
+                        ttft_count: 10.0,
+                        ..Default::default()
+                    };
+                    3
+                ],
+                vec![
+                    WorkerMetrics {
+                        queries: 1100.0,
+                        hits: 950.0,
+                        ttft_sum_s: 2.5,
+                        ttft_count: 20.0,
+                        ..Default::default()
+                    };
+                    3
+                ],
             ),
             host_cpu: 0.5,
             cpu_by_role: vec![("envoy".into(), 0.2)],
@@ -328,6 +365,9 @@ pub(crate) mod tests {
         assert_eq!((r.requests, r.errors), (3, 1));
         // TTFTs 20 and 40 ms wall -> 200 and 400 ms simulated.
         assert_eq!((r.ttft_p50_ms, r.ttft_p95_ms), (200.0, 400.0));
+        // The client's mean against the workers' own: 3 x 1.5 s over 3 x 10
+        // first tokens in the window.
+        assert_eq!((r.ttft_mean_ms, r.worker_ttft_mean_ms), (300.0, 150.0));
         // ITL of conversation 1 turn 2: (0.5 - 0.02) / 100 s * 10.
         assert_eq!(r.itl_p50_ms, 48.0);
         assert_eq!(r.e2e_p95_s, 10.0);

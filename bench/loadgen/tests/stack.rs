@@ -37,6 +37,9 @@ fn a_cell_through_kvgate_measures_every_column() {
     assert_eq!(r.errors, 0, "{r:?}");
     assert!(r.requests >= 6, "{r:?}");
     assert!(r.ttft_p50_ms > 0.0 && r.ttft_p95_ms >= r.ttft_p50_ms, "{r:?}");
+    // The workers' own TTFT, in the same unit and time base (the sets of
+    // requests differ a little at the window edges, hence the margin).
+    assert!(r.worker_ttft_mean_ms > 0.0 && r.worker_ttft_mean_ms < 1.5 * r.ttft_mean_ms, "{r:?}");
     assert!(r.itl_p50_ms > 5.0 && r.e2e_p50_s > 0.0 && r.output_tok_per_s > 0.0, "{r:?}");
     // Later turns reuse the earlier ones: the workers report hits.
     assert!(r.hit_rate > 0.3 && r.oracle_hit_rate > 0.3, "{r:?}");
@@ -49,5 +52,6 @@ fn a_cell_through_sglang_router_measures_every_column() {
     assert_eq!(r.errors, 0, "{r:?}");
     assert!(r.requests >= 6, "{r:?}");
     assert!(r.hit_rate > 0.3, "{r:?}");
+    assert!(r.worker_ttft_mean_ms > 0.0 && r.worker_ttft_mean_ms < 1.5 * r.ttft_mean_ms, "{r:?}");
     assert!(r.cpu_by_role.iter().any(|(role, _)| role == "sglang-router"), "{r:?}");
 }

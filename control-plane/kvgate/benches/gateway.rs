@@ -21,8 +21,8 @@
 //! connections, one at a time, so both sides see the same machine noise.
 //! Reported per size: client-side latency p50/p99 of each side, their
 //! difference (the added latency), and on-CPU time per request of each Envoy
-//! (and of the control plane), summed over all their threads from
-//! `/proc/<pid>/task/*/schedstat`. Every kvgate request must have been
+//! (and of the control plane), all threads, exited ones included, from
+//! `/proc/<pid>/stat`. Every kvgate request must have been
 //! steered (no fallback), or the run fails.
 //!
 //! Result: `bench/results/gateway-overhead.json` with the commit and machine.

@@ -549,7 +549,10 @@ async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool, arrived: Instant) -> R
     let prompt_tokens = p.prompt.len();
     sh.stats.lock().prompt_tokens += prompt_tokens as u64;
     let req = Request { id, prompt: p.prompt, max_tokens: p.max_tokens };
-    let at = Instant::now();
+    // Time to first token and queue time count from arrival, before parsing
+    // and tokenizing, as vLLM counts them from the request's arrival at its
+    // API server.
+    let at = arrived;
     // The frontend's share of time to first token (see the timing preset),
     // counted from arrival: it includes the time this worker really spent
     // parsing and tokenizing (else that time, multiplied by the speedup,
