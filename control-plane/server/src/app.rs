@@ -100,7 +100,12 @@ impl App {
                 None => None,
             };
             if let Some(t) = &tokenizer {
-                tracing::info!(model = %m.routing.name, self_test = t.self_test_result(), "tokenizer loaded");
+                tracing::info!(
+                    model = %m.routing.name,
+                    self_test = t.self_test_result(),
+                    fast_encoder = t.inner().uses_fast_encoder(),
+                    "tokenizer loaded"
+                );
             }
             models.insert(
                 m.routing.name.clone(),
@@ -703,6 +708,7 @@ impl App {
                 let (tokens, entries) = tk.cache_size();
                 v["tokenizer"] = serde_json::json!({
                     "segmented": tk.segmented(),
+                    "fast_encoder": tk.inner().uses_fast_encoder(),
                     "self_test": tk.self_test_result(),
                     "cache_tokens": tokens,
                     "cache_entries": entries,

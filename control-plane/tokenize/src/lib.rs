@@ -15,6 +15,7 @@
 //! benchmark).
 #![warn(missing_docs)]
 
+pub mod fast;
 pub mod prompt;
 
 use std::path::Path;
@@ -58,7 +59,18 @@ pub struct ChatTokenizer {
     /// Contents of the added (special) tokens, longest first: the tokenizer
     /// splits them out before BPE, so no merge crosses them.
     added: Vec<String>,
+    /// The direct encoder, when the tokenizer has a shape it reproduces and
+    /// it agreed with `tokenizer` on [`SELF_CHECK`] at load.
+    fast: Option<fast::FastBpe>,
 }
+
+/// Text both encoders must agree on before the direct one is used: Latin,
+/// CJK, kana, digits, punctuation runs, emoji, whitespace runs and line
+/// ends, and a DeepSeek-style special token.
+pub const SELF_CHECK: &str = "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>Hello, world!  \
+    It's 2026-11-24T03:15:00Z; pi≈3.14159 and 1234567 items... \"quoted\" (parens) [brackets] {braces}\n\n\
+    \t\tIndented\r\nWindows line\u{a0}nbsp 你好，世界！こんにちは カタカナ 한국어 Привет мир 🙂👍🏽 café naïve \
+    ＡＢＣ１２３    trailing   \n<｜Assistant｜>";
 
 impl std::fmt::Debug for ChatTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -111,7 +123,33 @@ impl ChatTokenizer {
             .map(|t| t.content.clone())
             .collect();
         added.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
-        Ok(Self { tokenizer, env, bos_token, eos_token, add_bos_token: false, added })
+        let fast = tokenizer.to_string(false).ok().and_then(|json| fast::FastBpe::from_json(&json)).filter(|f| {
+            tokenizer.encode_fast(SELF_CHECK, false).is_ok_and(|e| e.get_ids() == f.encode(SELF_CHECK).as_slice())
+        });
+        Ok(Self { tokenizer, env, bos_token, eos_token, add_bos_token: false, added, fast })
+    }
+
+    /// Whether [`Self::encode`] uses the direct encoder ([`fast`]) rather
+    /// than the `tokenizers` library (same ids, several times faster).
+    pub fn uses_fast_encoder(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Turns the direct encoder off (or back on, when it loaded): for
+    /// comparisons and as an operator's escape hatch.
+    pub fn set_fast_encoder(&mut self, on: bool) {
+        if !on {
+            self.fast = None;
+        } else if self.fast.is_none() {
+            self.fast = self.tokenizer.to_string(false).ok().and_then(|json| fast::FastBpe::from_json(&json));
+        }
+    }
+
+    /// Token ids of `text` from the `tokenizers` library, whatever
+    /// [`Self::encode`] uses (the reference for differential tests).
+    pub fn encode_reference(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let enc = self.tokenizer.encode_fast(text, false).map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// The chat template applied to `messages` (JSON message objects), with
@@ -174,6 +212,9 @@ impl ChatTokenizer {
 
     /// Token ids of `text`, without adding special tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        if let Some(f) = &self.fast {
+            return Ok(f.encode(text));
+        }
         let enc = self.tokenizer.encode_fast(text, false).map_err(|e| TokenizeError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
