@@ -86,6 +86,14 @@ fn special(config: &Value, key: &str) -> String {
     }
 }
 
+/// The direct encoder for `tokenizer`, if its shape is one the encoder
+/// reproduces and both agree on [`SELF_CHECK`].
+fn load_fast(tokenizer: &tokenizers::Tokenizer) -> Option<fast::FastBpe> {
+    let f = fast::FastBpe::from_json(&tokenizer.to_string(false).ok()?)?;
+    let reference = tokenizer.encode_fast(SELF_CHECK, false).ok()?;
+    (reference.get_ids() == f.encode(SELF_CHECK).as_slice()).then_some(f)
+}
+
 fn read(path: &Path) -> Result<String, TokenizeError> {
     std::fs::read_to_string(path).map_err(|source| TokenizeError::Io { path: path.display().to_string(), source })
 }
@@ -123,9 +131,7 @@ impl ChatTokenizer {
             .map(|t| t.content.clone())
             .collect();
         added.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
-        let fast = tokenizer.to_string(false).ok().and_then(|json| fast::FastBpe::from_json(&json)).filter(|f| {
-            tokenizer.encode_fast(SELF_CHECK, false).is_ok_and(|e| e.get_ids() == f.encode(SELF_CHECK).as_slice())
-        });
+        let fast = load_fast(&tokenizer);
         Ok(Self { tokenizer, env, bos_token, eos_token, add_bos_token: false, added, fast })
     }
 
@@ -141,7 +147,7 @@ impl ChatTokenizer {
         if !on {
             self.fast = None;
         } else if self.fast.is_none() {
-            self.fast = self.tokenizer.to_string(false).ok().and_then(|json| fast::FastBpe::from_json(&json));
+            self.fast = load_fast(&self.tokenizer);
         }
     }
 
