@@ -540,6 +540,30 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// On-CPU nanoseconds (user + system) a process has used so far, threads
+/// that have exited included (`/proc/<pid>/stat`, clock ticks of
+/// `getconf CLK_TCK`, 100 if unknown); 0 when it cannot be read.
+pub fn process_cpu_ns(pid: u32) -> u64 {
+    static TICK_NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let tick_ns = *TICK_NS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .filter(|&hz| hz > 0)
+            .map_or(10_000_000, |hz| 1_000_000_000 / hz)
+    });
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
+    // Fields after the command name, which may itself hold spaces or ')':
+    // the rest starts at field 3 (state); utime is field 14, stime field 15.
+    let Some((_, rest)) = stat.rsplit_once(')') else { return 0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    (ticks(11) + ticks(12)) * tick_ns
+}
+
 /// Provenance of a benchmark result: the short commit of `HEAD` (with
 /// `-dirty` when tracked code has changes) and the machine (arch, cores, CPU).
 pub fn bench_provenance() -> (String, String) {

@@ -34,13 +34,7 @@ impl HostCpu {
 
 /// CPU seconds (user + system) a process has used so far.
 pub fn process_cpu_s(pid: u32) -> f64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the parenthesised command name; utime and stime are
-    // fields 14 and 15 (1-based), i.e. 11 and 12 after the name.
-    let Some(rest) = text.rsplit_once(')').map(|(_, r)| r) else { return 0.0 };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = [11, 12].iter().filter_map(|&i| f.get(i)?.parse::<u64>().ok()).sum();
-    ticks as f64 / 100.0 // USER_HZ is 100 on Linux
+    kvgate_e2e::process_cpu_ns(pid) as f64 / 1e9
 }
 
 /// The counters and gauges of one worker's `/metrics` that the report uses.

@@ -35,8 +35,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvgate_e2e::{
-    EchoUpstream, Envoy, Proc, bench_provenance, bench_words, envoy_validate, free_port, render_kvgate_envoy,
-    render_local_envoy, render_picker_envoy, scratch_dir, wait_for_tcp,
+    EchoUpstream, Envoy, Proc, bench_provenance, bench_words, envoy_validate, free_port, process_cpu_ns,
+    render_kvgate_envoy, render_local_envoy, render_picker_envoy, scratch_dir, wait_for_tcp,
 };
 use kvgate_server::router_client::RouterClient;
 use serde_json::{Value, json};
@@ -105,33 +105,6 @@ impl Client {
         }
         t.elapsed()
     }
-}
-
-/// On-CPU nanoseconds of a process, threads that have exited included.
-///
-/// `/proc/<pid>/stat` utime + stime (clock ticks) counts every thread the
-/// process ever had; summing `/proc/<pid>/task/*/schedstat` would lose the
-/// time of threads that exit between two reads (tokio's blocking pool
-/// retires idle threads) and the difference could go negative.
-fn cpu_ns(pid: u32) -> u64 {
-    static TICK_NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let tick_ns = *TICK_NS.get_or_init(|| {
-        std::process::Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8(o.stdout).ok())
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .filter(|&hz| hz > 0)
-            .map_or(10_000_000, |hz| 1_000_000_000 / hz)
-    });
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
-    // Fields after the command name, which may itself hold spaces or ')'.
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return 0 };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3 (state); utime is field 14, stime field 15.
-    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    (ticks(11) + ticks(12)) * tick_ns
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -297,9 +270,10 @@ fn main() {
         }
         let steered0: Vec<u64> = arms.iter().map(|a| a.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0)).collect();
         for arm in &mut arms {
-            arm.cpu0 = cpu_ns(arm.envoy.proc.pid());
+            arm.cpu0 = process_cpu_ns(arm.envoy.proc.pid());
         }
-        let (cs0, cl0, ce0) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()), cpu_ns(serve_epp.pid()));
+        let (cs0, cl0, ce0) =
+            (process_cpu_ns(serve.pid()), process_cpu_ns(serve_lo.pid()), process_cpu_ns(serve_epp.pid()));
         let picked0 = cp_counter(epp_admin, "kvgate_epp_requests_total{outcome=\"routed\"}");
         let elided0 = cp_counter(serve_admin, "kvgate_pick_elided_messages_total");
         let resends0 = cp_counter(serve_admin, "kvgate_pick_resends_total");
@@ -312,7 +286,8 @@ fn main() {
                 arm.lat.push(d.as_secs_f64() * 1e6);
             }
         }
-        let (cs1, cl1, ce1) = (cpu_ns(serve.pid()), cpu_ns(serve_lo.pid()), cpu_ns(serve_epp.pid()));
+        let (cs1, cl1, ce1) =
+            (process_cpu_ns(serve.pid()), process_cpu_ns(serve_lo.pid()), process_cpu_ns(serve_epp.pid()));
         let picked = cp_counter(epp_admin, "kvgate_epp_requests_total{outcome=\"routed\"}") - picked0;
         assert_eq!(picked, 2.0 * pairs as f64, "endpoint_picker: every request must be routed by the picker");
         let elided = cp_counter(serve_admin, "kvgate_pick_elided_messages_total") - elided0;
@@ -324,7 +299,7 @@ fn main() {
         let mut stats = serde_json::Map::new();
         for (k, arm) in arms.iter_mut().enumerate() {
             arm.lat.sort_by(f64::total_cmp);
-            let cpu = per(cpu_ns(arm.envoy.proc.pid()).saturating_sub(arm.cpu0));
+            let cpu = per(process_cpu_ns(arm.envoy.proc.pid()).saturating_sub(arm.cpu0));
             let steered = arm.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered0[k];
             match arm.name {
                 "kvgate" | "filter_load_only_cp" => {
