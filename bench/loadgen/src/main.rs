@@ -74,11 +74,10 @@ struct DoksArgs {
     #[arg(long, default_value_t = 180.0)]
     drain_s: f64,
     /// Settings of the control plane's kv policy, `name=value`, repeatable
-    /// (e.g. `--kv overlap_weight=2`): see control-plane/server/README.md.
-    /// The default 4 (Dynamo's is 1) keeps long conversations on their
-    /// worker: at 1, 147 of 477 picks at concurrency 60 left the cache for
-    /// load, and the hit rate was 91 % against 99 % at 8 (docs/DECISIONS.md).
-    #[arg(long = "kv", default_values_t = ["overlap_weight=4".to_owned()])]
+    /// (e.g. `--kv overlap_weight=2`, `--kv unit=blocks`): see
+    /// control-plane/server/README.md. Default: none, the control plane's
+    /// own defaults (cost in time units).
+    #[arg(long = "kv")]
     kv_settings: Vec<String>,
     /// A level is flagged invalid when host CPU exceeds this share.
     #[arg(long, default_value_t = 0.70)]
@@ -121,7 +120,7 @@ struct ReqArgs {
     #[arg(long, default_value_t = 300.0)]
     drain_s: f64,
     /// Settings of the kv policy, as for `doks`.
-    #[arg(long = "kv", default_values_t = ["overlap_weight=4".to_owned()])]
+    #[arg(long = "kv")]
     kv_settings: Vec<String>,
     /// A level is flagged invalid when host CPU exceeds this share.
     #[arg(long, default_value_t = 0.70)]
@@ -163,7 +162,7 @@ struct DashArgs {
     #[arg(long)]
     duration_s: Option<f64>,
     /// Settings of the kv policy, `name=value`, as for `doks`.
-    #[arg(long = "kv", default_values_t = ["overlap_weight=4".to_owned()])]
+    #[arg(long = "kv")]
     kv_settings: Vec<String>,
     /// Logs and configs of every stack.
     #[arg(long, default_value = "target/bench-runs")]
@@ -347,8 +346,15 @@ fn kv_lines(settings: &[String]) -> Result<Vec<String>> {
         .iter()
         .map(|kv| {
             let Some((k, v)) = kv.split_once('=') else { bail!("--kv {kv:?}: expected name=value") };
-            let v: f64 = v.trim().parse().with_context(|| format!("--kv {kv:?}: the value is not a number"))?;
-            Ok(format!("{} = {v:?}", k.trim()))
+            let (k, v) = (k.trim(), v.trim());
+            if k == "unit" {
+                if !matches!(v, "time" | "blocks") {
+                    bail!("--kv {kv:?}: unit is time or blocks");
+                }
+                return Ok(format!("{k} = {v:?}"));
+            }
+            let v: f64 = v.parse().with_context(|| format!("--kv {kv:?}: the value is not a number"))?;
+            Ok(format!("{k} = {v:?}"))
         })
         .collect()
 }

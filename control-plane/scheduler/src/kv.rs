@@ -1,4 +1,4 @@
-//! `kv`: cache overlap and load, with queueing modelled.
+//! `kv`: cache overlap and load, with queueing modelled, priced in time.
 //!
 //! # Algorithm
 //!
@@ -18,12 +18,53 @@
 //! overlap_w  = max(cached_w, inflight_hit_weight × inflight_overlap)
 //! prefill_w  = n − overlap_w                         this request's new work
 //! pending_w  = prefill blocks of w's requests still without a first token
-//! decode_w   = active blocks (max of predicted and measured)
+//! running_w  = requests on w (max of predicted and measured)
 //! queued_w   = requests that would wait if this one were added
-//!              (effective requests + 1 − max_running, ≥ 0)
-//! cost_w     = overlap_weight × prefill_w + pending_weight × pending_w
-//!              + decode_weight × decode_w + queue_penalty_blocks × queued_w
+//!              (running_w + 1 − max_running, ≥ 0)
 //! ```
+//!
+//! **Time units** (`CostUnit::Time`, the default) price a choice by the
+//! request time it adds on that worker, for this request and for the ones
+//! already running there, as an engine with chunked prefill spends it: a
+//! step decodes one token of every running request plus a budget of prefill
+//! tokens, and takes `base + decode_ms_per_seq × running + prefill_ms_per_token
+//! × prefill_tokens`. With `p = prefill_ms_per_token`, `d = decode_ms_per_seq`,
+//! `B` tokens per block, `O` expected output tokens and `T = ttft_weight`:
+//!
+//! ```text
+//! own first token   T × p·B × prefill_w               its own prefill, weighted as first-token time
+//! stall of others   p·B × prefill_w × running_w       every running request waits for that prefill
+//! pending           p·B × pending_w                   it waits for the prefill queued before it
+//! decode            d·O × (2·running_w + 1)           it decodes among running_w, and slows each of them
+//! waiting           queue_penalty × f(ρ_w)            ρ_w = max((running_w + 1) / (max_running + 1),
+//!                                                              (active_w + added_w) / capacity_w)
+//! cost_w (in prefill-block equivalents, i.e. divided by p·B)
+//!   = overlap_weight × prefill_w × (T + running_w) + pending_weight × pending_w
+//!     + decode_weight × (d·O / p·B) × (2·running_w + 1)
+//!     + queue_penalty_blocks × (f(ρ_w) + queued_w)
+//! ```
+//!
+//! `f(ρ) = ρ / (1 − ρ)` is the mean wait of an M/M/1 queue, continued along
+//! its tangent above ρ = 0.9, so a worker near its batch limit or its KV
+//! capacity costs more before it is full. A worker whose KV blocks would
+//! overflow with this request (the engine would preempt and recompute a
+//! running request) counts as saturated, like one at its running limit.
+//!
+//! A cache miss therefore costs more the busier the worker is: recomputing a
+//! 7,000-token history on a worker running 60 requests stalls all 60, which
+//! outweighs a balance difference of ~30 requests. Block units (Dynamo's
+//! formula) charged one block of load like one block of prefill, so at high
+//! load a few requests of imbalance sent long conversations away from their
+//! cache (hit rate 91 % against 98 % for sglang-router at concurrency 180).
+//! Pending prefill is not weighted by `T`: leaving a worker because of it
+//! creates a new prefill elsewhere, which delays that worker's requests in
+//! turn; weighted by `T`, misses fed on themselves at concurrency 180.
+//!
+//! **Block units** (`CostUnit::Blocks`, [`KvConfig::dynamo`]) keep Dynamo's
+//! form: `overlap_weight × prefill_w + pending_weight × pending_w +
+//! decode_weight × active_blocks_w + queue_penalty_blocks × queued_w`.
+//!
+//! Then, in both units:
 //!
 //! 1. **Queueing is a constraint before it is a cost.** A worker whose
 //!    running limit would be exceeded (`queued_w > 0`) is chosen only when
@@ -56,9 +97,54 @@
 
 use crate::policy::{Candidate, Decision, Policy, Reason, RequestView, eligible};
 
+/// What the `kv` cost is measured in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CostUnit {
+    /// Request time added on the worker (see the module comment); the
+    /// default.
+    #[default]
+    Time,
+    /// Dynamo's block counts.
+    Blocks,
+}
+
+impl std::str::FromStr for CostUnit {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "time" => Ok(Self::Time),
+            "blocks" => Ok(Self::Blocks),
+            other => Err(format!("unknown cost unit {other:?} (time | blocks)")),
+        }
+    }
+}
+
 /// Weights and thresholds of the `kv` policy.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvConfig {
+    /// What the cost measures: request time (default) or Dynamo's blocks.
+    pub unit: CostUnit,
+    /// Engine time per prefill token, ms (time units). 0.08: ~12.5 K tokens/s
+    /// of prefill for Llama-3.1-70B FP8 on one H200, the DOKS calibration of
+    /// the simulator. Only its ratio to `decode_ms_per_seq` changes
+    /// decisions, and both scale with the GPU, so the default suits other
+    /// hardware running a model of similar shape; set both from the
+    /// engine's measured prefill throughput and inter-token latency slope.
+    pub prefill_ms_per_token: f64,
+    /// Engine time each running request adds to a decode step, ms (time
+    /// units). 0.65: inter-token latency ~26 ms at ~20 running requests and
+    /// ~52 ms near 60 on the same hardware.
+    pub decode_ms_per_seq: f64,
+    /// Worth of a millisecond of this request's own prefill (its time to
+    /// first token) against a millisecond of decode or stall time (time
+    /// units). A user waits on the first token with nothing to read, while
+    /// decode time spreads over the reply. 20 was measured on the DOKS
+    /// multi-turn benchmark (docs/DECISIONS.md): at concurrency 60, weight 1
+    /// moved follow-up turns away from the worker holding the previous
+    /// answer for two requests of imbalance (hit rate 97.4 %, TTFT p95
+    /// 330 ms); 20 kept them (98.4 %, 289 ms); at 180 both were equal within
+    /// noise, because the stall and waiting terms dominate there.
+    pub ttft_weight: f64,
     /// Weight of this request's uncached prompt blocks. 1.0 = Dynamo's
     /// default (`overlap_score_weight`). Raise it to prefer cache hits over
     /// balance.
@@ -82,7 +168,9 @@ pub struct KvConfig {
     /// Cost of one request ahead in the worker's queue, in blocks. 200: at
     /// the DOKS operating point a batch slot frees about every 0.5 s, and a
     /// 32-token block of prefill takes about 2.5 ms (Llama-3.1-70B FP8 on
-    /// H200). It only orders saturated workers among themselves (rule 1).
+    /// H200). In block units it only orders saturated workers among
+    /// themselves (rule 1); in time units it is also the scale of the
+    /// expected wait before saturation (`f(ρ)` in the module comment).
     pub queue_penalty_blocks: f64,
     /// Costs closer than this (in blocks) are ties, broken by load. 0.5 makes
     /// only equal integer costs ties.
@@ -96,6 +184,10 @@ pub struct KvConfig {
 impl Default for KvConfig {
     fn default() -> Self {
         Self {
+            unit: CostUnit::Time,
+            prefill_ms_per_token: 0.08,
+            decode_ms_per_seq: 0.65,
+            ttft_weight: 20.0,
             overlap_weight: 1.0,
             pending_weight: 1.0,
             decode_weight: 1.0,
@@ -106,6 +198,14 @@ impl Default for KvConfig {
             temperature: 0.0,
             fallbacks: 2,
         }
+    }
+}
+
+impl KvConfig {
+    /// Dynamo's published cost in block units (overlap weight 1, decode
+    /// weight 1), plus this policy's fixes.
+    pub fn dynamo() -> Self {
+        Self { unit: CostUnit::Blocks, ..Self::default() }
     }
 }
 
@@ -122,23 +222,81 @@ impl KvPolicy {
         Self { config }
     }
 
-    /// The cost of `c` for a request of `prompt_blocks` blocks (lower is
-    /// better), without the saturation rule.
-    pub fn cost(&self, prompt_blocks: u32, c: &Candidate) -> f64 {
+    /// Blocks `request` would add to `c`'s active KV: its prompt not shared
+    /// with requests in flight there, plus its expected output.
+    fn added_blocks(request: &RequestView<'_>, c: &Candidate) -> f64 {
+        let n = request.prompt_blocks;
+        let output = f64::from(request.expected_output_tokens.div_ceil(request.block_size.max(1)));
+        f64::from(n - c.inflight_overlap_blocks.min(n)) + output
+    }
+
+    /// Utilization of `c` with `request` added: the larger of its batch
+    /// slots, `(running + 1) / (max_running + 1)`, and its KV blocks,
+    /// `(active + added) / capacity`; 0 where neither limit is known.
+    pub fn utilization(&self, request: &RequestView<'_>, c: &Candidate) -> f64 {
+        let running = f64::from(c.load.effective_requests());
+        let slots = c.load.max_running.filter(|l| *l > 0).map_or(0.0, |l| (running + 1.0) / (f64::from(l) + 1.0));
+        let blocks =
+            c.load.capacity_blocks.filter(|b| *b > 0).map_or(0.0, |cap| {
+                (c.load.effective_active_blocks() as f64 + Self::added_blocks(request, c)) / cap as f64
+            });
+        slots.max(blocks)
+    }
+
+    /// Whether `c` cannot take `request` without queueing it (running limit)
+    /// or, in time units, without running out of KV blocks (the engine would
+    /// preempt a running request and recompute it).
+    pub fn saturated(&self, request: &RequestView<'_>, c: &Candidate) -> bool {
+        c.load.queued_if_added() > 0
+            || (self.config.unit == CostUnit::Time
+                && c.load.capacity_blocks.filter(|b| *b > 0).is_some_and(|cap| {
+                    c.load.effective_active_blocks() as f64 + Self::added_blocks(request, c) > cap as f64
+                }))
+    }
+
+    /// The cost of `c` for `request` (lower is better), without the
+    /// saturation rule, in prefill blocks (time units: prefill-block
+    /// equivalents of request time).
+    pub fn cost(&self, request: &RequestView<'_>, c: &Candidate) -> f64 {
         let k = &self.config;
-        let device = f64::from(c.overlap_blocks.min(prompt_blocks));
-        let any = f64::from(c.overlap_any_tier_blocks.min(prompt_blocks)).max(device);
+        let n = request.prompt_blocks;
+        let device = f64::from(c.overlap_blocks.min(n));
+        let any = f64::from(c.overlap_any_tier_blocks.min(n)).max(device);
         let cached = device + k.host_hit_weight * (any - device);
-        let inflight = k.inflight_hit_weight * f64::from(c.inflight_overlap_blocks.min(prompt_blocks));
+        let inflight = k.inflight_hit_weight * f64::from(c.inflight_overlap_blocks.min(n));
         let overlap = cached.max(inflight);
-        let prefill = f64::from(prompt_blocks) - overlap;
+        let prefill = f64::from(n) - overlap;
         // Pending prefill this request would share is its own overlap, not
         // a delay on top of it.
         let pending = (c.load.prefill_pending_blocks as f64 - (inflight - cached).max(0.0)).max(0.0);
-        k.overlap_weight * prefill
-            + k.pending_weight * pending
-            + k.decode_weight * c.load.effective_active_blocks() as f64
-            + k.queue_penalty_blocks * f64::from(c.load.queued_if_added())
+        let queue = k.queue_penalty_blocks * f64::from(c.load.queued_if_added());
+        match k.unit {
+            CostUnit::Blocks => {
+                k.overlap_weight * prefill
+                    + k.pending_weight * pending
+                    + k.decode_weight * c.load.effective_active_blocks() as f64
+                    + queue
+            }
+            CostUnit::Time => {
+                let running = f64::from(c.load.effective_requests());
+                let block_ms = k.prefill_ms_per_token * f64::from(request.block_size.max(1));
+                // Decode time of one request among others, in prefill blocks.
+                let decode = if block_ms > 0.0 {
+                    k.decode_ms_per_seq * f64::from(request.expected_output_tokens) / block_ms
+                } else {
+                    0.0
+                };
+                // Chance of waiting, before saturation: the mean wait of an
+                // M/M/1 queue at this utilization, in slot waits. The
+                // utilization is the larger of batch slots and KV blocks.
+                let slots = k.queue_penalty_blocks * wait_factor(self.utilization(request, c));
+                k.overlap_weight * prefill * (k.ttft_weight + running)
+                    + k.pending_weight * pending
+                    + k.decode_weight * decode * (2.0 * running + 1.0)
+                    + slots
+                    + queue
+            }
+        }
     }
 }
 
@@ -168,8 +326,8 @@ impl Policy for KvPolicy {
             .filter_map(|i| {
                 let c = candidates.get(i)?;
                 Some(Scored {
-                    saturated: c.load.queued_if_added() > 0,
-                    cost: self.cost(n, c),
+                    saturated: self.saturated(request, c),
+                    cost: self.cost(request, c),
                     requests: c.load.effective_requests(),
                     active: c.load.effective_active_blocks(),
                     tie: rng.u64(..),
@@ -203,6 +361,14 @@ impl Policy for KvPolicy {
         let reason = if chosen_overlap > 0 && Some(chosen_overlap) == best_overlap { Reason::Kv } else { Reason::Load };
         Some(Decision { chosen, fallbacks, reason })
     }
+}
+
+/// Mean wait of an M/M/1 queue at utilization `rho`, in service times:
+/// `rho / (1 − rho)` up to 0.9, then continued along its tangent (slope 100)
+/// so that over-committed workers still rank by how far over they are.
+fn wait_factor(rho: f64) -> f64 {
+    let rho = rho.max(0.0);
+    if rho <= 0.9 { rho / (1.0 - rho) } else { 9.0 + 100.0 * (rho - 0.9) }
 }
 
 /// Samples one non-saturated entry with softmax weights over cost and moves

@@ -24,7 +24,7 @@ pub mod random;
 pub mod round_robin;
 
 pub use approx::{ApproxConfig, ApproxPolicy};
-pub use kv::{KvConfig, KvPolicy};
+pub use kv::{CostUnit, KvConfig, KvPolicy};
 pub use least_load::LeastLoadPolicy;
 pub use load::{LifecycleError, LoadTracker, Measured};
 pub use policy::{Candidate, Decision, Load, Policy, Reason, RequestView};

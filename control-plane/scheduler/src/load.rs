@@ -251,6 +251,7 @@ impl LoadTracker {
             measured_waiting: m.map(|m| m.waiting),
             measured_active_blocks: m.map(|m| (f64::from(m.kv_usage) * m.capacity_blocks as f64).round() as u64),
             max_running: m.and_then(|m| (m.max_num_seqs > 0).then_some(m.max_num_seqs)),
+            capacity_blocks: m.and_then(|m| (m.capacity_blocks > 0).then_some(m.capacity_blocks)),
         }
     }
 }

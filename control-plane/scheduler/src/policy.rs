@@ -23,6 +23,8 @@ pub struct Load {
     pub measured_active_blocks: Option<u64>,
     /// The worker's running limit (`max_num_seqs`), when known.
     pub max_running: Option<u32>,
+    /// The worker's KV capacity in blocks (device tier), when known.
+    pub capacity_blocks: Option<u64>,
 }
 
 impl Load {

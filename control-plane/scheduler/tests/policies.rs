@@ -32,11 +32,11 @@ fn active(blocks: u64) -> Load {
 /// is chosen.
 #[test]
 fn dynamo_worked_example() {
-    let kv = KvPolicy::default();
+    let kv = KvPolicy::new(KvConfig::dynamo());
     let cands = [cand(1, 20, active(10)), cand(2, 75, active(5)), cand(3, 10, active(9))];
-    let costs: Vec<f64> = cands.iter().map(|c| kv.cost(100, c)).collect();
+    let costs: Vec<f64> = cands.iter().map(|c| kv.cost(&request(100), c)).collect();
     assert_eq!(costs, vec![90.0, 30.0, 99.0]);
-    let mut p = KvPolicy::default();
+    let mut p = KvPolicy::new(KvConfig::dynamo());
     let mut rng = fastrand::Rng::with_seed(1);
     let d = p.pick(&request(100), &cands, &mut rng).unwrap();
     assert_eq!(cands[d.chosen].worker, WorkerIdx(2));
@@ -55,13 +55,13 @@ fn a_prefix_still_prefilling_draws_its_followers() {
     let mut first = cand(0, 0, busy);
     first.inflight_overlap_blocks = 3_000;
     let idle = cand(1, 0, Load::default());
-    let cfg = KvConfig { overlap_weight: 4.0, ..KvConfig::default() };
+    let cfg = KvConfig { overlap_weight: 4.0, ..KvConfig::dynamo() };
     let mut rng = fastrand::Rng::with_seed(3);
     let d = KvPolicy::new(cfg).pick(&request(3_002), &[first, idle], &mut rng).unwrap();
     assert_eq!(d.chosen, 0);
     assert_eq!(d.reason, Reason::Kv);
     // cost = 4 × 2 new blocks + 0 pending (shared) + 3,100 active.
-    assert_eq!(KvPolicy::new(cfg).cost(3_002, &first), 8.0 + 3_100.0);
+    assert_eq!(KvPolicy::new(cfg).cost(&request(3_002), &first), 8.0 + 3_100.0);
     let off = KvConfig { inflight_hit_weight: 0.0, ..cfg };
     let d = KvPolicy::new(off).pick(&request(3_002), &[first, idle], &mut rng).unwrap();
     assert_eq!(d.chosen, 1, "without in-flight overlap the document is recomputed elsewhere");
@@ -76,6 +76,69 @@ fn a_prefix_still_prefilling_draws_its_followers() {
     assert_eq!(t.inflight_prefix(WorkerIdx(1), &other), 0);
     t.done("a").unwrap();
     assert_eq!(t.inflight_prefix(WorkerIdx(0), &other), 0, "gone when the request is done");
+}
+
+/// Time units: a cache miss is priced by the request time it costs on the
+/// worker (this request's first token, weighted, plus the stall of every
+/// request running there), while a request of imbalance costs decode time.
+/// A follow-up turn stays with the worker holding the previous answer for a
+/// few requests of imbalance, where block units (Dynamo's) move it; a short
+/// recompute on an idle worker still beats a heavily loaded one.
+#[test]
+fn time_units_keep_busy_conversations_on_their_cache() {
+    // 32-token blocks, 800 output tokens: one request of decode is
+    // 0.65 × 800 / (0.08 × 32) = 203.125 prefill blocks per unit of
+    // (2·running + 1); a new block costs (20 + running).
+    let kv = KvPolicy::default();
+    let idle = cand(0, 90, Load::default());
+    let c = kv.cost(&request(100), &idle);
+    assert!((c - (10.0 * 20.0 + 203.125)).abs() < 1e-9, "{c}");
+    let busy = cand(0, 90, Load { inflight: 60, ..Load::default() });
+    let c = kv.cost(&request(100), &busy);
+    assert!((c - (10.0 * 80.0 + 203.125 * 121.0)).abs() < 1e-6, "{c}");
+
+    // Worker 0 holds the history and the last answer (200 of 205 blocks);
+    // worker 1 only the shared starter (170). Worker 0 runs 2 more requests.
+    let mut rng = fastrand::Rng::with_seed(9);
+    for n in [18, 58] {
+        let cands = [
+            cand(0, 200, Load { inflight: n + 2, active_blocks: u64::from(n + 2) * 213, ..Load::default() }),
+            cand(1, 170, Load { inflight: n, active_blocks: u64::from(n) * 213, ..Load::default() }),
+        ];
+        assert_eq!(KvPolicy::default().pick(&request(205), &cands, &mut rng).unwrap().chosen, 0, "running {n}");
+        assert_eq!(KvPolicy::new(KvConfig::dynamo()).pick(&request(205), &cands, &mut rng).unwrap().chosen, 1);
+    }
+    // Nearly idle workers and a short history: 8 requests of imbalance
+    // (≈ 3,300 blocks of decode time) outweigh recomputing 20 blocks.
+    let short = [cand(0, 20, Load { inflight: 8, ..Load::default() }), cand(1, 0, Load::default())];
+    assert_eq!(KvPolicy::default().pick(&request(25), &short, &mut rng).unwrap().chosen, 1);
+}
+
+/// Time units: a worker whose KV blocks would overflow with the request (the
+/// engine would preempt a running request) counts as saturated even below
+/// its running limit, and utilization near capacity costs more before that.
+#[test]
+fn kv_capacity_counts_as_saturation_in_time_units() {
+    let load = |active: u64| Load {
+        inflight: 30,
+        active_blocks: active,
+        max_running: Some(64),
+        capacity_blocks: Some(10_000),
+        ..Load::default()
+    };
+    let kv = KvPolicy::default();
+    // 100 prompt blocks + 25 output blocks.
+    let full = cand(0, 100, load(9_900));
+    let room = cand(1, 0, load(6_000));
+    assert!(kv.saturated(&request(100), &full));
+    assert!(!kv.saturated(&request(100), &room));
+    assert!(!KvPolicy::new(KvConfig::dynamo()).saturated(&request(100), &full), "block units: running limit only");
+    let mut rng = fastrand::Rng::with_seed(5);
+    assert_eq!(kv.clone().pick(&request(100), &[full, room], &mut rng).unwrap().chosen, 1);
+    // Utilization: the larger of slots (31/65) and blocks (6,125/10,000).
+    assert!((kv.utilization(&request(100), &room) - 0.6125).abs() < 1e-9);
+    let near = cand(0, 0, load(8_500));
+    assert!(kv.cost(&request(100), &near) > kv.cost(&request(100), &room));
 }
 
 /// A worker at its running limit is not chosen while another has room, even
@@ -264,8 +327,9 @@ fn arb_load() -> impl Strategy<Value = Load> {
         proptest::option::of(0u32..20),
         proptest::option::of(0u64..5000),
         proptest::option::of(0u32..80),
+        proptest::option::of(0u64..20_000),
     )
-        .prop_map(|(inflight, pending, active, mr, mw, ma, max)| Load {
+        .prop_map(|(inflight, pending, active, mr, mw, ma, max, cap)| Load {
             inflight,
             prefill_pending_blocks: pending,
             active_blocks: active,
@@ -273,6 +337,7 @@ fn arb_load() -> impl Strategy<Value = Load> {
             measured_waiting: mw,
             measured_active_blocks: ma,
             max_running: max,
+            capacity_blocks: cap,
         })
 }
 

@@ -28,6 +28,9 @@
 //! inflight_ttl_ms = 600000
 //! workers = [{ id = "w0", endpoint = "10.0.0.5:8000" }]   # optional static workers
 //! [models.kv]                           # optional weights (kvgate_scheduler::KvConfig)
+//! unit = "time"                         # time | blocks (Dynamo's cost)
+//! prefill_ms_per_token = 0.08           # engine prefill time per token
+//! decode_ms_per_seq = 0.65              # decode step time per running request
 //! overlap_weight = 1.0
 //! ```
 
@@ -35,7 +38,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use kvgate_protocol::BlockSize;
-use kvgate_scheduler::{KvConfig, Mode};
+use kvgate_scheduler::{CostUnit, KvConfig, Mode};
 use serde::Deserialize;
 
 use crate::model::ModelConfig;
@@ -60,6 +63,14 @@ fn err(field: impl Into<String>, value: impl ToString, reason: impl Into<String>
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RawKv {
+    /// `time` (default) or `blocks`: see [`KvConfig::unit`].
+    pub unit: Option<String>,
+    /// See [`KvConfig::prefill_ms_per_token`].
+    pub prefill_ms_per_token: Option<f64>,
+    /// See [`KvConfig::decode_ms_per_seq`].
+    pub decode_ms_per_seq: Option<f64>,
+    /// See [`KvConfig::ttft_weight`].
+    pub ttft_weight: Option<f64>,
     /// See [`KvConfig::overlap_weight`].
     pub overlap_weight: Option<f64>,
     /// See [`KvConfig::pending_weight`].
@@ -319,7 +330,19 @@ impl Config {
             }
             let d = KvConfig::default();
             let k = m.kv.unwrap_or_default();
+            let unit = match &k.unit {
+                None => d.unit,
+                Some(u) => u.parse().map_err(|e: String| err(f("kv.unit"), u, e))?,
+            };
             let kv = KvConfig {
+                unit,
+                prefill_ms_per_token: weight(
+                    f("kv.prefill_ms_per_token"),
+                    k.prefill_ms_per_token,
+                    d.prefill_ms_per_token,
+                )?,
+                decode_ms_per_seq: weight(f("kv.decode_ms_per_seq"), k.decode_ms_per_seq, d.decode_ms_per_seq)?,
+                ttft_weight: weight(f("kv.ttft_weight"), k.ttft_weight, d.ttft_weight)?,
                 overlap_weight: weight(f("kv.overlap_weight"), k.overlap_weight, d.overlap_weight)?,
                 pending_weight: weight(f("kv.pending_weight"), k.pending_weight, d.pending_weight)?,
                 decode_weight: weight(f("kv.decode_weight"), k.decode_weight, d.decode_weight)?,
@@ -334,6 +357,13 @@ impl Config {
                 temperature: weight(f("kv.temperature"), k.temperature, d.temperature)?,
                 fallbacks: k.fallbacks.unwrap_or(d.fallbacks),
             };
+            if kv.unit == CostUnit::Time && kv.prefill_ms_per_token <= 0.0 {
+                return Err(err(
+                    f("kv.prefill_ms_per_token"),
+                    kv.prefill_ms_per_token,
+                    "must be > 0 with unit = \"time\"",
+                ));
+            }
             if kv.host_hit_weight > 1.0 {
                 return Err(err(f("kv.host_hit_weight"), kv.host_hit_weight, "must be in [0, 1]"));
             }
@@ -431,6 +461,16 @@ mod tests {
         assert_eq!(c.models[0].routing.block_size.get(), 32);
         assert_eq!(c.models[0].routing.mode, Mode::RoundRobin);
         assert_eq!(c.models[0].routing.kv.overlap_weight, 2.0);
+        assert_eq!(c.models[0].routing.kv.unit, CostUnit::Time);
+        let blocks = "listen_grpc = \"127.0.0.1:0\"\n[[models]]\nname = \"m\"\nblock_size = 32\n[models.kv]\nunit = \"blocks\"\n";
+        let b = Config::validate(RawConfig::from_toml(blocks, "config.toml").unwrap()).unwrap();
+        assert_eq!(b.models[0].routing.kv.unit, CostUnit::Blocks);
+        let bad = blocks.replace("\"blocks\"", "\"tokens\"");
+        let e = Config::validate(RawConfig::from_toml(&bad, "config.toml").unwrap()).unwrap_err();
+        assert_eq!((e.field.as_str(), e.value.as_str()), ("models[0].kv.unit", "tokens"), "{e}");
+        let zero = "listen_grpc = \"127.0.0.1:0\"\n[[models]]\nname = \"m\"\nblock_size = 32\n[models.kv]\nprefill_ms_per_token = 0.0\n";
+        let e = Config::validate(RawConfig::from_toml(zero, "config.toml").unwrap()).unwrap_err();
+        assert_eq!(e.field, "models[0].kv.prefill_ms_per_token", "{e}");
         assert_eq!(c.models[0].routing.static_workers, vec![("a".to_owned(), "127.0.0.1:8000".to_owned())]);
         let e = RawConfig::from_toml("listen_grpcc = \"x\"\n", "config.toml").unwrap_err();
         assert_eq!(e.field, "config.toml");
