@@ -31,8 +31,9 @@ enum Cli {
     /// 4, 8 and 12 requests/s (simulated), the DOKS fleet.
     Groups(ReqArgs),
     /// Mooncake trace replay (../shared/traces/mooncake/conversation_trace.jsonl):
-    /// 512-token block ids as messages, arrivals as recorded (levels are
-    /// time-compression factors), 4 workers.
+    /// 512-token block ids as messages, 4 workers; levels are arrival rates
+    /// in percent of the recorded one (100 = as recorded, 50 = the recorded
+    /// gaps doubled).
     Mooncake(ReqArgs),
     /// The live dashboard: every mode's stack under the same DOKS load, a
     /// web page with a concurrency slider and rolling metrics per mode.
@@ -98,7 +99,8 @@ struct ReqArgs {
     /// 30 s warm-up and 60 s measured; results under target/bench-runs/.
     #[arg(long)]
     quick: bool,
-    /// Levels: concurrency (workato), requests/s (groups), time compression (mooncake).
+    /// Levels: concurrency (workato), requests/s (groups), percent of the
+    /// recorded arrival rate (mooncake).
     #[arg(long, value_delimiter = ',')]
     levels: Vec<usize>,
     /// Modes, as for `doks`.
@@ -204,7 +206,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         Kind::Groups => {
             ("prefix-groups", "Shared-prefix groups (8 system prompts x 16 users, Poisson)", "qps", vec![4, 8, 12], 8.0)
         }
-        Kind::Mooncake => ("mooncake", "Mooncake conversation trace replay", "compression", vec![1], 2.0),
+        Kind::Mooncake => ("mooncake", "Mooncake conversation trace replay", "rate %", vec![50, 100], 2.0),
     };
     if a.levels.is_empty() {
         a.levels = default_levels;
@@ -245,7 +247,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
             Kind::Mooncake => {
                 let path = kvgate_e2e::shared_dir()?.join("traces/mooncake/conversation_trace.jsonl");
-                let compress = level.max(1) as f64;
+                let compress = level.max(1) as f64 / 100.0;
                 (
                     Requests::Trace(Trace::mooncake(&path, horizon * 1000.0 * compress, compress, 2_000)?),
                     Load::Open { speedup },

@@ -104,6 +104,7 @@ impl App {
                     model = %m.routing.name,
                     self_test = t.self_test_result(),
                     fast_encoder = t.inner().uses_fast_encoder(),
+                    paragraphs = t.inner().encodes_by_paragraph(),
                     "tokenizer loaded"
                 );
             }
@@ -709,6 +710,7 @@ impl App {
                 v["tokenizer"] = serde_json::json!({
                     "segmented": tk.segmented(),
                     "fast_encoder": tk.inner().uses_fast_encoder(),
+                    "paragraphs": tk.inner().encodes_by_paragraph(),
                     "self_test": tk.self_test_result(),
                     "cache_tokens": tokens,
                     "cache_entries": entries,

@@ -1,8 +1,11 @@
-//! Encoding text to ids: the direct encoder (`fast`) against the
+//! Encoding text to ids: the direct encoder (`fast`, whole text) against the
 //! `tokenizers` library, same tokenizer (DeepSeek-V3), same text, same run.
 //! Text: this repository's English documentation (Markdown with code), cut
 //! to ~1K, ~8K and ~100K tokens: a chat turn's new text, a long
-//! conversation's first message, a long document.
+//! conversation's first message, a long document. `doc_new_question`: the
+//! same text followed by a question that changes every iteration, encoded
+//! as the control plane does (by cached paragraphs): a RAG prompt or a
+//! first turn on a shared starter, after the document was seen once.
 //! `cargo bench -p kvgate-tokenize --bench encode`.
 
 use std::hint::black_box;
@@ -10,6 +13,7 @@ use std::path::PathBuf;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvgate_tokenize::ChatTokenizer;
+use kvgate_tokenize::fast::FastBpe;
 
 fn text(bytes: usize) -> String {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -33,14 +37,23 @@ fn bench(c: &mut Criterion) {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.tools/models/deepseek-v3"));
     let tk = ChatTokenizer::from_dir(&dir).unwrap();
-    assert!(tk.uses_fast_encoder());
+    assert!(tk.uses_fast_encoder() && tk.encodes_by_paragraph());
+    let fast = FastBpe::from_json(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
     let mut g = c.benchmark_group("encode");
     g.sample_size(20);
     for (label, bytes) in [("1k_tokens", 4_500), ("8k_tokens", 36_000), ("100k_tokens", 450_000)] {
         let t = text(bytes);
         assert_eq!(tk.encode(&t).unwrap(), tk.encode_reference(&t).unwrap());
+        assert_eq!(fast.encode_whole(&t), tk.encode_reference(&t).unwrap());
         g.throughput(Throughput::Bytes(t.len() as u64));
-        g.bench_with_input(BenchmarkId::new("fast", label), &t, |b, t| b.iter(|| tk.encode(black_box(t)).unwrap()));
+        g.bench_with_input(BenchmarkId::new("fast", label), &t, |b, t| b.iter(|| fast.encode_whole(black_box(t))));
+        let mut n = 0u64;
+        g.bench_with_input(BenchmarkId::new("doc_new_question", label), &t, |b, t| {
+            b.iter(|| {
+                n += 1;
+                tk.encode(black_box(&format!("{t}\n\nQuestion {n}: what does the text above decide?"))).unwrap()
+            })
+        });
         g.bench_with_input(BenchmarkId::new("library", label), &t, |b, t| {
             b.iter(|| tk.encode_reference(black_box(t)).unwrap())
         });

@@ -39,6 +39,26 @@
 //!    pair has a merge (a binary heap over a linked list of symbols).
 //!    Results are cached per piece (bounded; cleared when full).
 //!
+//! 4. **Long texts go by paragraphs** when the tokenizer's split regexes are
+//!    exactly DeepSeek-V3's (below) and no added token holds a line break:
+//!    a text of at least [`PARA_MIN_TEXT`] bytes is cut after a `\n` that is
+//!    followed by a printable ASCII character other than space, into chunks
+//!    of at least [`PARA_MIN_CHUNK`] bytes, and each chunk's ids are cached
+//!    by its 128-bit hash. A document sent again with a new question (a RAG
+//!    prompt, a conversation's first message on a shared starter) then costs
+//!    only its new paragraphs. Why the cut is exact for these regexes: no
+//!    pattern has a look-behind, so matching from the cut on depends only
+//!    on the text from the cut on; and the match that covers the `\n` ends
+//!    at the cut: of the alternatives that can match a `\n`,
+//!    ` ?[\p{P}\p{S}]+[\r\n]*` ends with line breaks, `\s*[\r\n]+`, `\s+(?!\S)`
+//!    and `\s+` continue only through whitespace, and none other can contain
+//!    one (`[^\r\n\p{L}\p{P}\p{S}]?` excludes line breaks; the digit and CJK
+//!    patterns match neither side of the cut, so they start afresh after
+//!    it). BPE works within pieces. Added tokens cannot span the cut when
+//!    none contains a line break. The cut must not be before whitespace:
+//!    `\s*[\r\n]+` joins `"\n \n"`, and `\s+(?!\S)` splits a run of spaces
+//!    by what follows it.
+//!
 //! Equality with the library is checked by differential tests (the real
 //! DeepSeek-V3 tokenizer on rendered conversations, generated text in many
 //! scripts, and a fuzz target) and by [`crate::ChatTokenizer`] at load time
@@ -62,6 +82,72 @@ use serde_json::Value;
 const CACHE_PIECES: usize = 65_536;
 /// Pieces longer than this (bytes) are not cached.
 const CACHE_MAX_PIECE: usize = 256;
+
+/// Texts shorter than this (bytes) are encoded whole.
+pub const PARA_MIN_TEXT: usize = 4096;
+/// Paragraph chunks are at least this long (bytes), except a text's last.
+pub const PARA_MIN_CHUNK: usize = 1024;
+/// Token ids held by one generation of the paragraph cache; two
+/// generations are kept (~16 MB at most).
+const PARA_CACHE_TOKENS: usize = 2 << 20;
+
+/// The split regexes for which cutting at `\n` + printable ASCII is exact
+/// (DeepSeek-V3/R1's `tokenizer.json`; see the module documentation).
+const PARAGRAPH_SAFE_SPLITS: [&str; 3] = [
+    "\\p{N}{1,3}",
+    "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+];
+
+/// Ids of paragraph chunks by 128-bit hash of their bytes, in two
+/// generations: lookups promote from the old one; when the new one holds
+/// [`PARA_CACHE_TOKENS`] ids it becomes the old one.
+#[derive(Default)]
+struct ParaCache {
+    new: HashMap<u128, std::sync::Arc<[u32]>>,
+    old: HashMap<u128, std::sync::Arc<[u32]>>,
+    new_tokens: usize,
+}
+
+impl ParaCache {
+    fn get(&mut self, key: u128) -> Option<std::sync::Arc<[u32]>> {
+        if let Some(ids) = self.new.get(&key) {
+            return Some(ids.clone());
+        }
+        let ids = self.old.remove(&key)?;
+        self.put(key, ids.clone());
+        Some(ids)
+    }
+
+    fn put(&mut self, key: u128, ids: std::sync::Arc<[u32]>) {
+        if self.new_tokens + ids.len() > PARA_CACHE_TOKENS {
+            self.old = std::mem::take(&mut self.new);
+            self.new_tokens = 0;
+        }
+        self.new_tokens += ids.len();
+        self.new.insert(key, ids);
+    }
+}
+
+/// Byte offsets where `text` may be cut into paragraph chunks: after a
+/// `\n` followed by a printable ASCII character other than space (a letter,
+/// digit or punctuation: `#`, `-`, `|` open Markdown lines), at least [`PARA_MIN_CHUNK`] bytes
+/// apart. Deterministic from the left, so a text and its extension share
+/// every cut but the last.
+pub fn paragraph_cuts(text: &str) -> impl Iterator<Item = usize> + '_ {
+    let bytes = text.as_bytes();
+    let mut last = 0usize;
+    bytes.iter().enumerate().filter_map(move |(i, b)| {
+        let cut = i + 1;
+        let ok = *b == b'\n' && bytes.get(cut).is_some_and(u8::is_ascii_graphic) && cut - last >= PARA_MIN_CHUNK;
+        if ok {
+            last = cut;
+            Some(cut)
+        } else {
+            None
+        }
+    })
+}
 
 /// A multiplicative hasher for the `u64` pair keys of the merge table.
 #[derive(Default, Clone, Copy)]
@@ -125,6 +211,11 @@ pub struct FastBpe {
     raw_added: Option<Added>,
     normalized_added: Option<Added>,
     cache: Mutex<HashMap<Box<str>, Box<[u32]>>>,
+    /// Cutting long texts into paragraphs is exact for this tokenizer.
+    paragraphs_exact: bool,
+    /// ... and is on.
+    paragraphs: bool,
+    para_cache: Mutex<ParaCache>,
 }
 
 impl std::fmt::Debug for FastBpe {
@@ -162,9 +253,11 @@ impl FastBpe {
                     && s.get("behavior")? == "Isolated"
                     && s.get("invert").and_then(Value::as_bool) == Some(false);
                 let pattern = s.get("pattern")?.get("Regex")?.as_str()?;
-                if ok { onig::Regex::new(pattern).ok() } else { None }
+                if ok { Some((pattern, onig::Regex::new(pattern).ok()?)) } else { None }
             })
             .collect::<Option<Vec<_>>>()?;
+        let paragraph_safe_splits = splits.iter().map(|(p, _)| *p).eq(PARAGRAPH_SAFE_SPLITS);
+        let splits: Vec<onig::Regex> = splits.into_iter().map(|(_, re)| re).collect();
 
         let model = v.get("model")?;
         let null_or = |k: &str, ok: &dyn Fn(&Value) -> bool| model.get(k).is_none_or(|x| x.is_null() || ok(x));
@@ -199,6 +292,7 @@ impl FastBpe {
 
         let mut raw = Vec::new();
         let mut normalized = Vec::new();
+        let mut added_line_break = false;
         for t in v.get("added_tokens")?.as_array()? {
             let flag = |k: &str| t.get(k).and_then(Value::as_bool).unwrap_or(false);
             if flag("lstrip") || flag("rstrip") || flag("single_word") {
@@ -209,6 +303,7 @@ impl FastBpe {
             if content.is_empty() {
                 continue;
             }
+            added_line_break |= content.contains(['\n', '\r']);
             if flag("normalized") { normalized.push((content, tid)) } else { raw.push((content, tid)) }
         }
         Some(Self {
@@ -218,7 +313,21 @@ impl FastBpe {
             raw_added: Added::new(raw)?,
             normalized_added: Added::new(normalized)?,
             cache: Mutex::new(HashMap::new()),
+            paragraphs_exact: paragraph_safe_splits && !added_line_break,
+            paragraphs: paragraph_safe_splits && !added_line_break,
+            para_cache: Mutex::new(ParaCache::default()),
         })
+    }
+
+    /// Whether long texts are encoded by cached paragraphs (step 4 of the
+    /// module documentation).
+    pub fn paragraphs(&self) -> bool {
+        self.paragraphs
+    }
+
+    /// Turns paragraph chunking off or on (on only where it is exact).
+    pub fn set_paragraphs(&mut self, on: bool) {
+        self.paragraphs = on && self.paragraphs_exact;
     }
 
     /// Token ids of `text`, without special tokens added around it.
@@ -227,12 +336,49 @@ impl FastBpe {
         // One lock per call; a caller that finds it taken works uncached
         // rather than wait.
         let mut guard = self.cache.try_lock();
-        let cache = guard.as_deref_mut();
-        let mut cx = Cx { out: &mut out, cache };
-        self.split_added(text, self.raw_added.as_ref(), &mut cx, &|this, gap, cx| {
+        let mut cx = Cx { out: &mut out, cache: guard.as_deref_mut() };
+        if self.paragraphs && text.len() >= PARA_MIN_TEXT {
+            let mut at = 0;
+            for cut in paragraph_cuts(text).chain(std::iter::once(text.len())) {
+                self.paragraph(text.get(at..cut).unwrap_or_default(), &mut cx);
+                at = cut;
+            }
+        } else {
+            self.whole(text, &mut cx);
+        }
+        out
+    }
+
+    /// Token ids of `text` without paragraph chunking (the reference for
+    /// step 4).
+    pub fn encode_whole(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 8);
+        let mut guard = self.cache.try_lock();
+        self.whole(text, &mut Cx { out: &mut out, cache: guard.as_deref_mut() });
+        out
+    }
+
+    fn whole(&self, text: &str, cx: &mut Cx<'_>) {
+        self.split_added(text, self.raw_added.as_ref(), cx, &|this, gap, cx| {
             this.split_added(gap, this.normalized_added.as_ref(), cx, &|this, gap, cx| this.split_regex(0, gap, cx))
         });
-        out
+    }
+
+    /// One paragraph chunk, from the paragraph cache when it is there.
+    fn paragraph(&self, chunk: &str, cx: &mut Cx<'_>) {
+        if chunk.is_empty() {
+            return;
+        }
+        let key = xxhash_rust::xxh3::xxh3_128(chunk.as_bytes());
+        if let Some(ids) = self.para_cache.try_lock().and_then(|mut c| c.get(key)) {
+            cx.out.extend_from_slice(&ids);
+            return;
+        }
+        let from = cx.out.len();
+        self.whole(chunk, cx);
+        if let (Some(ids), Some(mut c)) = (cx.out.get(from..), self.para_cache.try_lock()) {
+            c.put(key, ids.into());
+        }
     }
 
     fn split_added(&self, text: &str, added: Option<&Added>, cx: &mut Cx<'_>, gap: &dyn Fn(&Self, &str, &mut Cx<'_>)) {

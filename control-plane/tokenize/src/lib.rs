@@ -88,10 +88,28 @@ fn special(config: &Value, key: &str) -> String {
 
 /// The direct encoder for `tokenizer`, if its shape is one the encoder
 /// reproduces and both agree on [`SELF_CHECK`].
+/// Paragraph encoding (`fast` step 4) stays on only if it also agrees on a
+/// long text of [`SELF_CHECK`] paragraphs.
 fn load_fast(tokenizer: &tokenizers::Tokenizer) -> Option<fast::FastBpe> {
-    let f = fast::FastBpe::from_json(&tokenizer.to_string(false).ok()?)?;
+    let mut f = fast::FastBpe::from_json(&tokenizer.to_string(false).ok()?)?;
     let reference = tokenizer.encode_fast(SELF_CHECK, false).ok()?;
-    (reference.get_ids() == f.encode(SELF_CHECK).as_slice()).then_some(f)
+    if reference.get_ids() != f.encode(SELF_CHECK).as_slice() {
+        return None;
+    }
+    if f.paragraphs() {
+        let mut long = String::new();
+        let mut i = 0u32;
+        while long.len() < 3 * fast::PARA_MIN_TEXT {
+            i += 1;
+            long.push_str(SELF_CHECK);
+            long.push_str(if i.is_multiple_of(2) { "\nNext " } else { ".\n\nParagraph " });
+        }
+        let agrees = tokenizer.encode_fast(long.as_str(), false).ok().is_some_and(|r| r.get_ids() == f.encode(&long));
+        if !agrees {
+            f.set_paragraphs(false);
+        }
+    }
+    Some(f)
 }
 
 fn read(path: &Path) -> Result<String, TokenizeError> {
@@ -139,6 +157,12 @@ impl ChatTokenizer {
     /// than the `tokenizers` library (same ids, several times faster).
     pub fn uses_fast_encoder(&self) -> bool {
         self.fast.is_some()
+    }
+
+    /// Whether long texts are encoded by cached paragraphs (the direct
+    /// encoder's step 4, on for tokenizers where it is exact).
+    pub fn encodes_by_paragraph(&self) -> bool {
+        self.fast.as_ref().is_some_and(fast::FastBpe::paragraphs)
     }
 
     /// Turns the direct encoder off (or back on, when it loaded): for

@@ -52,6 +52,7 @@ fn same(text: &str) {
 #[test]
 fn deepseek_v3_loads_the_direct_encoder() {
     assert!(tokenizer().uses_fast_encoder(), "the self-check at load must pass for DeepSeek-V3");
+    assert!(tokenizer().encodes_by_paragraph(), "and the long self-check, for paragraphs");
     let mut off = ChatTokenizer::from_dir(&model_dir()).unwrap();
     off.set_fast_encoder(false);
     assert!(!off.uses_fast_encoder());
@@ -146,6 +147,57 @@ fn piece() -> impl Strategy<Value = String> {
         1 => Just("<｜User".to_owned()),
         1 => any::<char>().prop_map(String::from),
     ]
+}
+
+/// Long texts are encoded by cached paragraphs for DeepSeek-V3, and the
+/// ids are the whole text's: the first time, from the cache, and for a
+/// document followed by different questions (the case the cache is for).
+#[test]
+fn long_texts_go_by_paragraphs_with_the_same_ids() {
+    assert!(fast().paragraphs(), "DeepSeek-V3's split regexes are the ones paragraph cuts are exact for");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let doc = std::fs::read_to_string(root.join("docs/DECISIONS.md")).unwrap();
+    assert!(doc.len() > 4 * kvgate_tokenize::fast::PARA_MIN_TEXT);
+    let cuts: Vec<usize> = kvgate_tokenize::fast::paragraph_cuts(&doc).collect();
+    assert!(cuts.len() > 10, "{} cuts", cuts.len());
+    for q in ["\n\nWhat does this decide about NATS?", "\n\nSummarize the benchmark section.", " and 42 more"] {
+        let text = format!("{doc}{q}");
+        for _ in 0..2 {
+            same(&text);
+            assert_eq!(fast().encode(&text), fast().encode_whole(&text));
+        }
+    }
+    let mut off = FastBpe::from_json(&std::fs::read_to_string(model_dir().join("tokenizer.json")).unwrap()).unwrap();
+    off.set_paragraphs(false);
+    assert!(!off.paragraphs());
+    assert_eq!(off.encode(&doc), fast().encode(&doc));
+}
+
+/// A paragraph of generated text: pieces, then a line break.
+fn paragraph() -> impl Strategy<Value = String> {
+    (
+        proptest::collection::vec(piece(), 1..30),
+        prop_oneof![Just("\n"), Just("\n\n"), Just(" \n"), Just(".\n"), Just("\r\n"), Just("\n ")],
+    )
+        .prop_map(|(p, end)| format!("{}{end}", p.concat()))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// Long generated texts of many short paragraphs (every line break
+    /// followed by whatever comes next): paragraph encoding gives the
+    /// library's ids.
+    #[test]
+    fn long_generated_texts_by_paragraphs(paras in proptest::collection::vec(paragraph(), 20..120), tail in piece()) {
+        let mut text = paras.concat();
+        while text.len() < kvgate_tokenize::fast::PARA_MIN_TEXT {
+            text = format!("{text}{text}");
+        }
+        text.push_str(&tail);
+        same(&text);
+        prop_assert_eq!(fast().encode(&text), fast().encode_whole(&text));
+    }
 }
 
 proptest! {
