@@ -334,27 +334,25 @@ impl Config {
                 None => d.unit,
                 Some(u) => u.parse().map_err(|e: String| err(f("kv.unit"), u, e))?,
             };
+            // Each weight: `kv.<name>` in the file, else the default; finite, ≥ 0.
+            macro_rules! w {
+                ($name:ident) => {
+                    weight(f(concat!("kv.", stringify!($name))), k.$name, d.$name)?
+                };
+            }
             let kv = KvConfig {
                 unit,
-                prefill_ms_per_token: weight(
-                    f("kv.prefill_ms_per_token"),
-                    k.prefill_ms_per_token,
-                    d.prefill_ms_per_token,
-                )?,
-                decode_ms_per_seq: weight(f("kv.decode_ms_per_seq"), k.decode_ms_per_seq, d.decode_ms_per_seq)?,
-                ttft_weight: weight(f("kv.ttft_weight"), k.ttft_weight, d.ttft_weight)?,
-                overlap_weight: weight(f("kv.overlap_weight"), k.overlap_weight, d.overlap_weight)?,
-                pending_weight: weight(f("kv.pending_weight"), k.pending_weight, d.pending_weight)?,
-                decode_weight: weight(f("kv.decode_weight"), k.decode_weight, d.decode_weight)?,
-                host_hit_weight: weight(f("kv.host_hit_weight"), k.host_hit_weight, d.host_hit_weight)?,
-                inflight_hit_weight: weight(f("kv.inflight_hit_weight"), k.inflight_hit_weight, d.inflight_hit_weight)?,
-                queue_penalty_blocks: weight(
-                    f("kv.queue_penalty_blocks"),
-                    k.queue_penalty_blocks,
-                    d.queue_penalty_blocks,
-                )?,
-                tie_epsilon: weight(f("kv.tie_epsilon"), k.tie_epsilon, d.tie_epsilon)?,
-                temperature: weight(f("kv.temperature"), k.temperature, d.temperature)?,
+                prefill_ms_per_token: w!(prefill_ms_per_token),
+                decode_ms_per_seq: w!(decode_ms_per_seq),
+                ttft_weight: w!(ttft_weight),
+                overlap_weight: w!(overlap_weight),
+                pending_weight: w!(pending_weight),
+                decode_weight: w!(decode_weight),
+                host_hit_weight: w!(host_hit_weight),
+                inflight_hit_weight: w!(inflight_hit_weight),
+                queue_penalty_blocks: w!(queue_penalty_blocks),
+                tie_epsilon: w!(tie_epsilon),
+                temperature: w!(temperature),
                 fallbacks: k.fallbacks.unwrap_or(d.fallbacks),
             };
             if kv.unit == CostUnit::Time && kv.prefill_ms_per_token <= 0.0 {
@@ -471,6 +469,9 @@ mod tests {
         let zero = "listen_grpc = \"127.0.0.1:0\"\n[[models]]\nname = \"m\"\nblock_size = 32\n[models.kv]\nprefill_ms_per_token = 0.0\n";
         let e = Config::validate(RawConfig::from_toml(zero, "config.toml").unwrap()).unwrap_err();
         assert_eq!(e.field, "models[0].kv.prefill_ms_per_token", "{e}");
+        let negative = zero.replace("prefill_ms_per_token = 0.0", "ttft_weight = -1.0");
+        let e = Config::validate(RawConfig::from_toml(&negative, "config.toml").unwrap()).unwrap_err();
+        assert_eq!((e.field.as_str(), e.value.as_str()), ("models[0].kv.ttft_weight", "-1"), "{e}");
         assert_eq!(c.models[0].routing.static_workers, vec![("a".to_owned(), "127.0.0.1:8000".to_owned())]);
         let e = RawConfig::from_toml("listen_grpcc = \"x\"\n", "config.toml").unwrap_err();
         assert_eq!(e.field, "config.toml");
