@@ -349,13 +349,11 @@ fn kv_lines(settings: &[String]) -> Result<Vec<String>> {
         .map(|kv| {
             let Some((k, v)) = kv.split_once('=') else { bail!("--kv {kv:?}: expected name=value") };
             let (k, v) = (k.trim(), v.trim());
-            if k == "unit" {
-                if !matches!(v, "time" | "blocks") {
-                    bail!("--kv {kv:?}: unit is time or blocks");
-                }
-                return Ok(format!("{k} = {v:?}"));
+            // Numbers as numbers, anything else as a TOML string; the
+            // control plane validates names and values when it reads them.
+            if let Ok(x) = v.parse::<f64>() {
+                return Ok(format!("{k} = {x:?}"));
             }
-            let v: f64 = v.parse().with_context(|| format!("--kv {kv:?}: the value is not a number"))?;
             Ok(format!("{k} = {v:?}"))
         })
         .collect()

@@ -230,17 +230,20 @@ impl KvPolicy {
         f64::from(n - c.inflight_overlap_blocks.min(n)) + output
     }
 
+    /// `c`'s KV blocks in use with `request` added, as a share of its
+    /// capacity; `None` when the capacity is unknown.
+    fn block_fill(request: &RequestView<'_>, c: &Candidate) -> Option<f64> {
+        let cap = c.load.capacity_blocks.filter(|b| *b > 0)?;
+        Some((c.load.effective_active_blocks() as f64 + Self::added_blocks(request, c)) / cap as f64)
+    }
+
     /// Utilization of `c` with `request` added: the larger of its batch
     /// slots, `(running + 1) / (max_running + 1)`, and its KV blocks,
     /// `(active + added) / capacity`; 0 where neither limit is known.
     pub fn utilization(&self, request: &RequestView<'_>, c: &Candidate) -> f64 {
         let running = f64::from(c.load.effective_requests());
         let slots = c.load.max_running.filter(|l| *l > 0).map_or(0.0, |l| (running + 1.0) / (f64::from(l) + 1.0));
-        let blocks =
-            c.load.capacity_blocks.filter(|b| *b > 0).map_or(0.0, |cap| {
-                (c.load.effective_active_blocks() as f64 + Self::added_blocks(request, c)) / cap as f64
-            });
-        slots.max(blocks)
+        slots.max(Self::block_fill(request, c).unwrap_or(0.0))
     }
 
     /// Whether `c` cannot take `request` without queueing it (running limit)
@@ -248,10 +251,7 @@ impl KvPolicy {
     /// preempt a running request and recompute it).
     pub fn saturated(&self, request: &RequestView<'_>, c: &Candidate) -> bool {
         c.load.queued_if_added() > 0
-            || (self.config.unit == CostUnit::Time
-                && c.load.capacity_blocks.filter(|b| *b > 0).is_some_and(|cap| {
-                    c.load.effective_active_blocks() as f64 + Self::added_blocks(request, c) > cap as f64
-                }))
+            || (self.config.unit == CostUnit::Time && Self::block_fill(request, c).is_some_and(|f| f > 1.0))
     }
 
     /// The cost of `c` for `request` (lower is better), without the

@@ -306,6 +306,7 @@ impl FastBpe {
             added_line_break |= content.contains(['\n', '\r']);
             if flag("normalized") { normalized.push((content, tid)) } else { raw.push((content, tid)) }
         }
+        let paragraphs_exact = paragraph_safe_splits && !added_line_break;
         Some(Self {
             splits,
             byte_ids,
@@ -313,8 +314,8 @@ impl FastBpe {
             raw_added: Added::new(raw)?,
             normalized_added: Added::new(normalized)?,
             cache: Mutex::new(HashMap::new()),
-            paragraphs_exact: paragraph_safe_splits && !added_line_break,
-            paragraphs: paragraph_safe_splits && !added_line_break,
+            paragraphs_exact,
+            paragraphs: paragraphs_exact,
             para_cache: Mutex::new(ParaCache::default()),
         })
     }
