@@ -9,6 +9,7 @@
 //! Makefile does): tests never skip silently.
 
 use std::collections::BTreeMap;
+use std::hash::BuildHasher;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -81,8 +82,34 @@ pub fn scratch_dir(name: &str) -> Result<PathBuf> {
 }
 
 /// A port that was free a moment ago on 127.0.0.1.
+///
+/// It is drawn at random from 10,000 up to the start of the kernel's
+/// ephemeral range (`ip_local_port_range`) when that leaves at least 4,096
+/// ports: no outgoing connection of any process can then take it before the
+/// process it is meant for binds it, as one can with `bind(0)`, which picks
+/// from the very range outgoing connections use. Prefer port 0 where the
+/// process reports what it bound (as [`Envoy::start`] does).
 pub fn free_port() -> Result<u16> {
+    static PICKS: AtomicU64 = AtomicU64::new(0);
+    const FLOOR: u16 = 10_000;
+    if let Some(low) = ephemeral_low().filter(|&l| l >= FLOOR + 4096) {
+        let span = u64::from(low - FLOOR);
+        let keys = std::hash::RandomState::new();
+        for _ in 0..64 {
+            let n = PICKS.fetch_add(1, Ordering::Relaxed);
+            let port = FLOOR + u16::try_from(keys.hash_one(n) % span)?;
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The low end of the kernel's ephemeral port range, when readable.
+fn ephemeral_low() -> Option<u16> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    text.split_whitespace().next()?.parse().ok()
 }
 
 /// Two consecutive free ports on 127.0.0.1 (a simulated worker's ZMQ PUB
@@ -676,23 +703,38 @@ pub fn envoy_validate(config: &Path) -> Result<()> {
 pub struct Envoy {
     /// The process.
     pub proc: Proc,
-    /// Admin port (127.0.0.1).
-    pub admin_port: u16,
+    /// Admin address (127.0.0.1), as Envoy bound it.
+    pub admin: SocketAddr,
+    /// The first listener's address, as Envoy bound it.
+    pub listen: SocketAddr,
 }
 
 impl Envoy {
     /// Starts Envoy with `config` (one worker thread, no hot restart) and
     /// waits until its admin `/ready` answers 200.
-    pub fn start(config: &Path, admin_port: u16, dir: &Path) -> Result<Self> {
+    ///
+    /// Render the config with port 0 for the admin and the listener: Envoy
+    /// binds them itself, writes the admin address to a file in `dir`, and
+    /// the listener's address is read from admin `/listeners`. A port picked
+    /// by the test and bound later by Envoy can be taken in between by any
+    /// other socket on the machine (a test running beside it, an outgoing
+    /// connection's ephemeral port), and Envoy then exits.
+    pub fn start(config: &Path, dir: &Path) -> Result<Self> {
+        let address_file = dir.join(format!("envoy-admin-address-{}", ADDRESS_FILES.fetch_add(1, Ordering::Relaxed)));
+        let _ = std::fs::remove_file(&address_file);
         let mut cmd = Command::new(tool("KVGATE_ENVOY", "envoy")?);
         cmd.args(["--disable-hot-restart", "--concurrency", "1", "-l", "info", "-c"]).arg(config);
+        cmd.arg("--admin-address-path").arg(&address_file);
         let mut proc = Proc::spawn("envoy", cmd, dir)?;
-        let admin: SocketAddr = ([127, 0, 0, 1], admin_port).into();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             proc.ensure_running()?;
-            if http_request(admin, "GET", "/ready", &[], b"").is_ok_and(|r| r.status == 200) {
-                return Ok(Self { proc, admin_port });
+            let admin = std::fs::read_to_string(&address_file).ok().and_then(|a| a.trim().parse::<SocketAddr>().ok());
+            if let Some(admin) = admin
+                && http_request(admin, "GET", "/ready", &[], b"").is_ok_and(|r| r.status == 200)
+            {
+                let listen = first_listener(admin).with_context(|| format!("envoy's listeners:\n{}", proc.log()))?;
+                return Ok(Self { proc, admin, listen });
             }
             ensure!(Instant::now() < deadline, "envoy not ready after 20 s:\n{}", proc.log());
             std::thread::sleep(Duration::from_millis(50));
@@ -701,8 +743,7 @@ impl Envoy {
 
     /// One stat value from the admin endpoint (`/stats?filter=`).
     pub fn stat(&self, name: &str) -> Result<u64> {
-        let admin: SocketAddr = ([127, 0, 0, 1], self.admin_port).into();
-        let r = http_request(admin, "GET", &format!("/stats?filter=^{name}$"), &[], b"")?;
+        let r = http_request(self.admin, "GET", &format!("/stats?filter=^{name}$"), &[], b"")?;
         let body = String::from_utf8_lossy(&r.body);
         for line in body.lines() {
             if let Some(v) = line.strip_prefix(&format!("{name}: ")) {
@@ -711,6 +752,19 @@ impl Envoy {
         }
         bail!("stat {name} not found in {body:?}")
     }
+}
+
+/// Names the admin address files of Envoys started by this process.
+static ADDRESS_FILES: AtomicU64 = AtomicU64::new(0);
+
+/// The address of Envoy's first listener, from admin `/listeners`.
+fn first_listener(admin: SocketAddr) -> Result<SocketAddr> {
+    let r = http_request(admin, "GET", "/listeners?format=json", &[], b"")?;
+    let v: serde_json::Value = serde_json::from_slice(&r.body)?;
+    let a = &v["listener_statuses"][0]["local_address"]["socket_address"];
+    let ip: std::net::IpAddr = a["address"].as_str().context("no listener address")?.parse()?;
+    let port = a["port_value"].as_u64().and_then(|p| u16::try_from(p).ok()).filter(|&p| p != 0);
+    Ok(SocketAddr::new(ip, port.context("no bound listener port")?))
 }
 
 /// An HTTP/1.1 response.

@@ -7,9 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
-use kvgate_e2e::{
-    EchoUpstream, Envoy, HttpResponse, envoy_validate, free_port, http_request, render_local_envoy, scratch_dir,
-};
+use kvgate_e2e::{EchoUpstream, Envoy, HttpResponse, envoy_validate, http_request, render_local_envoy, scratch_dir};
 
 struct Stack {
     envoy: Envoy,
@@ -21,12 +19,11 @@ fn start_stack(name: &str) -> Stack {
     let dir = scratch_dir(name).unwrap();
     let upstreams: Vec<EchoUpstream> = (0..3).map(|i| EchoUpstream::start(&format!("w{i}")).unwrap()).collect();
     let addrs: Vec<SocketAddr> = upstreams.iter().map(|u| u.addr).collect();
-    let (listen_port, admin_port) = (free_port().unwrap(), free_port().unwrap());
     let config = dir.join("envoy.yaml");
-    std::fs::write(&config, render_local_envoy(listen_port, admin_port, &addrs).unwrap()).unwrap();
+    std::fs::write(&config, render_local_envoy(0, 0, &addrs).unwrap()).unwrap();
     envoy_validate(&config).unwrap();
-    let envoy = Envoy::start(&config, admin_port, &dir).unwrap();
-    Stack { envoy, listen: ([127, 0, 0, 1], listen_port).into(), upstreams }
+    let envoy = Envoy::start(&config, &dir).unwrap();
+    Stack { listen: envoy.listen, envoy, upstreams }
 }
 
 fn post(stack: &Stack, header: Option<&str>) -> HttpResponse {

@@ -311,14 +311,13 @@ impl Stack {
             Ok(v[MODEL].as_array().is_some_and(|a| a.len() == n && a.iter().all(|w| w["live"] == true)))
         })?;
         self.cp_admin = Some(admin);
-        let (listen, eadmin) = (free_port()?, free_port()?);
         let filter = serde_json::json!({"control_plane": {"timeout_ms": 200}}).to_string();
         let config = self.dir.join("envoy.yaml");
-        std::fs::write(&config, render_kvgate_envoy(listen, eadmin, &self.workers, &[grpc.parse()?], &filter)?)?;
-        let envoy = Envoy::start(&config, eadmin, &self.dir)?;
+        std::fs::write(&config, render_kvgate_envoy(0, 0, &self.workers, &[grpc.parse()?], &filter)?)?;
+        let envoy = Envoy::start(&config, &self.dir)?;
+        self.front = envoy.listen;
         self.pids.push(("envoy".into(), envoy.proc.pid()));
         self.envoy = Some(envoy);
-        self.front = ([127, 0, 0, 1], listen).into();
         Ok(())
     }
 
@@ -358,7 +357,7 @@ impl Stack {
             }
         }
         if let Some(e) = &self.envoy
-            && let Ok(r) = http_request(([127, 0, 0, 1], e.admin_port).into(), "GET", "/stats?filter=kvgate", &[], b"")
+            && let Ok(r) = http_request(e.admin, "GET", "/stats?filter=kvgate", &[], b"")
         {
             let _ = std::fs::write(dir.join("envoy-kvgate-stats.txt"), r.body);
         }

@@ -135,21 +135,21 @@ fn prompt_tokens(rt: &tokio::runtime::Runtime, grpc: SocketAddr, b: &[u8]) -> u6
 /// The cumulative p50 of the filter's callout round-trip histogram
 /// (`wasmcustom.kvgate.pick_latency_us`), when Envoy has computed it.
 fn pick_rtt_p50(envoy: &Envoy) -> Option<f64> {
-    let admin: SocketAddr = ([127, 0, 0, 1], envoy.admin_port).into();
-    let r = kvgate_e2e::http_request(admin, "GET", "/stats?filter=wasmcustom.kvgate.pick_latency_us", &[], b"").ok()?;
+    let r = kvgate_e2e::http_request(envoy.admin, "GET", "/stats?filter=wasmcustom.kvgate.pick_latency_us", &[], b"")
+        .ok()?;
     let text = String::from_utf8_lossy(&r.body).into_owned();
     // "... P50(interval,cumulative) ..."
     let p50 = text.split_whitespace().find(|w| w.starts_with("P50("))?;
     p50.trim_start_matches("P50(").trim_end_matches(')').split(',').nth(1)?.parse().ok()
 }
 
-fn start_envoy(dir: &Path, name: &str, yaml: String, admin: u16) -> Envoy {
+fn start_envoy(dir: &Path, name: &str, yaml: String) -> Envoy {
     let d = dir.join(name);
     std::fs::create_dir_all(&d).unwrap();
     let config = d.join("envoy.yaml");
     std::fs::write(&config, yaml).unwrap();
     envoy_validate(&config).unwrap();
-    Envoy::start(&config, admin, &d).unwrap()
+    Envoy::start(&config, &d).unwrap()
 }
 
 /// One side of the comparison: an Envoy, and a client on it.
@@ -242,25 +242,24 @@ fn main() {
             ("endpoint_picker", Some(Some(grpc_epp))),
             ("endpoint_picker_buffered", Some(Some(grpc_epp))),
         ] {
-            let (l, a) = (free_port().unwrap(), free_port().unwrap());
             let yaml = match cp {
-                None => render_local_envoy(l, a, &addrs).unwrap(),
+                None => render_local_envoy(0, 0, &addrs).unwrap(),
                 Some(Some(cp)) if name == "endpoint_picker" => {
-                    render_picker_envoy(l, a, &addrs, cp, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED").unwrap()
+                    render_picker_envoy(0, 0, &addrs, cp, "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED").unwrap()
                 }
                 Some(Some(cp)) if name == "endpoint_picker_buffered" => {
-                    render_picker_envoy(l, a, &addrs, cp, "BUFFERED", "STREAMED").unwrap()
+                    render_picker_envoy(0, 0, &addrs, cp, "BUFFERED", "STREAMED").unwrap()
                 }
                 // A cluster that does not exist: the callout fails at
                 // dispatch and the request fails open (filter work only).
-                Some(None) => render_kvgate_envoy(l, a, &addrs, &[grpc], &filter(1000))
+                Some(None) => render_kvgate_envoy(0, 0, &addrs, &[grpc], &filter(1000))
                     .unwrap()
                     .replace("\"cluster\":\"kvgate_control_plane\"", "")
                     .replace("{\"control_plane\":{", "{\"control_plane\":{\"cluster\":\"no_such_cluster\","),
-                Some(Some(cp)) => render_kvgate_envoy(l, a, &addrs, &[cp], &filter(1000)).unwrap(),
+                Some(Some(cp)) => render_kvgate_envoy(0, 0, &addrs, &[cp], &filter(1000)).unwrap(),
             };
-            let envoy = start_envoy(&dir, &format!("{label}-{name}"), yaml, a);
-            let client = Client::connect(([127, 0, 0, 1], l).into());
+            let envoy = start_envoy(&dir, &format!("{label}-{name}"), yaml);
+            let client = Client::connect(envoy.listen);
             arms.push(Arm { name, envoy, client, lat: Vec::with_capacity(pairs), cpu0: 0 });
         }
         for x in bodies.iter().take(20) {

@@ -38,13 +38,13 @@ fn gateway(
     picker: SocketAddr,
     modes: (&str, &str),
 ) -> Gateway {
-    let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
     let config = dir.join(format!("envoy-{name}.yaml"));
-    std::fs::write(&config, render_picker_envoy(listen, admin, workers, picker, modes.0, modes.1).unwrap()).unwrap();
+    std::fs::write(&config, render_picker_envoy(0, 0, workers, picker, modes.0, modes.1).unwrap()).unwrap();
     envoy_validate(&config).unwrap();
     let sub = dir.join(name);
     std::fs::create_dir_all(&sub).unwrap();
-    Gateway { _envoy: Envoy::start(&config, admin, &sub).unwrap(), listen: ([127, 0, 0, 1], listen).into() }
+    let envoy = Envoy::start(&config, &sub).unwrap();
+    Gateway { listen: envoy.listen, _envoy: envoy }
 }
 
 impl Gateway {

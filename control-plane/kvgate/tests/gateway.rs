@@ -141,13 +141,11 @@ struct Gateway {
 }
 
 fn start_gateway(dir: &std::path::Path, workers: &[SocketAddr], cp: SocketAddr, filter_config: &Value) -> Gateway {
-    let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
     let config = dir.join("envoy.yaml");
-    std::fs::write(&config, render_kvgate_envoy(listen, admin, workers, &[cp], &filter_config.to_string()).unwrap())
-        .unwrap();
+    std::fs::write(&config, render_kvgate_envoy(0, 0, workers, &[cp], &filter_config.to_string()).unwrap()).unwrap();
     envoy_validate(&config).unwrap();
-    let envoy = Envoy::start(&config, admin, dir).unwrap();
-    Gateway { envoy, listen: ([127, 0, 0, 1], listen).into() }
+    let envoy = Envoy::start(&config, dir).unwrap();
+    Gateway { listen: envoy.listen, envoy }
 }
 
 impl Gateway {
@@ -334,14 +332,8 @@ fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
         assert!(r.endpoint.starts_with("127.0.0.1:"));
     }
     assert!(gw.stat("reports_sent") >= 12);
-    let hist = http_request(
-        ([127, 0, 0, 1], gw.envoy.admin_port).into(),
-        "GET",
-        "/stats?filter=wasmcustom.kvgate.pick_latency_us",
-        &[],
-        b"",
-    )
-    .unwrap();
+    let hist =
+        http_request(gw.envoy.admin, "GET", "/stats?filter=wasmcustom.kvgate.pick_latency_us", &[], b"").unwrap();
     let hist = String::from_utf8_lossy(&hist.body);
     assert!(hist.contains("wasmcustom.kvgate.pick_latency_us"), "latency histogram: {hist}");
 }
@@ -579,7 +571,7 @@ fn nats_credentials_work_and_the_grafana_dashboard_uses_only_exported_metrics() 
         exported.extend(metric_names(&get(*w, "/metrics")));
         exported.extend(metric_names(&get(fleet.relay_metrics[i], "/metrics")));
     }
-    let envoy_admin: SocketAddr = ([127, 0, 0, 1], gw.envoy.admin_port).into();
+    let envoy_admin = gw.envoy.admin;
     exported.extend(metric_names(&get(envoy_admin, "/stats/prometheus")));
 
     let dashboard: Value = serde_json::from_slice(
@@ -681,14 +673,14 @@ fn mutual_tls_between_filter_and_control_plane() {
 
     let filter = json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}).to_string();
     let gateway = |name: &str, tls: Option<kvgate_e2e::ControlPlaneTls<'_>>| {
-        let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
         let config = dir.join(format!("envoy-{name}.yaml"));
-        let text = kvgate_e2e::render_kvgate_envoy_tls(listen, admin, &addrs, &[grpc], &filter, tls.as_ref()).unwrap();
+        let text = kvgate_e2e::render_kvgate_envoy_tls(0, 0, &addrs, &[grpc], &filter, tls.as_ref()).unwrap();
         std::fs::write(&config, text).unwrap();
         envoy_validate(&config).unwrap();
         let sub = dir.join(name);
         std::fs::create_dir_all(&sub).unwrap();
-        Gateway { envoy: Envoy::start(&config, admin, &sub).unwrap(), listen: ([127, 0, 0, 1], listen).into() }
+        let envoy = Envoy::start(&config, &sub).unwrap();
+        Gateway { listen: envoy.listen, envoy }
     };
     let ask = |gw: &Gateway| {
         let r = gw.post("/v1/chat/completions", &[], &chat_body("over mutual TLS"));
