@@ -7,8 +7,9 @@ use std::collections::hash_map::Entry as MapEntry;
 use foldhash::fast::RandomState;
 use kvgate_protocol::{BlockSize, EngineBlockHash, SequenceHash, local_block_hash, next_sequence_hash};
 
+use crate::engine::{Engine, Entry, NO_SLOT};
 use crate::event::{KvEvent, Origin, Stored, Tier};
-use crate::worker_set::{WorkerSet, member_fp};
+use crate::worker_set::{ManySets, SetRef, WorkerSet, member_fp};
 
 /// Dense index of a worker within one [`Index`] (reused after removal).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -90,28 +91,13 @@ pub struct Counters {
     pub capacity_evictions: u64,
 }
 
-/// One engine block of one worker. 24 bytes.
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    seq: SequenceHash,
-    /// Engine hash of the parent it was stored under (valid if `has_parent`).
-    parent: u64,
-    /// The worker's store clock when the entry was created: its identity for
-    /// parent/child accounting, and its age for capacity trimming.
-    born: u32,
-    /// Entries stored under this one (as their parent) and still held.
-    children: u16,
-    refs: u8,
-    has_parent: bool,
-}
-
 type Map<K, V> = HashMap<K, V, RandomState>;
 
 #[derive(Debug)]
 struct Worker {
     name: String,
     /// Engine hash → entry, per tier.
-    engine: [Map<u64, Entry>; 2],
+    engine: [Engine; 2],
     /// Sequence hashes this worker holds under more than one engine hash:
     /// how many extra engine hashes (usually empty).
     aliases: [Map<SequenceHash, u32>; 2],
@@ -132,7 +118,7 @@ impl Worker {
     fn new(name: String) -> Self {
         Self {
             name,
-            engine: [Map::default(), Map::default()],
+            engine: [Engine::default(), Engine::default()],
             aliases: [Map::default(), Map::default()],
             capacity: None,
             clock: 0,
@@ -150,17 +136,17 @@ impl Worker {
         if self.clock == u32::MAX {
             // Renumber birth stamps in age order (once per 4 billion stores);
             // the order, all that accounting and trimming use, is kept.
-            let mut all: Vec<(u32, usize, u64)> = Vec::new();
+            let mut all: Vec<(u32, usize, u32)> = Vec::new();
             for (t, map) in self.engine.iter().enumerate() {
-                all.extend(map.iter().map(|(k, e)| (e.born, t, *k)));
+                all.extend(map.iter().map(|(slot, e)| (e.born, t, slot)));
             }
             all.sort_unstable();
-            for (i, (_, t, k)) in all.iter().enumerate() {
-                if let Some(e) = self.engine.get_mut(*t).and_then(|m| m.get_mut(k)) {
+            for (i, (_, t, slot)) in all.iter().enumerate() {
+                if let Some(e) = self.engine.get_mut(*t).and_then(|m| m.get_mut(*slot)) {
                     e.born = i as u32;
                 }
             }
-            self.clock = self.engine.iter().map(Map::len).sum::<usize>() as u32;
+            self.clock = self.engine.iter().map(Engine::len).sum::<usize>() as u32;
         }
         self.clock += 1;
         self.clock
@@ -176,11 +162,34 @@ pub struct Overlap {
     pub blocks: u32,
 }
 
+/// The workers holding each distinct block of one tier.
+#[derive(Debug, Default)]
+struct Sets {
+    table: Map<SequenceHash, WorkerSet>,
+    many: ManySets,
+}
+
+impl Sets {
+    #[inline]
+    fn get(&self, seq: &SequenceHash) -> Option<SetRef<'_>> {
+        self.table.get(seq).map(|s| self.many.view(*s))
+    }
+
+    /// Removes `w` from the set of `seq` (the entry goes when it empties).
+    fn remove(&mut self, seq: SequenceHash, w: WorkerIdx) {
+        if let MapEntry::Occupied(mut o) = self.table.entry(seq)
+            && self.many.remove(o.get_mut(), w).is_none()
+        {
+            o.remove();
+        }
+    }
+}
+
 /// One model's index: every worker's cached blocks, by sequence hash.
 #[derive(Debug)]
 pub struct Index {
     config: IndexConfig,
-    tiers: [Map<SequenceHash, WorkerSet>; 2],
+    tiers: [Sets; 2],
     workers: Vec<Option<Worker>>,
     free: Vec<WorkerIdx>,
     by_name: Map<String, WorkerIdx>,
@@ -193,7 +202,7 @@ impl Index {
     pub fn new(config: IndexConfig) -> Self {
         Self {
             config,
-            tiers: [Map::default(), Map::default()],
+            tiers: [Sets::default(), Sets::default()],
             workers: Vec::new(),
             free: Vec::new(),
             by_name: Map::default(),
@@ -288,12 +297,12 @@ impl Index {
 
     /// Distinct engine blocks a worker holds in a tier.
     pub fn worker_blocks(&self, w: WorkerIdx, tier: Tier) -> usize {
-        self.slot(w).and_then(|s| s.engine.get(tier.idx())).map_or(0, Map::len)
+        self.slot(w).and_then(|s| s.engine.get(tier.idx())).map_or(0, Engine::len)
     }
 
     /// Distinct sequence hashes in a tier (over all workers).
     pub fn distinct_blocks(&self, tier: Tier) -> usize {
-        self.tiers.get(tier.idx()).map_or(0, Map::len)
+        self.tiers.get(tier.idx()).map_or(0, |t| t.table.len())
     }
 
     /// Approximate heap bytes of the index (hash-table slots and worker sets).
@@ -305,11 +314,11 @@ impl Index {
         }
         let mut total = 0;
         for t in &self.tiers {
-            total += table(t);
-            total += t.values().map(WorkerSet::heap_bytes).sum::<usize>();
+            total += table(&t.table);
+            total += t.many.heap_bytes();
         }
         for s in self.workers.iter().flatten() {
-            total += s.engine.iter().map(table).sum::<usize>();
+            total += s.engine.iter().map(Engine::heap_bytes).sum::<usize>();
             total += s.aliases.iter().map(table).sum::<usize>();
             total += s.name.capacity();
         }
@@ -367,7 +376,7 @@ impl Index {
         let mut prev = match s.parent {
             None => None,
             Some(p) => {
-                let held = worker.engine.iter().find_map(|m| m.get(&p)).map(|e| e.seq);
+                let held = worker.engine.iter().find_map(|m| m.find(p).and_then(|s| m.get(s))).map(|e| e.seq);
                 match held {
                     Some(seq) => Some(seq),
                     None => {
@@ -385,8 +394,9 @@ impl Index {
             prev = Some(seq);
         }
         let mut parent = s.parent;
+        let mut parent_slot = None;
         for (h, seq) in s.engine_hashes.iter().zip(&seqs) {
-            self.store_ref(w, s.tier, *h, *seq, parent, s.origin);
+            parent_slot = self.store_ref(w, s.tier, *h, *seq, parent, parent_slot, s.origin);
             parent = Some(*h);
         }
         self.seq_scratch = seqs;
@@ -396,6 +406,9 @@ impl Index {
         Ok(())
     }
 
+    /// Adds a reference to `engine` → `seq`; returns the entry's slot.
+    /// `parent_slot` is where the parent was just stored (a hint, checked).
+    #[allow(clippy::too_many_arguments)]
     fn store_ref(
         &mut self,
         w: WorkerIdx,
@@ -403,12 +416,15 @@ impl Index {
         engine: u64,
         seq: SequenceHash,
         parent: Option<u64>,
+        parent_slot: Option<u32>,
         origin: Origin,
-    ) {
+    ) -> Option<u32> {
         let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
-        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return };
-        let Some(map) = worker.engine.get_mut(tier.idx()) else { return };
-        if let Some(e) = map.get_mut(&engine) {
+        let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
+        let map = worker.engine.get_mut(tier.idx())?;
+        if let Some(slot) = map.find(engine)
+            && let Some(e) = map.get_mut(slot)
+        {
             if e.seq == seq {
                 match origin {
                     Origin::Reused => self.counters.reused_reports += 1,
@@ -418,31 +434,45 @@ impl Index {
                         self.counters.blocks_stored += 1;
                     }
                 }
-                return;
+                return Some(slot);
             }
             // Same engine hash, other content: replace the old entry.
             self.counters.hash_conflicts += 1;
-            self.remove_entry(w, tier, engine);
+            self.remove_entry(w, tier, slot);
         }
-        self.insert_entry(w, tier, engine, seq, parent);
+        let slot = self.insert_entry(w, tier, engine, seq, parent, parent_slot);
         if origin == Origin::Reused {
             self.counters.reused_reports += 1;
         } else {
             self.counters.blocks_stored += 1;
         }
+        slot
     }
 
-    /// Creates a worker's entry and its membership, with parent accounting.
-    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, engine: u64, seq: SequenceHash, parent: Option<u64>) {
+    /// Creates a worker's entry and its membership, with parent accounting;
+    /// returns its slot.
+    fn insert_entry(
+        &mut self,
+        w: WorkerIdx,
+        tier: Tier,
+        engine: u64,
+        seq: SequenceHash,
+        parent: Option<u64>,
+        parent_slot: Option<u32>,
+    ) -> Option<u32> {
         let t = tier.idx();
-        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return };
+        let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
         let born = worker.tick();
         let (Some(map), Some(holes), Some(unreliable)) =
             (worker.engine.get_mut(t), worker.holes.get_mut(t), worker.holes_unreliable.get_mut(t))
         else {
-            return;
+            return None;
         };
-        match parent.and_then(|p| map.get_mut(&p)) {
+        // The parent's slot: the hint when it still holds the parent's
+        // engine hash, else a lookup.
+        let pslot = parent
+            .and_then(|p| parent_slot.filter(|s| map.get(*s).is_some_and(|e| e.engine == p)).or_else(|| map.find(p)));
+        match pslot.and_then(|s| map.get_mut(s)) {
             Some(pe) => match pe.children.checked_add(1) {
                 Some(c) => pe.children = c,
                 None => *unreliable = true,
@@ -450,24 +480,30 @@ impl Index {
             None if parent.is_some() => *holes += 1,
             None => {}
         }
-        map.insert(
+        let slot = map.insert(Entry {
             engine,
-            Entry { seq, parent: parent.unwrap_or(0), born, children: 0, refs: 1, has_parent: parent.is_some() },
-        );
+            seq,
+            parent: pslot.unwrap_or(NO_SLOT),
+            born,
+            children: 0,
+            refs: 1,
+            has_parent: parent.is_some(),
+        });
         self.add_membership(w, tier, seq);
+        Some(slot)
     }
 
     /// Deletes a worker's entry (all references) and its membership, with
     /// parent/child accounting: its held children become holes; it stops
     /// being its parent's child, or a hole.
-    fn remove_entry(&mut self, w: WorkerIdx, tier: Tier, engine: u64) -> bool {
+    fn remove_entry(&mut self, w: WorkerIdx, tier: Tier, slot: u32) -> bool {
         let t = tier.idx();
         let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return false };
         let (Some(map), Some(holes)) = (worker.engine.get_mut(t), worker.holes.get_mut(t)) else { return false };
-        let Some(e) = map.remove(&engine) else { return false };
+        let Some(e) = map.remove(slot) else { return false };
         *holes += u64::from(e.children);
         if e.has_parent {
-            match map.get_mut(&e.parent) {
+            match map.get_mut(e.parent) {
                 // Its original parent (older than it): it was counted there.
                 Some(pe) if pe.born < e.born => pe.children = pe.children.saturating_sub(1),
                 // Parent gone, reborn later, or never in this tier: it was a hole.
@@ -484,7 +520,7 @@ impl Index {
         else {
             return;
         };
-        let Some(e) = map.get_mut(&engine) else {
+        let Some((slot, e)) = map.find(engine).and_then(|s| Some(s).zip(map.get_mut(s))) else {
             self.counters.unknown_removals += 1;
             return;
         };
@@ -493,18 +529,18 @@ impl Index {
             e.refs -= 1;
             return;
         }
-        self.remove_entry(w, tier, engine);
+        self.remove_entry(w, tier, slot);
     }
 
     /// Records that `w` holds `seq` under one more engine hash.
     fn add_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
-        let Some(table) = self.tiers.get_mut(tier.idx()) else { return };
-        match table.entry(seq) {
+        let Some(sets) = self.tiers.get_mut(tier.idx()) else { return };
+        match sets.table.entry(seq) {
             MapEntry::Vacant(v) => {
-                v.insert(WorkerSet::One(w));
+                v.insert(WorkerSet::one(w));
             }
             MapEntry::Occupied(mut o) => {
-                if !o.get_mut().insert(w)
+                if !sets.many.insert(o.get_mut(), w)
                     && let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
                 {
                     *aliases.entry(seq).or_insert(0) += 1;
@@ -525,30 +561,23 @@ impl Index {
             }
             return;
         }
-        let Some(table) = self.tiers.get_mut(tier.idx()) else { return };
-        if let MapEntry::Occupied(mut o) = table.entry(seq)
-            && o.get_mut().remove(w).is_none()
-        {
-            o.remove();
+        if let Some(sets) = self.tiers.get_mut(tier.idx()) {
+            sets.remove(seq, w);
         }
     }
 
     fn clear_worker(&mut self, w: WorkerIdx) {
         let Some(worker) = self.slot_mut(w) else { return };
-        let maps: Vec<Map<u64, Entry>> = worker.engine.iter_mut().map(std::mem::take).collect();
+        let maps: Vec<Engine> = worker.engine.iter_mut().map(std::mem::take).collect();
         for a in &mut worker.aliases {
             a.clear();
         }
         worker.holes = [0; 2];
         worker.holes_unreliable = [false; 2];
         for (tier, map) in Tier::ALL.iter().zip(maps) {
-            let Some(table) = self.tiers.get_mut(tier.idx()) else { continue };
-            for e in map.values() {
-                if let MapEntry::Occupied(mut o) = table.entry(e.seq)
-                    && o.get_mut().remove(w).is_none()
-                {
-                    o.remove();
-                }
+            let Some(sets) = self.tiers.get_mut(tier.idx()) else { continue };
+            for (_, e) in map.iter() {
+                sets.remove(e.seq, w);
             }
         }
     }
@@ -563,14 +592,14 @@ impl Index {
             return;
         }
         let target = cap - cap / 16;
-        let mut ages: Vec<(u32, u64)> = map.iter().map(|(k, e)| (e.born, *k)).collect();
+        let mut ages: Vec<(u32, u32)> = map.iter().map(|(slot, e)| (e.born, slot)).collect();
         let excess = ages.len() - target;
         if excess < ages.len() {
             ages.select_nth_unstable(excess);
         }
         ages.truncate(excess);
-        for (_, engine) in ages {
-            if self.remove_entry(w, Tier::Device, engine) {
+        for (_, slot) in ages {
+            if self.remove_entry(w, Tier::Device, slot) {
                 self.counters.capacity_evictions += 1;
             }
         }
@@ -651,12 +680,21 @@ impl Index {
             for (i, slot) in self.workers.iter().enumerate() {
                 let Some(worker) = slot else { continue };
                 let w = WorkerIdx(i as u32);
+                let map = &worker.engine[tier.idx()];
                 let mut per_seq: Map<SequenceHash, u32> = Map::default();
-                for e in worker.engine[tier.idx()].values() {
+                let mut held = 0usize;
+                for (slot, e) in map.iter() {
                     if e.refs == 0 || u16::from(e.refs) > self.config.max_refs.max(1) {
                         return Err(format!("worker {i}: refs {} out of range", e.refs));
                     }
+                    if map.find(e.engine) != Some(slot) {
+                        return Err(format!("worker {i}: engine hash {} not found at its slot {slot}", e.engine));
+                    }
                     *per_seq.entry(e.seq).or_insert(0) += 1;
+                    held += 1;
+                }
+                if held != map.len() {
+                    return Err(format!("worker {i}: {held} entries held but len {}", map.len()));
                 }
                 for (seq, n) in &per_seq {
                     if !table.get(seq).is_some_and(|s| s.contains(w)) {
@@ -671,24 +709,27 @@ impl Index {
                     return Err(format!("worker {i}: alias for a hash it does not hold"));
                 }
                 // Parent/child accounting: child counts exact, holes never
-                // below the real number of orphaned entries.
-                let map = &worker.engine[tier.idx()];
+                // below the real number of orphaned entries. A link counts
+                // while its slot holds an older entry (the original parent).
                 let mut orphans = 0u64;
-                let mut children: Map<u64, u32> = Map::default();
-                for e in map.values() {
+                let mut children: Map<u32, u32> = Map::default();
+                for (_, e) in map.iter() {
                     if !e.has_parent {
                         continue;
                     }
-                    match map.get(&e.parent) {
+                    match map.get(e.parent) {
                         Some(p) if p.born < e.born => *children.entry(e.parent).or_insert(0) += 1,
                         _ => orphans += 1,
                     }
                 }
                 if !worker.holes_unreliable[tier.idx()] {
-                    for (k, e) in map {
-                        let want = children.get(k).copied().unwrap_or(0);
+                    for (slot, e) in map.iter() {
+                        let want = children.get(&slot).copied().unwrap_or(0);
                         if u32::from(e.children) != want {
-                            return Err(format!("worker {i}: entry {k} counts {} children, has {want}", e.children));
+                            return Err(format!(
+                                "worker {i}: entry {} counts {} children, has {want}",
+                                e.engine, e.children
+                            ));
                         }
                     }
                     if worker.holes[tier.idx()] < orphans {
@@ -697,10 +738,10 @@ impl Index {
                 }
             }
             // From the table to workers.
-            for (seq, set) in table {
+            for (seq, set) in &table.table {
                 let mut err = None;
-                set.for_each(|w| {
-                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].values().any(|e| e.seq == *seq));
+                table.many.view(*set).for_each(|w| {
+                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].iter().any(|(_, e)| e.seq == *seq));
                     if !holds {
                         err = Some(format!("table lists worker {} for {seq}, which it does not hold", w.0));
                     }
@@ -715,14 +756,15 @@ impl Index {
 
     /// The sequence hash a worker holds under an engine hash (for tests).
     pub fn engine_entry(&self, w: WorkerIdx, tier: Tier, engine: EngineBlockHash) -> Option<(SequenceHash, u16)> {
-        self.slot(w)?.engine.get(tier.idx())?.get(&engine.0).map(|e| (e.seq, u16::from(e.refs)))
+        let map = self.slot(w)?.engine.get(tier.idx())?;
+        map.get(map.find(engine.0)?).map(|e| (e.seq, u16::from(e.refs)))
     }
 }
 
 /// The block-by-block walk of `find_matches` from block `start`, with
 /// `active` the workers holding every block before it.
 fn walk(
-    table: &Map<SequenceHash, WorkerSet>,
+    table: &Sets,
     hashes: &[SequenceHash],
     start: usize,
     mut active: Vec<WorkerIdx>,
@@ -751,7 +793,7 @@ fn walk(
 
 /// Removes from `active` the workers `set` lacks, recording that they match
 /// `depth` blocks; returns how many were removed.
-fn drop_missing(active: &mut Vec<WorkerIdx>, set: &WorkerSet, depth: usize, out: &mut Vec<Overlap>) -> usize {
+fn drop_missing(active: &mut Vec<WorkerIdx>, set: SetRef<'_>, depth: usize, out: &mut Vec<Overlap>) -> usize {
     let before = active.len();
     active.retain(|w| {
         let keep = set.contains(*w);

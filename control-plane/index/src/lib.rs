@@ -9,11 +9,13 @@
 //! |---|---|
 //! | [`event`] | [`KvEvent`] borrowed from protobuf batches; [`Tier`], [`Origin`] |
 //! | [`index`] | [`Index`]: apply events, [`Index::find_matches`], counters, invariants |
-//! | `worker_set` | the worker set of one block, with an O(1) equality fingerprint |
+//! | `engine` | one worker's engine hash → entry table: a slab of fixed pages and a table of 4-byte slots |
+//! | `worker_set` | the worker set of one block in 8 bytes, with an O(1) equality fingerprint |
 //!
 //! See `README.md` for the layout, the policies and the complexity table.
 #![warn(missing_docs)]
 
+mod engine;
 pub mod event;
 pub mod index;
 mod worker_set;
