@@ -82,6 +82,7 @@ struct Args {
     requests: usize,
     lookups: usize,
     threads: usize,
+    repeats: usize,
     out: String,
 }
 
@@ -94,6 +95,7 @@ fn parse_args() -> Result<Args> {
         requests: usize::MAX,
         lookups: 2_000,
         threads: 2,
+        repeats: 5,
         out: "bench/results/index-vs-dynamo.json".into(),
     };
     let mut it = std::env::args().skip(1);
@@ -107,6 +109,7 @@ fn parse_args() -> Result<Args> {
             "--requests" => a.requests = v.parse()?,
             "--lookups" => a.lookups = v.parse()?,
             "--threads" => a.threads = v.parse()?,
+            "--repeats" => a.repeats = v.parse::<usize>()?.max(1),
             "--out" => a.out = v,
             _ => bail!("unknown flag {k}"),
         }
@@ -231,18 +234,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn main() -> Result<()> {
-    let a = parse_args()?;
+/// Replays the trace into a fresh kvgate index: (index, workers, wall s,
+/// CPU s, bytes allocated and still live).
+fn ingest_ours(trace: &Trace, a: &Args, names: &[String]) -> Result<(Index, Vec<kvgate_index::WorkerIdx>, f64, f64, f64)> {
     let bs = BlockSize::new(a.block_size)?;
-    eprintln!("building trace from {} ({} workers, block size {}, capacity {} blocks/worker)", a.trace, a.workers, a.block_size, a.capacity);
-    let trace = build_trace(&a)?;
-    let block_ops = trace.stored_blocks + trace.removed_blocks;
-    eprintln!("{} requests -> {} events, {} stored + {} removed blocks; {} lookups", trace.requests, trace.ops.len(), trace.stored_blocks, trace.removed_blocks, trace.lookups.len());
-
-    // ---- kvgate ----
     let before = live();
     let mut ours = Index::new(IndexConfig::new(bs));
-    let names: Vec<String> = (0..a.workers).map(|w| format!("worker-{w}")).collect();
     let idx: Vec<_> = names.iter().map(|n| ours.add_worker(n)).collect();
     let t = Instant::now();
     let c0 = cpu_s();
@@ -261,14 +258,18 @@ fn main() -> Result<()> {
             }
         }
     }
-    let ours_ingest_s = t.elapsed().as_secs_f64();
-    let ours_cpu_s = cpu_s() - c0;
-    let ours_bytes = (live() - before) as f64;
-    let resident: usize = idx.iter().map(|w| ours.worker_blocks(*w, Tier::Device)).sum();
-    eprintln!("kvgate: ingest {:.3} s, {:.1} MB live, {} resident block×worker", ours_ingest_s, ours_bytes / 1e6, resident);
+    let s = t.elapsed().as_secs_f64();
+    let cpu = cpu_s() - c0;
+    Ok((ours, idx, s, cpu, (live() - before) as f64))
+}
 
-    // ---- Dynamo ----
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+/// Replays the trace into a fresh Dynamo indexer: (indexer, wall s, CPU s,
+/// bytes allocated and still live).
+fn ingest_dynamo(
+    rt: &tokio::runtime::Runtime,
+    trace: &Trace,
+    a: &Args,
+) -> Result<(ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, f64, f64, f64)> {
     let before = live();
     let dynamo = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), a.threads, a.block_size);
     let t = Instant::now();
@@ -298,10 +299,50 @@ fn main() -> Result<()> {
         dynamo.flush_and_wait().await
     })
     .map_err(|e| anyhow::anyhow!("dynamo flush: {e:?}"))?;
-    let dyn_ingest_s = t.elapsed().as_secs_f64();
-    let dyn_cpu_s = cpu_s() - c0;
-    let dyn_bytes = (live() - before) as f64;
-    eprintln!("dynamo: ingest {:.3} s, {:.1} MB live", dyn_ingest_s, dyn_bytes / 1e6);
+    let s = t.elapsed().as_secs_f64();
+    let cpu = cpu_s() - c0;
+    Ok((dynamo, s, cpu, (live() - before) as f64))
+}
+
+fn main() -> Result<()> {
+    let a = parse_args()?;
+    let bs = BlockSize::new(a.block_size)?;
+    eprintln!("building trace from {} ({} workers, block size {}, capacity {} blocks/worker)", a.trace, a.workers, a.block_size, a.capacity);
+    let trace = build_trace(&a)?;
+    let block_ops = trace.stored_blocks + trace.removed_blocks;
+    eprintln!("{} requests -> {} events, {} stored + {} removed blocks; {} lookups", trace.requests, trace.ops.len(), trace.stored_blocks, trace.removed_blocks, trace.lookups.len());
+
+    // ---- ingest, A/B alternated `repeats` times (Dynamo's two index
+    // threads make its wall time vary run to run); the medians are reported,
+    // and the last pair of indexes is kept for memory and lookups ----
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let names: Vec<String> = (0..a.workers).map(|w| format!("worker-{w}")).collect();
+    let mut ours_runs: Vec<(f64, f64)> = Vec::new();
+    let mut dyn_runs: Vec<(f64, f64)> = Vec::new();
+    let mut kept: Option<(Index, Vec<kvgate_index::WorkerIdx>, f64, ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, f64)> = None;
+    for round in 0..a.repeats {
+        if let Some((o, _, _, d, _)) = kept.take() {
+            drop(o);
+            d.shutdown();
+            drop(d);
+        }
+        let (ours, idx, s, cpu, bytes) = ingest_ours(&trace, &a, &names)?;
+        eprintln!("round {round}: kvgate ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
+        ours_runs.push((s, cpu));
+        let (dynamo, s, cpu, dbytes) = ingest_dynamo(&rt, &trace, &a)?;
+        eprintln!("round {round}: dynamo ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", dbytes / 1e6);
+        dyn_runs.push((s, cpu));
+        kept = Some((ours, idx, bytes, dynamo, dbytes));
+    }
+    let Some((ours, idx, ours_bytes, dynamo, dyn_bytes)) = kept else { bail!("no rounds") };
+    let median = |runs: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (ours_ingest_s, ours_cpu_s) = (median(&ours_runs, |r| r.0), median(&ours_runs, |r| r.1));
+    let (dyn_ingest_s, dyn_cpu_s) = (median(&dyn_runs, |r| r.0), median(&dyn_runs, |r| r.1));
+    let resident: usize = idx.iter().map(|w| ours.worker_blocks(*w, Tier::Device)).sum();
 
     // ---- lookups, A/B interleaved ----
     let mut ours_ns = Vec::new();
@@ -369,6 +410,11 @@ fn main() -> Result<()> {
             "resident_block_worker_pairs": resident,
         },
         "workers": a.workers,
+        "ingest_rounds": {
+            "note": "ingest alternated kvgate / Dynamo; the medians are reported above",
+            "kvgate_s": ours_runs.iter().map(|r| r.0).collect::<Vec<_>>(),
+            "dynamo_s": dyn_runs.iter().map(|r| r.0).collect::<Vec<_>>(),
+        },
         "dynamo_setup": format!("dynamo-kv-router 1.6.1 ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, {} threads", a.threads),
         "commit": commit,
         "machine": format!("{} {} cores, {}", std::env::consts::ARCH, cores, cpu),
