@@ -2,10 +2,14 @@
 //!
 //! Entries live in a slab of fixed pages (1,024 entries each) and never
 //! move, so an entry names its parent by slot, and the hash table holds only
-//! 4-byte slot numbers (the key is read from the slab when comparing). Per
-//! held block that is 32 bytes of entry plus 5 bytes per table bucket,
-//! against 33 per bucket for a `HashMap<u64, Entry>` with a parent hash in
-//! the entry. Pages instead of one vector keep growth waste under one page
+//! 8-byte buckets: a slot number and the top 32 bits of the key's hash (the
+//! key itself is read from the slab when the tag matches). Per held block
+//! that is 32 bytes of entry plus 8 bytes per bucket, against 33 per bucket
+//! for a `HashMap<u64, Entry>` with a parent hash in the entry. The table is
+//! open addressing with linear probing, doubling above 3/4 full, with
+//! backward-shift deletion; the home bucket is the top bits of the hash, so
+//! the tag alone places an entry (growing and deleting never read the slab),
+//! and a key's home bucket can be prefetched before its use. Pages instead of one vector keep growth waste under one page
 //! (a doubling vector just past a power of two would leave half of it
 //! empty). Freed slots form a list threaded through their `parent` field and
 //! are reused first, most recently freed first: a chain removed leaf first
@@ -13,15 +17,17 @@
 //!
 //! | operation | time |
 //! |---|---|
-//! | `find`, `insert`, `remove` | O(1) expected (one table probe, one slab access) |
+//! | `find`, `insert`, `remove` | O(1) expected (a few adjacent buckets, one slab access) |
+//! | `prefetch_bucket`, `prefetch_entry` | O(1), no wait |
 //! | `get`, `get_mut` by slot | O(1) |
 //! | `iter` | O(slots ever used) |
 
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
-use hashbrown::HashTable;
 use kvgate_protocol::SequenceHash;
+
+use crate::prefetch::prefetch_read;
 
 /// No slot: an entry stored without a held parent, or the end of the free list.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
@@ -53,10 +59,23 @@ pub(crate) struct Entry {
 const FREE: Entry =
     Entry { engine: 0, seq: SequenceHash(0), parent: NO_SLOT, born: 0, children: 0, refs: 0, has_parent: false };
 
+/// One bucket of the slot table: the top 32 bits of the key's hash and the
+/// entry's slot ([`NO_SLOT`]: empty).
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tag: u32,
+    slot: u32,
+}
+
+const EMPTY_BUCKET: Bucket = Bucket { tag: 0, slot: NO_SLOT };
+const MIN_BUCKETS: usize = 16;
+
 /// Engine hash → entry for one worker and tier.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Engine {
-    table: HashTable<u32>,
+    buckets: Vec<Bucket>,
+    /// log2 of the bucket count (at most 32).
+    bits: u32,
     pages: Vec<Box<[Entry]>>,
     /// Slots handed out so far (the slab's high-water mark).
     next: u32,
@@ -71,7 +90,104 @@ fn split(slot: u32) -> (usize, usize) {
     ((slot >> PAGE_BITS) as usize, slot as usize & (PAGE - 1))
 }
 
+impl Default for Engine {
+    fn default() -> Self {
+        Self {
+            buckets: vec![EMPTY_BUCKET; MIN_BUCKETS],
+            bits: MIN_BUCKETS.trailing_zeros(),
+            pages: Vec::new(),
+            next: 0,
+            free: None,
+            len: 0,
+            hasher: RandomState::default(),
+        }
+    }
+}
+
 impl Engine {
+    #[inline]
+    fn tag(&self, engine: u64) -> u32 {
+        (self.hasher.hash_one(engine) >> 32) as u32
+    }
+
+    #[inline]
+    fn home(&self, tag: u32) -> usize {
+        (tag >> (32 - self.bits)) as usize
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.buckets.len() - 1
+    }
+
+    /// The bucket holding `engine`, or the empty bucket where it would go.
+    #[inline]
+    fn probe(&self, engine: u64, tag: u32) -> (usize, Option<u32>) {
+        let mask = self.mask();
+        let mut i = self.home(tag);
+        loop {
+            match self.buckets.get(i) {
+                Some(b) if b.slot == NO_SLOT => return (i, None),
+                Some(b) if b.tag == tag && self.get(b.slot).is_some_and(|e| e.engine == engine) => {
+                    return (i, Some(b.slot));
+                }
+                Some(_) => i = (i + 1) & mask,
+                // Unreachable: `i` is masked and the table is never full.
+                None => return (i, None),
+            }
+        }
+    }
+
+    /// Starts loading the home bucket of `engine` (for a use some blocks
+    /// later).
+    #[inline]
+    pub(crate) fn prefetch_bucket(&self, engine: u64) {
+        if let Some(b) = self.buckets.get(self.home(self.tag(engine))) {
+            prefetch_read(b);
+        }
+    }
+
+    /// Starts loading the entry that probably holds `engine` (the first tag
+    /// match; checked when it is used), and returns its slot.
+    #[inline]
+    pub(crate) fn prefetch_entry(&self, engine: u64) -> Option<u32> {
+        let tag = self.tag(engine);
+        let mask = self.mask();
+        let mut i = self.home(tag);
+        loop {
+            let b = self.buckets.get(i)?;
+            if b.slot == NO_SLOT {
+                return None;
+            }
+            if b.tag == tag {
+                let (p, k) = split(b.slot);
+                if let Some(e) = self.pages.get(p).and_then(|page| page.get(k)) {
+                    prefetch_read(e);
+                }
+                return Some(b.slot);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn grow(&mut self) {
+        let doubled = vec![EMPTY_BUCKET; self.buckets.len() * 2];
+        let old = std::mem::replace(&mut self.buckets, doubled);
+        self.bits += 1;
+        let mask = self.mask();
+        for b in old {
+            if b.slot != NO_SLOT {
+                let mut i = self.home(b.tag);
+                while self.buckets.get(i).is_some_and(|x| x.slot != NO_SLOT) {
+                    i = (i + 1) & mask;
+                }
+                if let Some(x) = self.buckets.get_mut(i) {
+                    *x = b;
+                }
+            }
+        }
+    }
+
     /// Held entries.
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -94,8 +210,7 @@ impl Engine {
     /// The slot holding engine hash `engine`.
     #[inline]
     pub(crate) fn find(&self, engine: u64) -> Option<u32> {
-        let hash = self.hasher.hash_one(engine);
-        self.table.find(hash, |&s| self.get(s).is_some_and(|e| e.engine == engine)).copied()
+        self.probe(engine, self.tag(engine)).1
     }
 
     /// Stores `entry` (whose engine hash must not be held yet, and whose
@@ -121,22 +236,24 @@ impl Engine {
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
             *e = entry;
         }
-        let Self { table, pages, hasher, .. } = self;
-        let key = |s: &u32| {
-            let (p, i) = split(*s);
-            hasher.hash_one(pages.get(p).and_then(|page| page.get(i)).map_or(0, |e| e.engine))
-        };
-        table.insert_unique(hasher.hash_one(entry.engine), slot, key);
+        let tag = self.tag(entry.engine);
+        let (b, _) = self.probe(entry.engine, tag);
+        if let Some(x) = self.buckets.get_mut(b) {
+            *x = Bucket { tag, slot };
+        }
         self.len += 1;
+        if self.len * 4 > self.buckets.len() * 3 && self.bits < 32 {
+            self.grow();
+        }
         slot
     }
 
     /// Deletes the entry in `slot` and returns it.
     pub(crate) fn remove(&mut self, slot: u32) -> Option<Entry> {
         let entry = *self.get(slot)?;
-        let hash = self.hasher.hash_one(entry.engine);
-        if let Ok(o) = self.table.find_entry(hash, |&s| s == slot) {
-            o.remove();
+        let (hole, found) = self.probe(entry.engine, self.tag(entry.engine));
+        if found == Some(slot) {
+            self.delete_bucket(hole);
         }
         let (p, i) = split(slot);
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
@@ -145,6 +262,31 @@ impl Engine {
         self.free = Some(slot);
         self.len -= 1;
         Some(entry)
+    }
+
+    /// Empties bucket `hole`, moving back every following bucket whose home
+    /// is not strictly after it (cyclically), until an empty bucket.
+    fn delete_bucket(&mut self, mut hole: usize) {
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let Some(&next) = self.buckets.get(j) else { break };
+            if next.slot == NO_SLOT {
+                break;
+            }
+            let home = self.home(next.tag);
+            let stays = if hole <= j { hole < home && home <= j } else { hole < home || home <= j };
+            if !stays {
+                if let Some(h) = self.buckets.get_mut(hole) {
+                    *h = next;
+                }
+                hole = j;
+            }
+        }
+        if let Some(h) = self.buckets.get_mut(hole) {
+            *h = EMPTY_BUCKET;
+        }
     }
 
     /// Held entries with their slots, in slot order.
@@ -160,7 +302,7 @@ impl Engine {
 
     /// Heap bytes (table and slab).
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.table.allocation_size()
+        self.buckets.capacity() * std::mem::size_of::<Bucket>()
             + self.pages.len() * PAGE * std::mem::size_of::<Entry>()
             + self.pages.capacity() * std::mem::size_of::<Box<[Entry]>>()
     }

@@ -9,6 +9,7 @@ use kvgate_protocol::{BlockSize, EngineBlockHash, SequenceHash, local_block_hash
 
 use crate::engine::{Engine, Entry, NO_SLOT};
 use crate::event::{KvEvent, Origin, Stored, Tier};
+use crate::seq_table::SeqTable;
 use crate::worker_set::{ManySets, SetRef, WorkerSet, member_fp};
 
 /// Dense index of a worker within one [`Index`] (reused after removal).
@@ -93,6 +94,10 @@ pub struct Counters {
 
 type Map<K, V> = HashMap<K, V, RandomState>;
 
+/// How many blocks of an event ahead of the one being applied their
+/// prefix-table slots are prefetched.
+const LOOKAHEAD: usize = 4;
+
 #[derive(Debug)]
 struct Worker {
     name: String,
@@ -165,22 +170,33 @@ pub struct Overlap {
 /// The workers holding each distinct block of one tier.
 #[derive(Debug, Default)]
 struct Sets {
-    table: Map<SequenceHash, WorkerSet>,
+    table: SeqTable,
     many: ManySets,
 }
 
 impl Sets {
     #[inline]
     fn get(&self, seq: &SequenceHash) -> Option<SetRef<'_>> {
-        self.table.get(seq).map(|s| self.many.view(*s))
+        self.table.get(*seq).map(|s| self.many.view(s))
+    }
+
+    /// Adds `w` to the set of `seq`; returns false when it was already there.
+    fn add(&mut self, seq: SequenceHash, w: WorkerIdx) -> bool {
+        match self.table.get_mut(seq) {
+            Some(set) => self.many.insert(set, w),
+            None => {
+                self.table.insert(seq, WorkerSet::one(w));
+                true
+            }
+        }
     }
 
     /// Removes `w` from the set of `seq` (the entry goes when it empties).
     fn remove(&mut self, seq: SequenceHash, w: WorkerIdx) {
-        if let MapEntry::Occupied(mut o) = self.table.entry(seq)
-            && self.many.remove(o.get_mut(), w).is_none()
+        if let Some(set) = self.table.get_mut(seq)
+            && self.many.remove(set, w).is_none()
         {
-            o.remove();
+            self.table.remove(seq);
         }
     }
 }
@@ -314,7 +330,7 @@ impl Index {
         }
         let mut total = 0;
         for t in &self.tiers {
-            total += table(&t.table);
+            total += t.table.heap_bytes();
             total += t.many.heap_bytes();
         }
         for s in self.workers.iter().flatten() {
@@ -343,7 +359,8 @@ impl Index {
         let r = match event {
             KvEvent::Stored(s) => self.apply_stored(w, s),
             KvEvent::Removed { engine_hashes, tier } => {
-                for h in *engine_hashes {
+                for (i, h) in engine_hashes.iter().enumerate() {
+                    self.prefetch_removal(w, *tier, engine_hashes, i);
                     self.remove_ref(w, *tier, *h);
                 }
                 Ok(())
@@ -395,7 +412,21 @@ impl Index {
         }
         let mut parent = s.parent;
         let mut parent_slot = None;
-        for (h, seq) in s.engine_hashes.iter().zip(&seqs) {
+        for (i, (h, seq)) in s.engine_hashes.iter().zip(&seqs).enumerate() {
+            if let (Some(map), Some(sets)) =
+                (self.slot(w).and_then(|x| x.engine.get(s.tier.idx())), self.tiers.get(s.tier.idx()))
+            {
+                if i == 0 {
+                    for (h, seq) in s.engine_hashes.iter().zip(&seqs).take(LOOKAHEAD) {
+                        map.prefetch_bucket(*h);
+                        sets.table.prefetch(*seq);
+                    }
+                }
+                if let (Some(h), Some(seq)) = (s.engine_hashes.get(i + LOOKAHEAD), seqs.get(i + LOOKAHEAD)) {
+                    map.prefetch_bucket(*h);
+                    sets.table.prefetch(*seq);
+                }
+            }
             parent_slot = self.store_ref(w, s.tier, *h, *seq, parent, parent_slot, s.origin);
             parent = Some(*h);
         }
@@ -404,6 +435,36 @@ impl Index {
             self.enforce_capacity(w);
         }
         Ok(())
+    }
+
+    /// Software pipeline of a removal batch, run before removing block
+    /// `i`: the bucket of block `i + 3L` is prefetched, the entry of block
+    /// `i + 2L` (its bucket is in by now), and the prefix-table slot of
+    /// block `i + L` (its entry is in by now), L = [`LOOKAHEAD`]. By the time
+    /// a block is removed, the three dependent misses of its removal have
+    /// been started one after the other, overlapping with other blocks' work.
+    #[inline]
+    fn prefetch_removal(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], i: usize) {
+        let (Some(map), Some(sets)) = (self.slot(w).and_then(|s| s.engine.get(tier.idx())), self.tiers.get(tier.idx()))
+        else {
+            return;
+        };
+        let stage = |k: usize, f: &dyn Fn(u64)| {
+            if i == 0 {
+                hashes.iter().take(k + 1).for_each(|h| f(*h));
+            } else if let Some(h) = hashes.get(i + k) {
+                f(*h);
+            }
+        };
+        stage(3 * LOOKAHEAD, &|h| map.prefetch_bucket(h));
+        stage(2 * LOOKAHEAD, &|h| {
+            map.prefetch_entry(h);
+        });
+        stage(LOOKAHEAD, &|h| {
+            if let Some(e) = map.prefetch_entry(h).and_then(|slot| map.get(slot)) {
+                sets.table.prefetch(e.seq);
+            }
+        });
     }
 
     /// Adds a reference to `engine` → `seq`; returns the entry's slot.
@@ -535,17 +596,10 @@ impl Index {
     /// Records that `w` holds `seq` under one more engine hash.
     fn add_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
         let Some(sets) = self.tiers.get_mut(tier.idx()) else { return };
-        match sets.table.entry(seq) {
-            MapEntry::Vacant(v) => {
-                v.insert(WorkerSet::one(w));
-            }
-            MapEntry::Occupied(mut o) => {
-                if !sets.many.insert(o.get_mut(), w)
-                    && let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
-                {
-                    *aliases.entry(seq).or_insert(0) += 1;
-                }
-            }
+        if !sets.add(seq, w)
+            && let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
+        {
+            *aliases.entry(seq).or_insert(0) += 1;
         }
     }
 
@@ -738,10 +792,10 @@ impl Index {
                 }
             }
             // From the table to workers.
-            for (seq, set) in &table.table {
+            for (seq, set) in table.table.iter() {
                 let mut err = None;
-                table.many.view(*set).for_each(|w| {
-                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].iter().any(|(_, e)| e.seq == *seq));
+                table.many.view(set).for_each(|w| {
+                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].iter().any(|(_, e)| e.seq == seq));
                     if !holds {
                         err = Some(format!("table lists worker {} for {seq}, which it does not hold", w.0));
                     }

@@ -10,6 +10,7 @@
 //! | [`event`] | [`KvEvent`] borrowed from protobuf batches; [`Tier`], [`Origin`] |
 //! | [`index`] | [`Index`]: apply events, [`Index::find_matches`], counters, invariants |
 //! | `engine` | one worker's engine hash → entry table: a slab of fixed pages and a table of 4-byte slots |
+//! | `seq_table` | the prefix table: sequence hash → worker set, open addressing that can be prefetched |
 //! | `worker_set` | the worker set of one block in 8 bytes, with an O(1) equality fingerprint |
 //!
 //! See `README.md` for the layout, the policies and the complexity table.
@@ -18,6 +19,8 @@
 mod engine;
 pub mod event;
 pub mod index;
+mod prefetch;
+mod seq_table;
 mod worker_set;
 
 pub use event::{KvEvent, Origin, Stored, Tier};

@@ -47,6 +47,10 @@ const HIGH_MAX: u32 = (1 << 30) - 1;
 pub(crate) struct WorkerSet(u64);
 
 impl WorkerSet {
+    /// Marks an empty slot of a table (no set has all bits set: kind 3 is
+    /// unused).
+    pub(crate) const EMPTY: WorkerSet = WorkerSet(u64::MAX);
+
     /// The set of one worker.
     pub(crate) fn one(w: WorkerIdx) -> Self {
         Self(u64::from(w.0))
