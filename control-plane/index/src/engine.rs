@@ -27,7 +27,7 @@ use std::hash::BuildHasher;
 use foldhash::fast::RandomState;
 use kvgate_protocol::SequenceHash;
 
-use crate::prefetch::prefetch_read;
+use crate::probing::{delete_shift, prefetch_read};
 
 /// No slot: an entry stored without a held parent, or the end of the free list.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
@@ -266,27 +266,10 @@ impl Engine {
 
     /// Empties bucket `hole`, moving back every following bucket whose home
     /// is not strictly after it (cyclically), until an empty bucket.
-    fn delete_bucket(&mut self, mut hole: usize) {
-        let mask = self.mask();
-        let mut j = hole;
-        loop {
-            j = (j + 1) & mask;
-            let Some(&next) = self.buckets.get(j) else { break };
-            if next.slot == NO_SLOT {
-                break;
-            }
-            let home = self.home(next.tag);
-            let stays = if hole <= j { hole < home && home <= j } else { hole < home || home <= j };
-            if !stays {
-                if let Some(h) = self.buckets.get_mut(hole) {
-                    *h = next;
-                }
-                hole = j;
-            }
-        }
-        if let Some(h) = self.buckets.get_mut(hole) {
-            *h = EMPTY_BUCKET;
-        }
+    fn delete_bucket(&mut self, hole: usize) {
+        let bits = self.bits;
+        let home = |b: &Bucket| (b.tag >> (32 - bits)) as usize;
+        delete_shift(&mut self.buckets, hole, EMPTY_BUCKET, |b| b.slot == NO_SLOT, home);
     }
 
     /// Held entries with their slots, in slot order.

@@ -201,6 +201,19 @@ impl Sets {
     }
 }
 
+/// One block of a stored chain, as `apply` hands it to `store_ref`.
+#[derive(Debug, Clone, Copy)]
+struct NewBlock {
+    /// The engine's hash of the block.
+    engine: u64,
+    seq: SequenceHash,
+    /// The engine hash it is stored under (the previous block, or the
+    /// event's parent).
+    parent: Option<u64>,
+    /// Where the parent was just stored (a hint, checked before use).
+    parent_slot: Option<u32>,
+}
+
 /// One model's index: every worker's cached blocks, by sequence hash.
 #[derive(Debug)]
 pub struct Index {
@@ -427,7 +440,8 @@ impl Index {
                     sets.table.prefetch(*seq);
                 }
             }
-            parent_slot = self.store_ref(w, s.tier, *h, *seq, parent, parent_slot, s.origin);
+            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot };
+            parent_slot = self.store_ref(w, s.tier, block, s.origin);
             parent = Some(*h);
         }
         self.seq_scratch = seqs;
@@ -467,19 +481,9 @@ impl Index {
         });
     }
 
-    /// Adds a reference to `engine` → `seq`; returns the entry's slot.
-    /// `parent_slot` is where the parent was just stored (a hint, checked).
-    #[allow(clippy::too_many_arguments)]
-    fn store_ref(
-        &mut self,
-        w: WorkerIdx,
-        tier: Tier,
-        engine: u64,
-        seq: SequenceHash,
-        parent: Option<u64>,
-        parent_slot: Option<u32>,
-        origin: Origin,
-    ) -> Option<u32> {
+    /// Adds a reference to `block`; returns its entry's slot.
+    fn store_ref(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, origin: Origin) -> Option<u32> {
+        let NewBlock { engine, seq, .. } = block;
         let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
         let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
         let map = worker.engine.get_mut(tier.idx())?;
@@ -501,7 +505,7 @@ impl Index {
             self.counters.hash_conflicts += 1;
             self.remove_entry(w, tier, slot);
         }
-        let slot = self.insert_entry(w, tier, engine, seq, parent, parent_slot);
+        let slot = self.insert_entry(w, tier, block);
         if origin == Origin::Reused {
             self.counters.reused_reports += 1;
         } else {
@@ -512,15 +516,8 @@ impl Index {
 
     /// Creates a worker's entry and its membership, with parent accounting;
     /// returns its slot.
-    fn insert_entry(
-        &mut self,
-        w: WorkerIdx,
-        tier: Tier,
-        engine: u64,
-        seq: SequenceHash,
-        parent: Option<u64>,
-        parent_slot: Option<u32>,
-    ) -> Option<u32> {
+    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock) -> Option<u32> {
+        let NewBlock { engine, seq, parent, parent_slot } = block;
         let t = tier.idx();
         let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
         let born = worker.tick();

@@ -19,7 +19,7 @@
 mod engine;
 pub mod event;
 pub mod index;
-mod prefetch;
+mod probing;
 mod seq_table;
 mod worker_set;
 

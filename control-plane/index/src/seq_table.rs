@@ -26,7 +26,7 @@ use std::hash::BuildHasher;
 use foldhash::fast::RandomState;
 use kvgate_protocol::SequenceHash;
 
-use crate::prefetch::prefetch_read;
+use crate::probing::{delete_shift, prefetch_read};
 use crate::worker_set::WorkerSet;
 
 #[derive(Debug, Clone, Copy)]
@@ -133,34 +133,14 @@ impl SeqTable {
 
     /// Removes `key`; returns its set.
     pub(crate) fn remove(&mut self, key: SequenceHash) -> Option<WorkerSet> {
-        let (mut hole, found) = self.probe(key);
+        let (hole, found) = self.probe(key);
         if !found {
             return None;
         }
         let removed = self.slots.get(hole).map(|s| s.set);
-        let mask = self.mask();
-        // Backward shift: move up every following entry whose home is not
-        // strictly after the hole (cyclically), until an empty slot.
-        let mut j = hole;
-        loop {
-            j = (j + 1) & mask;
-            let Some(&next) = self.slots.get(j) else { break };
-            if next.set == WorkerSet::EMPTY {
-                break;
-            }
-            let home = self.home(next.key);
-            // `next` may move to `hole` when `home` is not in (hole, j].
-            let stays = if hole <= j { hole < home && home <= j } else { hole < home || home <= j };
-            if !stays {
-                if let Some(h) = self.slots.get_mut(hole) {
-                    *h = next;
-                }
-                hole = j;
-            }
-        }
-        if let Some(h) = self.slots.get_mut(hole) {
-            *h = EMPTY_SLOT;
-        }
+        let (hasher, shift) = (&self.hasher, self.shift);
+        let home = |s: &Slot| (hasher.hash_one(s.key.0) >> shift) as usize;
+        delete_shift(&mut self.slots, hole, EMPTY_SLOT, |s| s.set == WorkerSet::EMPTY, home);
         self.len -= 1;
         removed
     }
