@@ -56,41 +56,22 @@ struct DoksArgs {
     /// Concurrency levels (simultaneous conversations).
     #[arg(long, value_delimiter = ',', default_values_t = [60, 80, 100, 120, 140, 160, 180])]
     levels: Vec<usize>,
-    /// Modes: kv, approx, least_load, round_robin (kvgate), sglang_cache_aware (peer).
-    #[arg(long, value_delimiter = ',', default_values_t = ["round_robin".to_owned(), "kv".to_owned(), "approx".to_owned(), "least_load".to_owned(), "sglang_cache_aware".to_owned()])]
-    modes: Vec<String>,
     /// Simulated time runs this many times faster than the wall clock.
     #[arg(long, default_value_t = 8.0)]
     speedup: f64,
-    /// Output tokens per streamed chunk after the first (vLLM's --stream-interval).
-    #[arg(long, default_value_t = 8)]
-    stream_interval: usize,
-    /// Warm-up window, simulated seconds.
-    #[arg(long, default_value_t = 60.0)]
-    warmup_s: f64,
     /// Measured window, simulated seconds.
     #[arg(long, default_value_t = 300.0)]
     measure_s: f64,
     /// Longest wait for requests in flight at the end, simulated seconds.
     #[arg(long, default_value_t = 180.0)]
     drain_s: f64,
-    /// Settings of the control plane's kv policy, `name=value`, repeatable
-    /// (e.g. `--kv overlap_weight=2`, `--kv unit=blocks`): see
-    /// control-plane/server/README.md. Default: none, the control plane's
-    /// own defaults (cost in time units).
-    #[arg(long = "kv")]
-    kv_settings: Vec<String>,
-    /// A level is flagged invalid when host CPU exceeds this share.
-    #[arg(long, default_value_t = 0.70)]
-    cpu_limit: f64,
     /// Result file (JSON); the tables go beside it as .md. Default:
     /// bench/results/doks-multiturn.json, or with --quick
     /// target/bench-runs/doks-multiturn-quick.json.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Logs and configs of every cell.
-    #[arg(long, default_value = "target/bench-runs")]
-    run_dir: PathBuf,
+    #[command(flatten)]
+    sweep: SweepArgs,
 }
 
 #[derive(clap::Args)]
@@ -103,37 +84,203 @@ struct ReqArgs {
     /// recorded arrival rate (mooncake).
     #[arg(long, value_delimiter = ',')]
     levels: Vec<usize>,
-    /// Modes, as for `doks`.
-    #[arg(long, value_delimiter = ',', default_values_t = ["round_robin".to_owned(), "kv".to_owned(), "approx".to_owned(), "least_load".to_owned(), "sglang_cache_aware".to_owned()])]
-    modes: Vec<String>,
     /// Simulated time runs this many times faster (default per workload).
     #[arg(long)]
     speedup: Option<f64>,
-    /// Output tokens per streamed chunk after the first.
-    #[arg(long, default_value_t = 8)]
-    stream_interval: usize,
-    /// Warm-up window, simulated seconds.
-    #[arg(long, default_value_t = 60.0)]
-    warmup_s: f64,
     /// Measured window, simulated seconds.
     #[arg(long, default_value_t = 240.0)]
     measure_s: f64,
     /// Longest wait for requests in flight at the end, simulated seconds.
     #[arg(long, default_value_t = 300.0)]
     drain_s: f64,
-    /// Settings of the kv policy, as for `doks`.
+    /// Result file (default: bench/results/<workload>.json, or with --quick
+    /// target/bench-runs/<workload>-quick.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(flatten)]
+    sweep: SweepArgs,
+}
+
+/// The flags every sweep shares (`doks` and the request workloads).
+#[derive(clap::Args)]
+struct SweepArgs {
+    /// Modes: kv, approx, least_load, round_robin (kvgate), sglang_cache_aware (peer).
+    #[arg(long, value_delimiter = ',', default_values_t = ["round_robin".to_owned(), "kv".to_owned(), "approx".to_owned(), "least_load".to_owned(), "sglang_cache_aware".to_owned()])]
+    modes: Vec<String>,
+    /// Output tokens per streamed chunk after the first (vLLM's --stream-interval).
+    #[arg(long, default_value_t = 8)]
+    stream_interval: usize,
+    /// Warm-up window, simulated seconds.
+    #[arg(long, default_value_t = 60.0)]
+    warmup_s: f64,
+    /// Settings of the control plane's kv policy, `name=value`, repeatable
+    /// (e.g. `--kv overlap_weight=2`, `--kv unit=blocks`): see
+    /// control-plane/server/README.md. Default: none, the control plane's
+    /// own defaults (cost in time units).
     #[arg(long = "kv")]
     kv_settings: Vec<String>,
     /// A level is flagged invalid when host CPU exceeds this share.
     #[arg(long, default_value_t = 0.70)]
     cpu_limit: f64,
-    /// Result file (default: bench/results/<workload>.json, or with --quick
-    /// target/bench-runs/<workload>-quick.json).
-    #[arg(long)]
-    out: Option<PathBuf>,
     /// Logs and configs of every cell.
     #[arg(long, default_value = "target/bench-runs")]
     run_dir: PathBuf,
+}
+
+impl SweepArgs {
+    /// The short run of `--quick`: the three modes that answer the question.
+    fn quick_modes(&mut self) {
+        self.modes = vec!["round_robin".into(), "kv".into(), "sglang_cache_aware".into()];
+    }
+}
+
+/// One sweep under way: what its cells share (fleet, windows, files,
+/// provenance).
+struct Sweep {
+    fronts: Vec<Frontend>,
+    out: PathBuf,
+    run_dir: PathBuf,
+    windows: runner::Windows,
+    fleet: FleetSpec,
+    speedup: f64,
+    warmup_s: f64,
+    measure_s: f64,
+    cpu_limit: f64,
+    commit: String,
+    machine: String,
+    stamp: u64,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Sweep {
+    /// Checks the flags and lays out the sweep; `out` is relative to the
+    /// repository unless absolute.
+    fn new(a: &SweepArgs, speedup: f64, measure_s: f64, drain_s: f64, out: PathBuf) -> Result<Self> {
+        if !(speedup.is_finite() && speedup > 0.0) || a.stream_interval == 0 {
+            bail!("--speedup must be > 0 and --stream-interval at least 1");
+        }
+        let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
+        let root = kvgate_e2e::repo_root();
+        let out = if out.is_absolute() { out } else { root.join(out) };
+        let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
+        let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / speedup);
+        let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(measure_s), drain: wall(drain_s) };
+        let mut fleet = FleetSpec::doks(speedup, a.stream_interval);
+        fleet.kv_settings = kv_lines(&a.kv_settings)?;
+        let (commit, machine) = kvgate_e2e::bench_provenance();
+        let stamp =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        Ok(Self {
+            fronts,
+            out,
+            run_dir,
+            windows,
+            fleet,
+            speedup,
+            warmup_s: a.warmup_s,
+            measure_s,
+            cpu_limit: a.cpu_limit,
+            commit,
+            machine,
+            stamp,
+            rt: tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+        })
+    }
+
+    /// Runs every cell: level by level, every mode in turn on a fresh stack
+    /// (slow drifts of a shared machine fall on every mode alike). `prepare`
+    /// builds a level's workload; `cell` drives it on one stack and
+    /// summarizes the run as that mode's row.
+    fn cells<L>(
+        &self,
+        tag: &str,
+        levels: &[usize],
+        mut prepare: impl FnMut(usize) -> Result<L>,
+        mut cell: impl FnMut(&Self, &L, &Stack, &str, usize) -> Result<(runner::CellRun, stats::Row)>,
+    ) -> Result<Vec<stats::Row>> {
+        let mut rows = Vec::new();
+        for &level in levels {
+            let load = prepare(level)?;
+            for front in &self.fronts {
+                let mode = front.name();
+                let dir = self.run_dir.join(format!("{tag}-{}", self.stamp)).join(format!("{mode}-{level}"));
+                let mut stack =
+                    Stack::start(&dir, &self.fleet, front).with_context(|| format!("starting the stack for {mode}"))?;
+                let (run, row) = cell(self, &load, &stack, &mode, level)?;
+                stack.check().with_context(|| format!("{mode} at {level}: a process of the stack died"))?;
+                stack.save_diagnostics(&dir);
+                drop(stack);
+                println!(
+                    "   {level:>3} {mode:<19} TTFT p50 {:>7.0} p95 {:>7.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} % (oracle {:>5.1} %)  n {}  errors {}  CPU {:.0} %{}",
+                    row.ttft_p50_ms,
+                    row.ttft_p95_ms,
+                    row.itl_p50_ms,
+                    row.e2e_p50_s,
+                    row.output_tok_per_s,
+                    row.hit_rate * 100.0,
+                    row.oracle_hit_rate * 100.0,
+                    row.requests,
+                    row.errors,
+                    row.host_cpu * 100.0,
+                    if row.valid { "" } else { " (CPU above the limit: invalid)" }
+                );
+                std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
+                rows.push(row);
+            }
+        }
+        Ok(rows)
+    }
+
+    /// The result document's keys that every sweep has, with `extra` added.
+    fn doc(&self, stream_interval: usize, quick: bool, extra: serde_json::Value) -> serde_json::Value {
+        let fleet = &self.fleet;
+        let mut doc = serde_json::json!({
+            "commit": self.commit,
+            "machine": self.machine,
+            "speedup": self.speedup,
+            "window_s": self.measure_s,
+            "warmup_s": self.warmup_s,
+            "stream_interval": stream_interval,
+            "kv_settings": fleet.kv_settings,
+            "cpu_limit": self.cpu_limit,
+            "fleet": {
+                "workers": fleet.workers, "timing": fleet.timing, "block_size": fleet.block_size,
+                "num_blocks": fleet.num_blocks, "max_num_seqs": fleet.max_num_seqs,
+                "max_num_batched_tokens": fleet.max_num_batched_tokens,
+            },
+            "unix_time": self.stamp,
+            "quick": quick,
+        });
+        if let (Some(d), serde_json::Value::Object(e)) = (doc.as_object_mut(), extra) {
+            d.extend(e);
+        }
+        doc
+    }
+
+    /// Writes the result file, its tables, charts and HTML report, and
+    /// prints the tables.
+    fn publish(
+        &self,
+        doc: &serde_json::Value,
+        title: &str,
+        context: &str,
+        level: &str,
+        rows: &[stats::Row],
+    ) -> Result<()> {
+        if let Some(p) = self.out.parent() {
+            std::fs::create_dir_all(p)?;
+        }
+        std::fs::write(&self.out, serde_json::to_string_pretty(doc)? + "\n")?;
+        let md = report::publish(&self.out, title, context, level, rows)?;
+        println!("\n{md}");
+        println!(
+            "results: {} (and .md, .html, charts in {}/); logs: {}",
+            self.out.display(),
+            self.out.with_extension("").display(),
+            self.run_dir.display()
+        );
+        Ok(())
+    }
 }
 
 #[derive(clap::Args)]
@@ -212,35 +359,25 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         a.levels = default_levels;
     }
     if a.quick {
-        a.modes = vec!["round_robin".into(), "kv".into(), "sglang_cache_aware".into()];
-        a.warmup_s = 30.0;
+        a.sweep.quick_modes();
+        a.sweep.warmup_s = 30.0;
         a.measure_s = 60.0;
     }
     let speedup = a.speedup.unwrap_or(default_speedup);
-    if !(speedup.is_finite() && speedup > 0.0) || a.stream_interval == 0 {
-        bail!("--speedup must be > 0 and --stream-interval at least 1");
-    }
-    let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
-    let root = kvgate_e2e::repo_root();
     let out = a.out.clone().unwrap_or_else(|| {
-        if a.quick {
-            PathBuf::from(format!("target/bench-runs/{name}-quick.json"))
+        PathBuf::from(if a.quick {
+            format!("target/bench-runs/{name}-quick.json")
         } else {
-            PathBuf::from(format!("bench/results/{name}.json"))
-        }
+            format!("bench/results/{name}.json")
+        })
     });
-    let out = if out.is_absolute() { out } else { root.join(out) };
-    let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
-    let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / speedup);
-    let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(a.measure_s), drain: wall(a.drain_s) };
-    let mut fleet = FleetSpec::doks(speedup, a.stream_interval);
+    let mut sweep = Sweep::new(&a.sweep, speedup, a.measure_s, a.drain_s, out)?;
     if kind != Kind::Groups {
         // A larger fleet; each worker holds several long documents.
-        fleet.workers = 4;
-        fleet.num_blocks = 20_000;
+        sweep.fleet.workers = 4;
+        sweep.fleet.num_blocks = 20_000;
     }
-    fleet.kv_settings = kv_lines(&a.kv_settings)?;
-    let horizon = a.warmup_s + a.measure_s;
+    let horizon = a.sweep.warmup_s + a.measure_s;
     let workload_for = |level: usize| -> Result<(Requests, Load)> {
         Ok(match kind {
             Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
@@ -255,92 +392,32 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             }
         })
     };
-    let (commit, machine) = kvgate_e2e::bench_provenance();
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     println!(
         "== {title}: levels {:?} ({level_name}) x {} modes, speedup {speedup}x, windows {} s + {} s simulated ({:.1} s + {:.1} s wall)",
         a.levels,
-        fronts.len(),
-        a.warmup_s,
+        sweep.fronts.len(),
+        a.sweep.warmup_s,
         a.measure_s,
-        windows.warmup.as_secs_f64(),
-        windows.measure.as_secs_f64(),
+        sweep.windows.warmup.as_secs_f64(),
+        sweep.windows.measure.as_secs_f64(),
     );
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let mut rows = Vec::new();
-    for &level in &a.levels {
-        let (wl, load) = workload_for(level)?;
-        for front in &fronts {
-            let mode = front.name();
-            let dir = run_dir.join(format!("{name}-{stamp}")).join(format!("{mode}-{level}"));
-            let mut stack =
-                Stack::start(&dir, &fleet, front).with_context(|| format!("starting the stack for {mode}"))?;
-            let run =
-                rt.block_on(runner::run_requests(stack.front, &stack.workers, &stack.pids, &wl, load, windows))?;
-            stack.check().with_context(|| format!("{mode} at {level}: a process of the stack died"))?;
-            stack.save_diagnostics(&dir);
-            drop(stack);
-            let row = stats::summarize(
-                &mode,
-                level,
-                &run,
-                speedup,
-                u64::from(fleet.block_size),
-                stats::Oracle::Prefixes(&wl),
-                a.cpu_limit,
-            );
-            println!(
-                "   {level:>3} {mode:<19} TTFT p50 {:>7.0} p95 {:>7.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} % (oracle {:>5.1} %)  n {}  errors {}  CPU {:.0} %{}",
-                row.ttft_p50_ms,
-                row.ttft_p95_ms,
-                row.itl_p50_ms,
-                row.e2e_p50_s,
-                row.output_tok_per_s,
-                row.hit_rate * 100.0,
-                row.oracle_hit_rate * 100.0,
-                row.requests,
-                row.errors,
-                row.host_cpu * 100.0,
-                if row.valid { "" } else { " (CPU above the limit: invalid)" }
-            );
-            std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
-            rows.push(row);
-        }
-    }
+    let rows = sweep.cells(name, &a.levels, workload_for, |sw, (wl, load), stack, mode, level| {
+        let run =
+            sw.rt.block_on(runner::run_requests(stack.front, &stack.workers, &stack.pids, wl, *load, sw.windows))?;
+        let block = u64::from(sw.fleet.block_size);
+        let row = stats::summarize(mode, level, &run, speedup, block, stats::Oracle::Prefixes(wl), sw.cpu_limit);
+        Ok((run, row))
+    })?;
     let context = format!(
-        "commit {commit}, {machine}; {} workers; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured (simulated); levels: {level_name}",
-        fleet.workers, a.stream_interval, a.warmup_s, a.measure_s
+        "commit {}, {}; {} workers; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured (simulated); levels: {level_name}",
+        sweep.commit, sweep.machine, sweep.fleet.workers, a.sweep.stream_interval, a.sweep.warmup_s, a.measure_s
     );
-    let doc = serde_json::json!({
-        "workload": name,
-        "title": title,
-        "context": context,
-        "level": level_name,
-        "rows": rows,
-        "commit": commit,
-        "machine": machine,
-        "speedup": speedup,
-        "window_s": a.measure_s,
-        "warmup_s": a.warmup_s,
-        "stream_interval": a.stream_interval,
-        "kv_settings": fleet.kv_settings,
-        "cpu_limit": a.cpu_limit,
-        "fleet": {
-            "workers": fleet.workers, "timing": fleet.timing, "block_size": fleet.block_size,
-            "num_blocks": fleet.num_blocks, "max_num_seqs": fleet.max_num_seqs,
-            "max_num_batched_tokens": fleet.max_num_batched_tokens,
-        },
-        "unix_time": stamp,
-        "quick": a.quick,
-    });
-    if let Some(p) = out.parent() {
-        std::fs::create_dir_all(p)?;
-    }
-    std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
-    let md = report::publish(&out, title, &context, level_name, &rows)?;
-    println!("\n{md}");
-    println!("results: {} (and .md, .html, charts); logs: {}", out.display(), run_dir.display());
-    Ok(())
+    let doc = sweep.doc(
+        a.sweep.stream_interval,
+        a.quick,
+        serde_json::json!({"workload": name, "title": title, "context": context, "level": level_name, "rows": rows}),
+    );
+    sweep.publish(&doc, title, &context, level_name, &rows)
 }
 
 fn kv_lines(settings: &[String]) -> Result<Vec<String>> {
@@ -453,14 +530,9 @@ fn rewrite_report(json: &std::path::Path) -> Result<()> {
 fn doks(mut a: DoksArgs) -> Result<()> {
     if a.quick {
         a.levels = vec![60, 120, 180];
-        a.modes = vec!["round_robin".into(), "kv".into(), "sglang_cache_aware".into()];
+        a.sweep.quick_modes();
         a.measure_s = 120.0;
     }
-    if !(a.speedup.is_finite() && a.speedup > 0.0) || a.stream_interval == 0 {
-        bail!("--speedup must be > 0 and --stream-interval at least 1");
-    }
-    let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
-    let root = kvgate_e2e::repo_root();
     let out = a.out.clone().unwrap_or_else(|| {
         PathBuf::from(if a.quick {
             "target/bench-runs/doks-multiturn-quick.json"
@@ -468,118 +540,61 @@ fn doks(mut a: DoksArgs) -> Result<()> {
             "bench/results/doks-multiturn.json"
         })
     });
-    let out = if out.is_absolute() { out } else { root.join(out) };
-    let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
-    let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / a.speedup);
-    let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(a.measure_s), drain: wall(a.drain_s) };
-    let mut fleet = FleetSpec::doks(a.speedup, a.stream_interval);
-    fleet.kv_settings = kv_lines(&a.kv_settings)?;
+    let sweep = Sweep::new(&a.sweep, a.speedup, a.measure_s, a.drain_s, out)?;
     let workload = workload::Doks::default();
     let starter_shared = workload.starter_shared_tokens(&stack::tokenizer_dir())?;
-    let (commit, machine) = kvgate_e2e::bench_provenance();
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let cells = a.levels.len() * fronts.len();
-    let per_cell = windows.warmup + windows.measure;
+    let cells = a.levels.len() * sweep.fronts.len();
+    let per_cell = sweep.windows.warmup + sweep.windows.measure;
     println!(
         "== DOKS multi-turn: {} levels x {} modes, speedup {}x, windows {} s + {} s simulated ({:.1} s + {:.1} s wall); about {:.0} min",
         a.levels.len(),
-        fronts.len(),
+        sweep.fronts.len(),
         a.speedup,
-        a.warmup_s,
+        a.sweep.warmup_s,
         a.measure_s,
-        windows.warmup.as_secs_f64(),
-        windows.measure.as_secs_f64(),
+        sweep.windows.warmup.as_secs_f64(),
+        sweep.windows.measure.as_secs_f64(),
         (cells as f64 * (per_cell.as_secs_f64() + 12.0)) / 60.0
     );
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let mut rows = Vec::new();
-    // Level by level, every mode in turn: slow drifts of a shared machine
-    // fall on every mode alike.
-    for &c in &a.levels {
-        for front in &fronts {
-            let name = front.name();
-            let dir = run_dir.join(format!("doks-{stamp}")).join(format!("{name}-{c}"));
-            let mut stack =
-                Stack::start(&dir, &fleet, front).with_context(|| format!("starting the stack for {name}"))?;
-            let run = rt.block_on(runner::run_doks(
+    let rows = sweep.cells(
+        "doks",
+        &a.levels,
+        |_| Ok(()),
+        |sw, (), stack, mode, c| {
+            let run = sw.rt.block_on(runner::run_doks(
                 stack.front,
                 &stack.workers,
                 &stack.pids,
                 &workload,
                 c,
-                windows,
+                sw.windows,
                 1_000_000,
             ))?;
-            stack.check().with_context(|| format!("{name} at {c}: a process of the stack died"))?;
-            stack.save_diagnostics(&dir);
-            drop(stack);
-            let row = stats::summarize(
-                &name,
-                c,
-                &run,
-                a.speedup,
-                u64::from(fleet.block_size),
-                stats::Oracle::Doks(&starter_shared),
-                a.cpu_limit,
-            );
-            println!(
-                "   {c:>3} {name:<19} TTFT p50 {:>6.0} p95 {:>6.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} %  errors {}  CPU {:.0} %{}",
-                row.ttft_p50_ms,
-                row.ttft_p95_ms,
-                row.itl_p50_ms,
-                row.e2e_p50_s,
-                row.output_tok_per_s,
-                row.hit_rate * 100.0,
-                row.errors,
-                row.host_cpu * 100.0,
-                if row.valid { "" } else { " (CPU above the limit: invalid)" }
-            );
-            std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
-            rows.push(row);
-        }
-    }
+            let block = u64::from(sw.fleet.block_size);
+            let row =
+                stats::summarize(mode, c, &run, sw.speedup, block, stats::Oracle::Doks(&starter_shared), sw.cpu_limit);
+            Ok((run, row))
+        },
+    )?;
     let context = format!(
-        "commit {commit}, {machine}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)",
-        a.speedup, a.stream_interval, a.warmup_s, a.measure_s
+        "commit {}, {}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)",
+        sweep.commit, sweep.machine, a.speedup, a.sweep.stream_interval, a.sweep.warmup_s, a.measure_s
     );
-    let doc = serde_json::json!({
-        "workload": "doks-multiturn",
-        "title": "DOKS multi-turn sweep",
-        "context": context,
-        "rows": rows,
-        "commit": commit,
-        "machine": machine,
-        "speedup": a.speedup,
-        "window_s": a.measure_s,
-        "warmup_s": a.warmup_s,
-        "wall_window_s": windows.measure.as_secs_f64(),
-        "stream_interval": a.stream_interval,
-        "kv_settings": fleet.kv_settings,
-        "cpu_limit": a.cpu_limit,
-        "fleet": {
-            "workers": fleet.workers, "timing": fleet.timing, "block_size": fleet.block_size,
-            "num_blocks": fleet.num_blocks, "max_num_seqs": fleet.max_num_seqs,
-            "max_num_batched_tokens": fleet.max_num_batched_tokens,
-        },
-        "workload_shape": {
-            "starters": workload.starters, "starter_tokens": starter_shared,
-            "turns": [workload.turns.0, workload.turns.1],
-            "output_tokens": [workload.output_tokens.0, workload.output_tokens.1],
-        },
-        "unix_time": stamp,
-        "quick": a.quick,
-    });
-    if let Some(p) = out.parent() {
-        std::fs::create_dir_all(p)?;
-    }
-    std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
-    let md = report::publish(&out, "DOKS multi-turn sweep", &context, "conc.", &rows)?;
-    println!("\n{md}");
-    println!(
-        "results: {} (and .md, .html, charts in {}/); logs: {}",
-        out.display(),
-        out.with_extension("").display(),
-        run_dir.display()
+    let doc = sweep.doc(
+        a.sweep.stream_interval,
+        a.quick,
+        serde_json::json!({
+            "workload": "doks-multiturn",
+            "title": "DOKS multi-turn sweep",
+            "context": context,
+            "rows": rows,
+            "wall_window_s": sweep.windows.measure.as_secs_f64(),
+            "workload_shape": {
+                "starters": workload.starters, "starter_tokens": starter_shared,
+                "turns": [workload.turns.0, workload.turns.1],
+                "output_tokens": [workload.output_tokens.0, workload.output_tokens.1],
+            },
+        }),
     );
-    Ok(())
+    sweep.publish(&doc, "DOKS multi-turn sweep", &context, "conc.", &rows)
 }
