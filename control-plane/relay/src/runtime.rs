@@ -11,8 +11,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use kvgate_protocol::nats_url::NatsAuth;
-
 use futures_util::StreamExt;
 use kvgate_protocol::pb;
 use kvgate_protocol::subject::Subjects;
@@ -110,11 +108,7 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
     // Credentials in the URL become connect options (the client ignores them there).
     let url = kvgate_protocol::nats_url::split_nats_url(&opts.nats_url);
     let connect = async_nats::ConnectOptions::new().name(format!("kvgate-relay {}", opts.worker_id));
-    let connect = match url.auth {
-        NatsAuth::None => connect,
-        NatsAuth::UserPassword { user, password } => connect.user_and_password(user, password),
-        NatsAuth::Token(token) => connect.token(token),
-    };
+    let connect = url.auth.connect_options(connect);
     let nats = connect.connect(url.servers.as_str()).await.map_err(nats_err)?;
     let kv_subject = opts.subjects.kv_events(&opts.model, &opts.worker_id);
     let hb_subject = opts.subjects.heartbeat(&opts.model, &opts.worker_id);

@@ -193,20 +193,6 @@ fn server_tls(files: &crate::config::TlsFiles) -> Result<tonic::transport::Serve
     Ok(tls)
 }
 
-/// Credentials from the NATS URL as connect options (the client library
-/// ignores user info in the URL).
-pub fn with_nats_auth(
-    opts: async_nats::ConnectOptions,
-    auth: kvgate_protocol::nats_url::NatsAuth,
-) -> async_nats::ConnectOptions {
-    use kvgate_protocol::nats_url::NatsAuth;
-    match auth {
-        NatsAuth::None => opts,
-        NatsAuth::UserPassword { user, password } => opts.user_and_password(user, password),
-        NatsAuth::Token(t) => opts.token(t),
-    }
-}
-
 async fn nats_task(
     app: Arc<App>,
     url: String,
@@ -216,7 +202,9 @@ async fn nats_task(
     // Connect with retries: the control plane serves (by load) meanwhile.
     let client = loop {
         let nurl = kvgate_protocol::nats_url::split_nats_url(&url);
-        let opts = with_nats_auth(async_nats::ConnectOptions::new(), nurl.auth)
+        let opts = nurl
+            .auth
+            .connect_options(async_nats::ConnectOptions::new())
             .name(format!("kvgate-control-plane {}", app.config.replica_id))
             .retry_on_initial_connect()
             .max_reconnects(None);

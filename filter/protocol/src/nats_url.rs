@@ -30,6 +30,18 @@ pub enum NatsAuth {
     Token(String),
 }
 
+#[cfg(feature = "nats")]
+impl NatsAuth {
+    /// These credentials as async-nats connect options, added to `opts`.
+    pub fn connect_options(self, opts: async_nats::ConnectOptions) -> async_nats::ConnectOptions {
+        match self {
+            Self::None => opts,
+            Self::UserPassword { user, password } => opts.user_and_password(user, password),
+            Self::Token(token) => opts.token(token),
+        }
+    }
+}
+
 /// A NATS URL split into its credentials and the addresses without them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NatsUrl {
