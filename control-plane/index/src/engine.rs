@@ -70,6 +70,18 @@ struct Bucket {
 const EMPTY_BUCKET: Bucket = Bucket { tag: 0, slot: NO_SLOT };
 const MIN_BUCKETS: usize = 16;
 
+/// Where a probe for one engine hash ended: the bucket holding it (`slot`
+/// is then its entry), or the empty bucket where it would go. Valid until
+/// the table next changes; it saves a second probe when a lookup is followed
+/// by an insert or a removal of the same hash.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Probe {
+    bucket: usize,
+    tag: u32,
+    /// The slot of the entry found.
+    pub(crate) slot: Option<u32>,
+}
+
 /// Engine hash → entry for one worker and tier.
 #[derive(Debug)]
 pub(crate) struct Engine {
@@ -120,20 +132,22 @@ impl Engine {
         self.buckets.len() - 1
     }
 
-    /// The bucket holding `engine`, or the empty bucket where it would go.
+    /// Looks `engine` up: the bucket holding it, or the empty bucket where
+    /// it would go.
     #[inline]
-    fn probe(&self, engine: u64, tag: u32) -> (usize, Option<u32>) {
+    pub(crate) fn probe(&self, engine: u64) -> Probe {
+        let tag = self.tag(engine);
         let mask = self.mask();
         let mut i = self.home(tag);
         loop {
             match self.buckets.get(i) {
-                Some(b) if b.slot == NO_SLOT => return (i, None),
+                Some(b) if b.slot == NO_SLOT => return Probe { bucket: i, tag, slot: None },
                 Some(b) if b.tag == tag && self.get(b.slot).is_some_and(|e| e.engine == engine) => {
-                    return (i, Some(b.slot));
+                    return Probe { bucket: i, tag, slot: Some(b.slot) };
                 }
                 Some(_) => i = (i + 1) & mask,
                 // Unreachable: `i` is masked and the table is never full.
-                None => return (i, None),
+                None => return Probe { bucket: i, tag, slot: None },
             }
         }
     }
@@ -210,12 +224,19 @@ impl Engine {
     /// The slot holding engine hash `engine`.
     #[inline]
     pub(crate) fn find(&self, engine: u64) -> Option<u32> {
-        self.probe(engine, self.tag(engine)).1
+        self.probe(engine).slot
     }
 
     /// Stores `entry` (whose engine hash must not be held yet, and whose
     /// `refs` must be at least 1) and returns its slot.
     pub(crate) fn insert(&mut self, entry: Entry) -> u32 {
+        let at = self.probe(entry.engine);
+        self.insert_at(at, entry)
+    }
+
+    /// Stores `entry` where `at`, a probe of its engine hash that found
+    /// nothing, taken since the table last changed, says it goes.
+    pub(crate) fn insert_at(&mut self, at: Probe, entry: Entry) -> u32 {
         let slot = match self.free {
             Some(s) => {
                 let (p, i) = split(s);
@@ -236,10 +257,8 @@ impl Engine {
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
             *e = entry;
         }
-        let tag = self.tag(entry.engine);
-        let (b, _) = self.probe(entry.engine, tag);
-        if let Some(x) = self.buckets.get_mut(b) {
-            *x = Bucket { tag, slot };
+        if let Some(x) = self.buckets.get_mut(at.bucket) {
+            *x = Bucket { tag: at.tag, slot };
         }
         self.len += 1;
         if self.len * 4 > self.buckets.len() * 3 && self.bits < 32 {
@@ -250,11 +269,19 @@ impl Engine {
 
     /// Deletes the entry in `slot` and returns it.
     pub(crate) fn remove(&mut self, slot: u32) -> Option<Entry> {
-        let entry = *self.get(slot)?;
-        let (hole, found) = self.probe(entry.engine, self.tag(entry.engine));
-        if found == Some(slot) {
-            self.delete_bucket(hole);
+        let at = self.probe(self.get(slot)?.engine);
+        if at.slot != Some(slot) {
+            return None;
         }
+        self.remove_at(at)
+    }
+
+    /// Deletes the entry `at` found (a probe taken since the table last
+    /// changed) and returns it.
+    pub(crate) fn remove_at(&mut self, at: Probe) -> Option<Entry> {
+        let slot = at.slot?;
+        let entry = *self.get(slot)?;
+        self.delete_bucket(at.bucket);
         let (p, i) = split(slot);
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
             *e = Entry { parent: self.free.unwrap_or(NO_SLOT), ..FREE };

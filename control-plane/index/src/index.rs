@@ -7,7 +7,7 @@ use std::collections::hash_map::Entry as MapEntry;
 use foldhash::fast::RandomState;
 use kvgate_protocol::{BlockSize, EngineBlockHash, SequenceHash, local_block_hash, next_sequence_hash};
 
-use crate::engine::{Engine, Entry, NO_SLOT};
+use crate::engine::{Engine, Entry, NO_SLOT, Probe};
 use crate::event::{KvEvent, Origin, Stored, Tier};
 use crate::seq_table::SeqTable;
 use crate::worker_set::{ManySets, SetRef, WorkerSet, member_fp};
@@ -426,20 +426,7 @@ impl Index {
         let mut parent = s.parent;
         let mut parent_slot = None;
         for (i, (h, seq)) in s.engine_hashes.iter().zip(&seqs).enumerate() {
-            if let (Some(map), Some(sets)) =
-                (self.slot(w).and_then(|x| x.engine.get(s.tier.idx())), self.tiers.get(s.tier.idx()))
-            {
-                if i == 0 {
-                    for (h, seq) in s.engine_hashes.iter().zip(&seqs).take(LOOKAHEAD) {
-                        map.prefetch_bucket(*h);
-                        sets.table.prefetch(*seq);
-                    }
-                }
-                if let (Some(h), Some(seq)) = (s.engine_hashes.get(i + LOOKAHEAD), seqs.get(i + LOOKAHEAD)) {
-                    map.prefetch_bucket(*h);
-                    sets.table.prefetch(*seq);
-                }
-            }
+            self.prefetch_store(w, s.tier, s.engine_hashes, &seqs, i);
             let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot };
             parent_slot = self.store_ref(w, s.tier, block, s.origin);
             parent = Some(*h);
@@ -463,22 +450,32 @@ impl Index {
         else {
             return;
         };
-        let stage = |k: usize, f: &dyn Fn(u64)| {
-            if i == 0 {
-                hashes.iter().take(k + 1).for_each(|h| f(*h));
-            } else if let Some(h) = hashes.get(i + k) {
-                f(*h);
-            }
-        };
-        stage(3 * LOOKAHEAD, &|h| map.prefetch_bucket(h));
-        stage(2 * LOOKAHEAD, &|h| {
-            map.prefetch_entry(h);
-        });
-        stage(LOOKAHEAD, &|h| {
-            if let Some(e) = map.prefetch_entry(h).and_then(|slot| map.get(slot)) {
+        for j in ahead(i, 3 * LOOKAHEAD, hashes.len()) {
+            map.prefetch_bucket(hashes[j]);
+        }
+        for j in ahead(i, 2 * LOOKAHEAD, hashes.len()) {
+            map.prefetch_entry(hashes[j]);
+        }
+        for j in ahead(i, LOOKAHEAD, hashes.len()) {
+            if let Some(e) = map.prefetch_entry(hashes[j]).and_then(|slot| map.get(slot)) {
                 sets.table.prefetch(e.seq);
             }
-        });
+        }
+    }
+
+    /// Prefetch for a stored chain, run before storing block `i`: the
+    /// engine bucket and the prefix-table slot of block `i + L` (both
+    /// addresses follow from hashes already known).
+    #[inline]
+    fn prefetch_store(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], seqs: &[SequenceHash], i: usize) {
+        let (Some(map), Some(sets)) = (self.slot(w).and_then(|s| s.engine.get(tier.idx())), self.tiers.get(tier.idx()))
+        else {
+            return;
+        };
+        for j in ahead(i, LOOKAHEAD, hashes.len().min(seqs.len())) {
+            map.prefetch_bucket(hashes[j]);
+            sets.table.prefetch(seqs[j]);
+        }
     }
 
     /// Adds a reference to `block`; returns its entry's slot.
@@ -487,7 +484,9 @@ impl Index {
         let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
         let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
         let map = worker.engine.get_mut(tier.idx())?;
-        if let Some(slot) = map.find(engine)
+        let probe = map.probe(engine);
+        let mut vacant = Some(probe);
+        if let Some(slot) = probe.slot
             && let Some(e) = map.get_mut(slot)
         {
             if e.seq == seq {
@@ -503,9 +502,10 @@ impl Index {
             }
             // Same engine hash, other content: replace the old entry.
             self.counters.hash_conflicts += 1;
-            self.remove_entry(w, tier, slot);
+            self.remove_entry(w, tier, slot, Some(probe));
+            vacant = None;
         }
-        let slot = self.insert_entry(w, tier, block);
+        let slot = self.insert_entry(w, tier, block, vacant);
         if origin == Origin::Reused {
             self.counters.reused_reports += 1;
         } else {
@@ -515,8 +515,9 @@ impl Index {
     }
 
     /// Creates a worker's entry and its membership, with parent accounting;
-    /// returns its slot.
-    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock) -> Option<u32> {
+    /// returns its slot. `vacant`: the probe that found its engine hash
+    /// absent, when the table has not changed since (saves a second probe).
+    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, vacant: Option<Probe>) -> Option<u32> {
         let NewBlock { engine, seq, parent, parent_slot } = block;
         let t = tier.idx();
         let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
@@ -538,7 +539,7 @@ impl Index {
             None if parent.is_some() => *holes += 1,
             None => {}
         }
-        let slot = map.insert(Entry {
+        let entry = Entry {
             engine,
             seq,
             parent: pslot.unwrap_or(NO_SLOT),
@@ -546,7 +547,11 @@ impl Index {
             children: 0,
             refs: 1,
             has_parent: parent.is_some(),
-        });
+        };
+        let slot = match vacant {
+            Some(at) => map.insert_at(at, entry),
+            None => map.insert(entry),
+        };
         self.add_membership(w, tier, seq);
         Some(slot)
     }
@@ -554,11 +559,18 @@ impl Index {
     /// Deletes a worker's entry (all references) and its membership, with
     /// parent/child accounting: its held children become holes; it stops
     /// being its parent's child, or a hole.
-    fn remove_entry(&mut self, w: WorkerIdx, tier: Tier, slot: u32) -> bool {
+    ///
+    /// `found`: the probe that found it, when the table has not changed
+    /// since (saves a second probe).
+    fn remove_entry(&mut self, w: WorkerIdx, tier: Tier, slot: u32, found: Option<Probe>) -> bool {
         let t = tier.idx();
         let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return false };
         let (Some(map), Some(holes)) = (worker.engine.get_mut(t), worker.holes.get_mut(t)) else { return false };
-        let Some(e) = map.remove(slot) else { return false };
+        let removed = match found {
+            Some(at) if at.slot == Some(slot) => map.remove_at(at),
+            _ => map.remove(slot),
+        };
+        let Some(e) = removed else { return false };
         *holes += u64::from(e.children);
         if e.has_parent {
             match map.get_mut(e.parent) {
@@ -578,7 +590,8 @@ impl Index {
         else {
             return;
         };
-        let Some((slot, e)) = map.find(engine).and_then(|s| Some(s).zip(map.get_mut(s))) else {
+        let probe = map.probe(engine);
+        let Some((slot, e)) = probe.slot.and_then(|s| Some(s).zip(map.get_mut(s))) else {
             self.counters.unknown_removals += 1;
             return;
         };
@@ -587,7 +600,7 @@ impl Index {
             e.refs -= 1;
             return;
         }
-        self.remove_entry(w, tier, slot);
+        self.remove_entry(w, tier, slot, Some(probe));
     }
 
     /// Records that `w` holds `seq` under one more engine hash.
@@ -650,7 +663,7 @@ impl Index {
         }
         ages.truncate(excess);
         for (_, slot) in ages {
-            if self.remove_entry(w, Tier::Device, slot) {
+            if self.remove_entry(w, Tier::Device, slot, None) {
                 self.counters.capacity_evictions += 1;
             }
         }
@@ -810,6 +823,13 @@ impl Index {
         let map = self.slot(w)?.engine.get(tier.idx())?;
         map.get(map.find(engine.0)?).map(|e| (e.seq, u16::from(e.refs)))
     }
+}
+
+/// The blocks to prefetch before working on block `i`, `k` blocks ahead in
+/// a batch of `n`: block `i + k`, or at the start every block up to it.
+#[inline]
+fn ahead(i: usize, k: usize, n: usize) -> std::ops::Range<usize> {
+    if i == 0 { 0..(k + 1).min(n) } else { (i + k).min(n)..(i + k + 1).min(n) }
 }
 
 /// The block-by-block walk of `find_matches` from block `start`, with
