@@ -6,6 +6,9 @@
 //! same text followed by a question that changes every iteration, encoded
 //! as the control plane does (by cached paragraphs): a RAG prompt or a
 //! first turn on a shared starter, after the document was seen once.
+//! `added_tokens`: whether a chat turn's text starts or ends with one of the
+//! tokenizer's 1,283 added tokens (asked on every new turn), by hash set
+//! per distinct length (`set`) against comparing every token (`scan`).
 //! `cargo bench -p kvgate-tokenize --bench encode`.
 
 use std::hint::black_box;
@@ -58,6 +61,25 @@ fn bench(c: &mut Criterion) {
             b.iter(|| tk.encode_reference(black_box(t)).unwrap())
         });
     }
+    g.finish();
+
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+    let tokens: Vec<String> = json["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["content"].as_str().map(str::to_owned))
+        .collect();
+    let set = kvgate_tokenize::added::AddedTokens::new(tokens.iter().map(String::as_str));
+    let turn = "Question 17: what does the text above decide about the cache?";
+    let mut g = c.benchmark_group("added_tokens");
+    g.bench_function("set", |b| b.iter(|| set.is_prefix_of(black_box(turn)) || set.is_suffix_of(black_box(turn))));
+    g.bench_function("scan", |b| {
+        b.iter(|| {
+            tokens.iter().any(|t| black_box(turn).starts_with(t.as_str()) || black_box(turn).ends_with(t.as_str()))
+        })
+    });
     g.finish();
 }
 

@@ -15,6 +15,7 @@
 //! benchmark).
 #![warn(missing_docs)]
 
+pub mod added;
 pub mod fast;
 pub mod prompt;
 
@@ -56,9 +57,9 @@ pub struct ChatTokenizer {
     bos_token: String,
     eos_token: String,
     add_bos_token: bool,
-    /// Contents of the added (special) tokens, longest first: the tokenizer
-    /// splits them out before BPE, so no merge crosses them.
-    added: Vec<String>,
+    /// Contents of the added (special) tokens: the tokenizer splits them
+    /// out before BPE, so no merge crosses them.
+    added: added::AddedTokens,
     /// The direct encoder, when the tokenizer has a shape it reproduces and
     /// it agreed with `tokenizer` on [`SELF_CHECK`] at load.
     fast: Option<fast::FastBpe>,
@@ -142,13 +143,13 @@ impl ChatTokenizer {
     ) -> Result<Self, TokenizeError> {
         let mut env = minijinja::Environment::new();
         env.add_template_owned("chat", template).map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let mut added: Vec<String> = tokenizer
-            .get_added_tokens_decoder()
-            .values()
-            .filter(|t| !t.content.is_empty() && !t.lstrip && !t.rstrip)
-            .map(|t| t.content.clone())
-            .collect();
-        added.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        let added = added::AddedTokens::new(
+            tokenizer
+                .get_added_tokens_decoder()
+                .values()
+                .filter(|t| !t.lstrip && !t.rstrip)
+                .map(|t| t.content.as_str()),
+        );
         let fast = load_fast(&tokenizer);
         Ok(Self { tokenizer, env, bos_token, eos_token, add_bos_token: false, added, fast })
     }
@@ -271,20 +272,18 @@ impl ChatTokenizer {
     /// an added token (split out before any merge) ends `before` or starts
     /// `after`, or one side is empty.
     pub fn boundary_safe(&self, before: &str, after: &str) -> bool {
-        before.is_empty()
-            || after.is_empty()
-            || self.added.iter().any(|t| after.starts_with(t.as_str()) || before.ends_with(t.as_str()))
+        before.is_empty() || after.is_empty() || self.added.is_prefix_of(after) || self.added.is_suffix_of(before)
     }
 
     /// Whether `text` ends with an added token (one side of
     /// [`Self::boundary_safe`]).
     pub fn ends_with_added(&self, text: &str) -> bool {
-        self.added.iter().any(|t| text.ends_with(t.as_str()))
+        self.added.is_suffix_of(text)
     }
 
     /// Whether `text` starts with an added token.
     pub fn starts_with_added(&self, text: &str) -> bool {
-        self.added.iter().any(|t| text.starts_with(t.as_str()))
+        self.added.is_prefix_of(text)
     }
 
     /// Token ids of a chat request, as vLLM computes them.
