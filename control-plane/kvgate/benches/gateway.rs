@@ -22,7 +22,8 @@
 //! Reported per size: client-side latency p50/p99 of each side, their
 //! difference (the added latency), and on-CPU time per request of each Envoy
 //! (and of the control plane), all threads, exited ones included, from
-//! `/proc/<pid>/stat`. Every kvgate request must have been
+//! `/proc/<pid>/stat`; and the added p50/p99 of each third of the run
+//! (`added_by_third`), the spread within one run. Every kvgate request must have been
 //! steered (no fallback), or the run fails.
 //!
 //! Result: `bench/results/gateway-overhead.json` with the commit and machine.
@@ -295,6 +296,20 @@ fn main() {
         std::thread::sleep(Duration::from_millis(5500));
         let per = |d: u64| ((d as f64 / pairs as f64 / 1000.0) * 10.0).round() / 10.0;
         let r = |x: f64| (x * 10.0).round() / 10.0;
+        // The added latency in each third of the run (requests in order),
+        // to show how much it moves within one run on this machine.
+        let thirds: Vec<Value> = (0..3)
+            .map(|t| {
+                let third = |arm: &str| {
+                    let lat = &arms.iter().find(|a| a.name == arm).unwrap().lat;
+                    let mut v = lat[t * lat.len() / 3..(t + 1) * lat.len() / 3].to_vec();
+                    v.sort_by(f64::total_cmp);
+                    (pct(&v, 0.5), pct(&v, 0.99))
+                };
+                let ((b50, b99), (k50, k99)) = (third("baseline"), third("kvgate"));
+                json!({"added_p50_us": r(k50 - b50), "added_p99_us": r(k99 - b99)})
+            })
+            .collect();
         let mut stats = serde_json::Map::new();
         for (k, arm) in arms.iter_mut().enumerate() {
             arm.lat.sort_by(f64::total_cmp);
@@ -357,14 +372,22 @@ fn main() {
                 "kvgate_pick_rtt_p50_us": stats["kvgate"]["filter_pick_rtt_p50_us"].clone(),
                 "arms": stats,
             },
+            "added_by_third": thirds,
             "goal": {"added_p50_us": goal_p50, "added_p99_us": goal_p99,
                      "met": k50 - b50 <= goal_p50 && k99 - b99 <= goal_p99},
         });
+        let by_third: Vec<String> = row["added_by_third"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| format!("{}/{}", t["added_p50_us"], t["added_p99_us"]))
+            .collect();
         table.push(format!(
-            "{label:>5} {tokens:>7} tok {:>7} B | baseline p50 {b50:>7.1} p99 {b99:>7.1} | kvgate p50 {k50:>7.1} p99 {k99:>7.1} | added p50 {:>7.1} p99 {:>7.1} µs (filter alone {:>6.1}, + load-only callout {:>6.1}) | envoy CPU/req {:>6.1} → {:>6.1} µs, control plane {:>6.1} µs | endpoint picker (ext_proc) added p50 {:>7.1} p99 {:>7.1} µs, buffered {:>7.1} / {:>7.1} µs",
+            "{label:>5} {tokens:>7} tok {:>7} B | baseline p50 {b50:>7.1} p99 {b99:>7.1} | kvgate p50 {k50:>7.1} p99 {k99:>7.1} | added p50 {:>7.1} p99 {:>7.1} µs (by third of the run {}; filter alone {:>6.1}, + load-only callout {:>6.1}) | envoy CPU/req {:>6.1} → {:>6.1} µs, control plane {:>6.1} µs | endpoint picker (ext_proc) added p50 {:>7.1} p99 {:>7.1} µs, buffered {:>7.1} / {:>7.1} µs",
             bodies[20].len(),
             k50 - b50,
             k99 - b99,
+            by_third.join(", "),
             g("filter_no_callout", "p50_us") - b50,
             g("filter_load_only_cp", "p50_us") - b50,
             g("baseline", "envoy_cpu_us_per_req"),
