@@ -46,11 +46,18 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         _ => {
-            // A chat request whose messages are arbitrary bytes.
+            // A chat request whose messages are arbitrary bytes; the
+            // selector's bit 6 marks the first one elided (left out by the
+            // filter because the control plane said it holds it).
             let segs: Vec<pb::Segment> = rest
                 .split(|b| *b == 0)
                 .take(8)
-                .map(|m| pb::Segment { chain_hash: 0, role: String::new(), message_json: m.to_vec() })
+                .enumerate()
+                .map(|(i, m)| pb::Segment {
+                    message_json: m.to_vec(),
+                    elided: i == 0 && sel & 0x40 != 0,
+                    ..Default::default()
+                })
                 .collect();
             let req = pb::PickRequest {
                 model: "m".into(),
