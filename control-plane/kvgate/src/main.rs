@@ -365,6 +365,23 @@ struct RelayArgs {
     /// Where to serve the relay's Prometheus metrics (e.g. 0.0.0.0:9101).
     #[arg(long, env = "KVGATE_RELAY_METRICS")]
     listen_metrics: Option<std::net::SocketAddr>,
+    /// The engine's health URL (default: /health beside --metrics-url).
+    #[arg(long, env = "KVGATE_HEALTH_URL")]
+    health_url: Option<String>,
+    /// Health probe period in milliseconds.
+    #[arg(long, env = "KVGATE_HEALTH_MS", default_value_t = 250)]
+    health_ms: u64,
+    /// A probe that takes longer than this (ms) has failed.
+    #[arg(long, env = "KVGATE_HEALTH_TIMEOUT_MS", default_value_t = 1000)]
+    health_timeout_ms: u64,
+    /// Probes failing for this long (ms) = the engine is down: its blocks
+    /// are cleared from every index.
+    #[arg(long, env = "KVGATE_DOWN_AFTER_MS", default_value_t = 3000)]
+    down_after_ms: u64,
+    /// Messages held for NATS while it is unreachable (beyond, dropped and
+    /// repaired by snapshots).
+    #[arg(long, env = "KVGATE_PUBLISH_QUEUE", default_value_t = 8192)]
+    publish_queue: usize,
 }
 
 fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
@@ -396,7 +413,21 @@ fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
         max_num_seqs: a.max_num_seqs,
         snapshot_max_chunk_bytes: 900 * 1024,
         listen_metrics: a.listen_metrics,
+        health_url: a.health_url,
+        health_interval: std::time::Duration::from_millis(a.health_ms.max(10)),
+        health_timeout: std::time::Duration::from_millis(a.health_timeout_ms.max(10)),
+        down_after: std::time::Duration::from_millis(a.down_after_ms),
+        publish_queue: a.publish_queue.max(16),
     })
+}
+
+/// Logs to stderr, filtered by `KVGATE_LOG` (or `RUST_LOG`), `info` by
+/// default: the control plane and the relay log alike.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVGATE_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 
 fn parse_tokens(text: &str) -> Result<Vec<u32>> {
@@ -444,13 +475,7 @@ fn main() -> Result<()> {
         }
         Command::Serve(args) => {
             let config = serve_config(*args)?;
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_env("KVGATE_LOG")
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                .init();
+            init_logging();
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             rt.block_on(kvgate_server::run(config, kvgate_server::server::shutdown_signal(), |b, _| {
                 // One machine-readable line for launchers and tests.
@@ -460,13 +485,9 @@ fn main() -> Result<()> {
         Command::Sim(args) => run_sim(*args)?,
         Command::Relay(args) => {
             let opts = relay_options(*args)?;
+            init_logging();
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            rt.block_on(async {
-                let stop = async {
-                    let _ = tokio::signal::ctrl_c().await;
-                };
-                kvgate_relay::runtime::run(opts, stop).await
-            })?;
+            rt.block_on(kvgate_relay::runtime::run(opts, kvgate_server::server::shutdown_signal()))?;
         }
         Command::Version => println!("kvgate {}", env!("CARGO_PKG_VERSION")),
     }

@@ -12,8 +12,26 @@
 //! | first message, `s = 0` | fresh engine | apply |
 //! | first message, `s > 0` | the relay joined late | replay from 0 if a replay socket is configured (vLLM answers with what it still buffers), else apply |
 //! | `s = l + 1` | in order | apply |
-//! | `s ≤ l` | the engine restarted (sequence back to 0; ZMQ never redelivers a live message) | publish `AllBlocksCleared`, clear the mirror, `engine_generation += 1`, apply |
+//! | `s ≤ l`, same bytes as the batch applied as `s` | a duplicate (a retransmitting proxy, a test harness, a PUB connected twice) | count `duplicates`, skip |
+//! | `s ≤ l`, other bytes | the engine restarted (sequence back to 0) | publish `AllBlocksCleared`, clear the mirror, `engine_generation += 1`, apply |
 //! | `s > l + 1` | batches lost | replay from `l + 1` (live messages are held until the replay ends), else clear and resync |
+//!
+//! A duplicate is recognized by the fingerprint of its payload among the
+//! last [`RECENT`] applied batches: a restarted engine's batch differs (its
+//! timestamp alone differs), so the two cannot be confused in practice.
+//!
+//! [`RelayCore::engine_down`] (the runtime's health probe confirmed the
+//! engine gone) clears the mirror and publishes `AllBlocksCleared` at once,
+//! and forgets the sequence: whatever the next engine process publishes
+//! starts a fresh stream.
+//!
+//! # Batch size
+//!
+//! A published batch never exceeds [`RelayCore::set_max_batch_bytes`]
+//! (NATS refuses payloads over the server's `max_payload`, 1 MiB by
+//! default): larger ones are split into consecutive batches, and a single
+//! `BlockStored` of tens of thousands of blocks into chained pieces (each
+//! piece's parent is the previous piece's last block).
 //!
 //! "Clear and resync" publishes `AllBlocksCleared` and empties the mirror: the
 //! control planes forget this worker's blocks instead of trusting a state
@@ -32,6 +50,8 @@
 //! Blocks of non-indexable KV groups (sliding window, mamba) and unknown
 //! event types are counted and skipped.
 
+use std::collections::VecDeque;
+use std::hash::BuildHasher as _;
 use std::sync::Arc;
 
 use kvgate_protocol::pb::{self, kv_event};
@@ -85,7 +105,8 @@ pub struct RelayCounters {
     pub gaps: u64,
     /// Engine restarts seen.
     pub restarts: u64,
-    /// Batches received twice around a replay (replayed and held live), dropped.
+    /// Batches received twice (around a replay, or live with the same
+    /// sequence and bytes as one already applied), dropped.
     pub duplicates: u64,
     /// Replays requested.
     pub replays: u64,
@@ -101,7 +122,18 @@ pub struct RelayCounters {
     pub unknown_events: u64,
     /// Stores whose token count was not blocks × block size.
     pub malformed_stores: u64,
+    /// Times the engine was confirmed down (mirror cleared).
+    pub engine_downs: u64,
+    /// Extra batches published because a batch was over the size limit.
+    pub split_batches: u64,
 }
+
+/// How many applied batches are remembered to recognize a duplicate.
+pub const RECENT: usize = 64;
+
+/// Default largest encoded batch: under NATS's default 1 MiB `max_payload`
+/// with room for the message's headers.
+pub const DEFAULT_MAX_BATCH_BYTES: usize = 900 * 1024;
 
 #[derive(Debug)]
 struct Replay {
@@ -119,6 +151,13 @@ pub struct RelayCore {
     generation: u32,
     replay: Option<Replay>,
     counters: RelayCounters,
+    /// (engine seq, payload fingerprint) of the last applied batches.
+    recent: VecDeque<(u64, u64)>,
+    max_batch_bytes: usize,
+}
+
+fn fingerprint(payload: &[u8]) -> u64 {
+    foldhash::quality::FixedState::with_seed(0x6b76_6761_7465).hash_one(payload)
 }
 
 impl RelayCore {
@@ -132,7 +171,31 @@ impl RelayCore {
             generation: 0,
             replay: None,
             counters: RelayCounters::default(),
+            recent: VecDeque::with_capacity(RECENT),
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
         }
+    }
+
+    /// Largest encoded batch to publish (at least 4 KiB); larger ones are
+    /// split. The runtime sets it below the NATS server's `max_payload`.
+    pub fn set_max_batch_bytes(&mut self, bytes: usize) {
+        self.max_batch_bytes = bytes.max(4096);
+    }
+
+    /// The engine is confirmed down: clear the mirror, publish
+    /// `AllBlocksCleared` (when anything was known), and start a fresh
+    /// stream with whatever the next engine process publishes.
+    pub fn engine_down(&mut self) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.counters.engine_downs += 1;
+        self.replay = None;
+        if self.last_seq.is_some() || !self.mirror.is_empty() {
+            self.generation += 1;
+            self.clear(&mut out);
+        }
+        self.last_seq = None;
+        self.recent.clear();
+        out
     }
 
     /// The mirror of the engine's cache.
@@ -201,9 +264,14 @@ impl RelayCore {
                 self.start_replay(0, f.seq, f.payload, &mut out);
                 return out;
             }
-            // ZMQ PUB/SUB never delivers a live message twice: a sequence
-            // that does not move forward is a new engine process, even when
-            // the old one had published only seq 0.
+            // The same sequence with the same bytes: a duplicate.
+            Some(l) if f.seq <= l && self.recent.contains(&(f.seq, fingerprint(f.payload))) => {
+                self.counters.duplicates += 1;
+                return out;
+            }
+            // A sequence that does not move forward with other bytes is a
+            // new engine process, even when the old one had published only
+            // seq 0.
             Some(l) if f.seq <= l => {
                 self.counters.restarts += 1;
                 self.generation += 1;
@@ -286,6 +354,7 @@ impl RelayCore {
 
     fn clear(&mut self, out: &mut Vec<Action>) {
         self.mirror.clear();
+        self.recent.clear();
         let ev = pb::KvEvent { event: Some(kv_event::Event::Cleared(pb::AllBlocksCleared {})) };
         self.publish(self.last_seq.unwrap_or(0), 0.0, None, vec![ev], out);
     }
@@ -294,23 +363,31 @@ impl RelayCore {
         if events.is_empty() {
             return;
         }
-        self.relay_seq += 1;
-        self.counters.published += 1;
-        out.push(Action::Publish(pb::KvEventBatch {
-            worker_id: self.config.worker_id.clone(),
-            model: self.config.model.clone(),
-            relay_epoch: self.config.relay_epoch,
-            relay_seq: self.relay_seq,
-            engine_seq: seq,
-            engine_generation: self.generation,
-            engine_ts_unix_nanos: if ts.is_finite() && ts > 0.0 { (ts * 1e9) as u64 } else { 0 },
-            dp_rank: dp_rank.and_then(|d| u32::try_from(d).ok()).unwrap_or(0),
-            events,
-        }));
+        let parts = crate::split::split_events(events, self.max_batch_bytes.saturating_sub(BATCH_OVERHEAD));
+        self.counters.split_batches += parts.len().saturating_sub(1) as u64;
+        for events in parts {
+            self.relay_seq += 1;
+            self.counters.published += 1;
+            out.push(Action::Publish(pb::KvEventBatch {
+                worker_id: self.config.worker_id.clone(),
+                model: self.config.model.clone(),
+                relay_epoch: self.config.relay_epoch,
+                relay_seq: self.relay_seq,
+                engine_seq: seq,
+                engine_generation: self.generation,
+                engine_ts_unix_nanos: if ts.is_finite() && ts > 0.0 { (ts * 1e9) as u64 } else { 0 },
+                dp_rank: dp_rank.and_then(|d| u32::try_from(d).ok()).unwrap_or(0),
+                events,
+            }));
+        }
     }
 
     fn apply(&mut self, seq: u64, payload: &[u8], out: &mut Vec<Action>) {
         self.last_seq = Some(seq);
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, fingerprint(payload)));
         let batch: Batch<'_> = match decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {
@@ -399,6 +476,10 @@ impl RelayCore {
         })
     }
 }
+
+/// Bytes of a batch besides its events (ids, sequence numbers), with room
+/// for long worker ids and model names.
+const BATCH_OVERHEAD: usize = 2048;
 
 /// vLLM's medium string as the protobuf enum (+ the name when "other").
 fn medium(m: Option<&str>) -> (i32, String) {

@@ -19,6 +19,17 @@ pub struct RelayGauges {
     pub nats_connected: bool,
     /// Heartbeat scrapes of the engine's /metrics that failed.
     pub scrape_failures: u64,
+    /// Health probes of the engine that failed.
+    pub health_failures: u64,
+    /// The engine's health (0 unknown, 1 healthy, 2 unhealthy, 3 down).
+    pub engine_health: u8,
+    /// NATS publishes that failed (after retries) and were dropped.
+    pub publish_errors: u64,
+    /// Messages dropped because the outgoing queue was full (NATS down for
+    /// long): consumers see a gap in `relay_seq` and ask for a snapshot.
+    pub publish_dropped: u64,
+    /// Messages waiting in the outgoing queue.
+    pub publish_queued: usize,
 }
 
 /// Renders every counter and gauge, labelled with the worker and model.
@@ -39,7 +50,17 @@ pub fn render(c: &RelayCounters, g: &RelayGauges, worker: &str, model: &str) -> 
     counter("decode_errors_frames_total", "Messages without the three expected frames.", "", c.decode_errors_frames);
     counter("gaps_total", "Gaps in the engine sequence.", "", c.gaps);
     counter("restarts_total", "Engine restarts (sequence back to 0).", "", c.restarts);
-    counter("duplicates_total", "Batches received twice around a replay, dropped.", "", c.duplicates);
+    counter(
+        "duplicates_total",
+        "Batches received twice (replayed and live, or the same bytes again), dropped.",
+        "",
+        c.duplicates,
+    );
+    counter("engine_downs_total", "Times the engine was confirmed down (mirror cleared).", "", c.engine_downs);
+    counter("split_batches_total", "Extra batches from splitting batches over the size limit.", "", c.split_batches);
+    counter("health_failures_total", "Failed health probes of the engine.", "", g.health_failures);
+    counter("publish_errors_total", "NATS publishes that failed after retries (dropped).", "", g.publish_errors);
+    counter("publish_dropped_total", "Messages dropped because the outgoing queue was full.", "", g.publish_dropped);
     counter("replays_total", "Replays requested from the engine.", "", c.replays);
     counter("resyncs_total", "Clear-and-resyncs of the worker.", "", c.resyncs);
     counter("orphan_stores_total", "Stored chains whose parent was unknown (not published).", "", c.orphan_stores);
@@ -62,6 +83,12 @@ pub fn render(c: &RelayCounters, g: &RelayGauges, worker: &str, model: &str) -> 
     gauge("engine_generation", "Engine restarts seen by this relay.", f64::from(g.engine_generation));
     gauge("lag_seconds", "Engine timestamp to publication, last batch.", g.lag_seconds);
     gauge("nats_connected", "1 when the NATS connection is up.", if g.nats_connected { 1.0 } else { 0.0 });
+    gauge(
+        "engine_health",
+        "The engine's health: 0 unknown, 1 healthy, 2 unhealthy, 3 down.",
+        f64::from(g.engine_health),
+    );
+    gauge("publish_queued", "Messages waiting to be published on NATS.", g.publish_queued as f64);
     out
 }
 

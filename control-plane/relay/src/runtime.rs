@@ -20,7 +20,9 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::core::{Action, RelayConfig, RelayCore};
 use crate::exposition::{RelayGauges, render};
+use crate::health::{Change, Health, HealthTracker};
 use crate::metrics::{EngineLoad, parse_vllm_metrics};
+use crate::publish::Publisher;
 
 /// How the SUB socket reaches vLLM's PUB socket.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +66,31 @@ pub struct RelayOptions {
     pub snapshot_max_chunk_bytes: usize,
     /// Where to serve the relay's own Prometheus `/metrics`, if anywhere.
     pub listen_metrics: Option<std::net::SocketAddr>,
+    /// The engine's health URL (`http://host:port/health`); by default the
+    /// metrics URL's `/health`. None = not probed.
+    pub health_url: Option<String>,
+    /// Period of the health probe.
+    pub health_interval: Duration,
+    /// How long a probe may take before it counts as failed.
+    pub health_timeout: Duration,
+    /// Failing probes for this long (no success in between) = engine down:
+    /// the mirror is cleared and `AllBlocksCleared` published.
+    pub down_after: Duration,
+    /// Messages held for NATS while it is unreachable; beyond, the oldest
+    /// are dropped (consumers repair the gap with a snapshot).
+    pub publish_queue: usize,
+}
+
+impl RelayOptions {
+    /// The health URL to probe: the configured one, or `/health` beside the
+    /// metrics URL.
+    pub fn effective_health_url(&self) -> Option<String> {
+        self.health_url.clone().or_else(|| {
+            let m = self.metrics_url.as_deref()?;
+            let base = m.strip_suffix("/metrics").unwrap_or(m).trim_end_matches('/');
+            Some(format!("{base}/health"))
+        })
+    }
 }
 
 /// Why the relay stopped.
@@ -86,8 +113,8 @@ fn nats_err(e: impl std::fmt::Display) -> RunError {
 }
 
 /// `GET` of an `http://host:port/path` URL over plain TCP (enough for a
-/// sidecar scraping its own pod); the body as text.
-async fn http_get(url: &str, timeout: Duration) -> Option<String> {
+/// sidecar scraping its own pod); the body as text, for a 200 answer.
+pub async fn http_get(url: &str, timeout: Duration) -> Option<String> {
     let rest = url.strip_prefix("http://")?;
     let (host, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(h, p)| (h, format!("/{p}")));
     let work = async {
@@ -98,66 +125,303 @@ async fn http_get(url: &str, timeout: Duration) -> Option<String> {
         s.read_to_end(&mut buf).await.ok()?;
         let text = String::from_utf8_lossy(&buf).into_owned();
         let (head, body) = text.split_once("\r\n\r\n")?;
-        head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
+        let ok = head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200");
+        ok.then(|| dechunk(head, body))
     };
     tokio::time::timeout(timeout, work).await.ok().flatten()
 }
 
-/// Runs the relay until `shutdown` resolves.
+/// Decodes a `transfer-encoding: chunked` body (uvicorn may send one); any
+/// other body is returned as it is.
+fn dechunk(head: &str, body: &str) -> String {
+    let chunked = head.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    if !chunked {
+        return body.to_owned();
+    }
+    let mut out = String::with_capacity(body.len());
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        if size == 0 || after.len() < size {
+            break;
+        }
+        out.push_str(after.get(..size).unwrap_or(""));
+        rest = after.get(size..).unwrap_or("").trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// What the probing tasks report to the relay loop.
+#[derive(Debug)]
+enum Probe {
+    /// A health probe: did the engine answer 200?
+    Health(bool),
+    /// A metrics scrape (None = failed).
+    Load(Option<EngineLoad>),
+}
+
+/// Probes `url` every `every`; each result goes to `tx`.
+fn spawn_prober(
+    url: String,
+    every: Duration,
+    timeout: Duration,
+    health: bool,
+    tx: tokio::sync::mpsc::Sender<Probe>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(every);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            t.tick().await;
+            let got = http_get(&url, timeout).await;
+            let p =
+                if health { Probe::Health(got.is_some()) } else { Probe::Load(got.map(|t| parse_vllm_metrics(&t))) };
+            if tx.send(p).await.is_err() {
+                return;
+            }
+        }
+    })
+}
+
+/// Connects a SUB socket to an engine that binds, retrying until it is up.
+fn spawn_connect(endpoint: String, topic: String) -> tokio::task::JoinHandle<zeromq::SubSocket> {
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let mut sub = zeromq::SubSocket::new();
+            match sub.connect(&endpoint).await {
+                Ok(()) => match sub.subscribe(&topic).await {
+                    Ok(()) => {
+                        tracing::info!(%endpoint, "connected to the engine's KV event socket");
+                        return sub;
+                    }
+                    Err(e) => tracing::warn!(%endpoint, error = %e, "subscribe failed; retrying"),
+                },
+                Err(e) => tracing::warn!(%endpoint, error = %e, "engine's KV event socket not up yet; retrying"),
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    })
+}
+
+fn unix_nanos() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}
+
+async fn recv_sub(sub: &mut Option<zeromq::SubSocket>) -> Result<ZmqMessage, zeromq::ZmqError> {
+    match sub.as_mut() {
+        Some(s) => s.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn join_connect(
+    c: &mut Option<tokio::task::JoinHandle<zeromq::SubSocket>>,
+) -> Result<zeromq::SubSocket, tokio::task::JoinError> {
+    match c.as_mut() {
+        Some(h) => h.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The relay loop's state.
+struct Relay {
+    opts: RelayOptions,
+    core: RelayCore,
+    nats: async_nats::Client,
+    publisher: Publisher,
+    kv_subject: String,
+    hb_subject: String,
+    epoch: u64,
+    sub: Option<zeromq::SubSocket>,
+    connecting: Option<tokio::task::JoinHandle<zeromq::SubSocket>>,
+    dealer: Option<zeromq::DealerSocket>,
+    replay_deadline: Option<tokio::time::Instant>,
+    last_load: EngineLoad,
+    scraped_ok: bool,
+    gauges: RelayGauges,
+    health: HealthTracker,
+    started: tokio::time::Instant,
+}
+
+impl Relay {
+    /// (Re)opens the SUB socket: binds now, or connects in the background.
+    async fn open_sub(&mut self) -> Result<(), RunError> {
+        self.sub = None;
+        if let Some(h) = self.connecting.take() {
+            h.abort();
+        }
+        match &self.opts.zmq {
+            ZmqMode::Connect(e) => self.connecting = Some(spawn_connect(e.clone(), self.opts.topic.clone())),
+            ZmqMode::Bind(e) => {
+                let mut sub = zeromq::SubSocket::new();
+                sub.bind(e).await.map_err(zmq_err)?;
+                sub.subscribe(&self.opts.topic).await.map_err(zmq_err)?;
+                self.sub = Some(sub);
+            }
+        }
+        Ok(())
+    }
+
+    fn publish_batch(&mut self, b: pb::KvEventBatch) {
+        if b.engine_ts_unix_nanos > 0 {
+            self.gauges.lag_seconds = unix_nanos().saturating_sub(b.engine_ts_unix_nanos) as f64 / 1e9;
+        }
+        self.publisher.send(self.kv_subject.clone(), b.encode_to_vec());
+    }
+
+    async fn act(&mut self, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::Publish(b) => self.publish_batch(b),
+                Action::RequestReplay { from_seq } => self.request_replay(from_seq).await,
+            }
+        }
+    }
+
+    async fn request_replay(&mut self, from_seq: u64) {
+        let Some(endpoint) = self.opts.replay_endpoint.clone() else { return };
+        if self.dealer.is_none() {
+            let mut d = zeromq::DealerSocket::new();
+            // A DEALER connect to an absent engine retries for its timeout:
+            // bound it by ours, and time the replay out if it fails.
+            match tokio::time::timeout(self.opts.replay_timeout, d.connect(&endpoint)).await {
+                Ok(Ok(())) => self.dealer = Some(d),
+                Ok(Err(e)) => tracing::warn!(%endpoint, error = %e, "replay socket connect failed"),
+                Err(_) => tracing::warn!(%endpoint, "replay socket connect timed out"),
+            }
+        }
+        if let Some(d) = self.dealer.as_mut() {
+            let mut m = ZmqMessage::from(Vec::<u8>::new());
+            m.push_back(from_seq.to_be_bytes().to_vec().into());
+            if let Err(e) = d.send(m).await {
+                tracing::warn!(error = %e, "replay request failed");
+                self.dealer = None;
+            }
+        }
+        self.replay_deadline = Some(tokio::time::Instant::now() + self.opts.replay_timeout);
+    }
+
+    fn heartbeat(&mut self) {
+        let max_payload = self.nats.server_info().max_payload;
+        if max_payload > 0 {
+            self.core
+                .set_max_batch_bytes(max_payload.saturating_sub(8 * 1024).min(crate::core::DEFAULT_MAX_BATCH_BYTES));
+        }
+        let l = &self.last_load;
+        let hb = pb::WorkerHeartbeat {
+            worker_id: self.opts.worker_id.clone(),
+            model: self.opts.model.clone(),
+            endpoint: self.opts.endpoint.clone(),
+            relay_epoch: self.epoch,
+            relay_seq: self.core.relay_seq(),
+            block_size: l.block_size.unwrap_or(self.opts.block_size),
+            capacity_blocks: l.capacity_blocks.unwrap_or(0),
+            running: l.running.unwrap_or(0),
+            waiting: l.waiting.unwrap_or(0),
+            kv_usage: l.kv_usage.unwrap_or(0.0),
+            max_num_seqs: self.opts.max_num_seqs,
+            ts_unix_nanos: unix_nanos(),
+            interval_ms: self.opts.heartbeat_interval.as_millis() as u32,
+            engine_ok: self.scraped_ok,
+            engine_health: self.health.state().to_pb() as i32,
+            health_failures: self.health.failures(),
+        };
+        self.publisher.send(self.hb_subject.clone(), hb.encode_to_vec());
+    }
+
+    /// A health probe's result: a change is announced at once; a confirmed
+    /// death clears the mirror; a return from death reopens the SUB socket
+    /// (the new engine process binds a new socket).
+    async fn on_health(&mut self, ok: bool) -> Result<(), RunError> {
+        if !ok {
+            self.gauges.health_failures += 1;
+        }
+        let was = self.health.state();
+        let now = self.started.elapsed().as_millis() as u64;
+        let Change::To(state) = self.health.on_probe(ok, now) else { return Ok(()) };
+        tracing::warn!(engine = %self.opts.endpoint, from = ?was, to = ?state, "engine health changed");
+        if state == Health::Down {
+            let actions = self.core.engine_down();
+            self.replay_deadline = None;
+            self.dealer = None;
+            self.act(actions).await;
+        }
+        if state == Health::Healthy && was == Health::Down && matches!(self.opts.zmq, ZmqMode::Connect(_)) {
+            self.open_sub().await?;
+        }
+        self.heartbeat();
+        Ok(())
+    }
+
+    fn on_snapshot_request(&mut self, req: async_nats::Message) {
+        let Some(reply) = req.reply else { return };
+        let max = pb::SnapshotRequest::decode(req.payload.as_ref())
+            .ok()
+            .map(|r| r.max_chunk_bytes as usize)
+            .filter(|m| *m > 0)
+            .unwrap_or(self.opts.snapshot_max_chunk_bytes);
+        let bs = self.last_load.block_size.unwrap_or(self.opts.block_size);
+        for chunk in self.core.snapshot(bs, max) {
+            self.publisher.send(reply.to_string(), chunk.encode_to_vec());
+        }
+    }
+
+    fn metrics_text(&mut self) -> String {
+        let g = &mut self.gauges;
+        g.mirror_blocks = self.core.mirror().len();
+        g.relay_seq = self.core.relay_seq();
+        g.engine_generation = self.core.generation();
+        g.nats_connected = self.nats.connection_state() == async_nats::connection::State::Connected;
+        g.engine_health = self.health.state().to_pb() as u8;
+        let pc = self.publisher.counters();
+        g.publish_errors = pc.errors.load(std::sync::atomic::Ordering::Relaxed);
+        g.publish_dropped = pc.dropped.load(std::sync::atomic::Ordering::Relaxed);
+        g.publish_queued = self.publisher.queued();
+        render(self.core.counters(), &self.gauges, &self.opts.worker_id, &self.opts.model)
+    }
+}
+
+fn serve_metrics(mut stream: tokio::net::TcpStream, body: String) {
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1024];
+        let _ = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut buf)).await;
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let _ = stream.write_all(head.as_bytes()).await;
+        let _ = stream.write_all(body.as_bytes()).await;
+    });
+}
+
+/// Runs the relay until `shutdown` resolves. It starts whether or not NATS
+/// and the engine are up, and never stops on their failures: it errs only
+/// when a socket it must bind cannot be bound.
 pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     // Credentials in the URL become connect options (the client ignores them there).
     let url = kvgate_protocol::nats_url::split_nats_url(&opts.nats_url);
-    let connect = async_nats::ConnectOptions::new().name(format!("kvgate-relay {}", opts.worker_id));
-    let connect = url.auth.connect_options(connect);
-    let nats = connect.connect(url.servers.as_str()).await.map_err(nats_err)?;
-    let kv_subject = opts.subjects.kv_events(&opts.model, &opts.worker_id);
-    let hb_subject = opts.subjects.heartbeat(&opts.model, &opts.worker_id);
+    let connect = async_nats::ConnectOptions::new()
+        .name(format!("kvgate-relay {}", opts.worker_id))
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .event_callback(|e| async move { tracing::info!(event = %e, "NATS") });
+    let nats = url.auth.connect_options(connect).connect(url.servers.as_str()).await.map_err(nats_err)?;
     let mut snapshots = nats.subscribe(opts.subjects.snapshot(&opts.model, &opts.worker_id)).await.map_err(nats_err)?;
-
-    tokio::pin!(shutdown);
-    let mut sub = zeromq::SubSocket::new();
-    match &opts.zmq {
-        // The engine binds and may not be up yet (vLLM takes minutes to load
-        // a model, and in a pod both containers start together): retry with
-        // backoff until it is, or until shutdown.
-        ZmqMode::Connect(e) => {
-            let mut backoff = Duration::from_millis(100);
-            loop {
-                match sub.connect(e).await {
-                    Ok(()) => break,
-                    Err(err) => {
-                        tracing::warn!(endpoint = %e, error = %err, "engine's KV event socket not up yet; retrying")
-                    }
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = &mut shutdown => return Ok(()),
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-            }
-        }
-        ZmqMode::Bind(e) => {
-            sub.bind(e).await.map_err(zmq_err)?;
-        }
-    }
-    sub.subscribe(&opts.topic).await.map_err(zmq_err)?;
-
     let epoch = {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32)
     };
-    let mut core = RelayCore::new(RelayConfig {
+    let core = RelayCore::new(RelayConfig {
         worker_id: opts.worker_id.clone(),
         model: opts.model.clone(),
         replay: opts.replay_endpoint.is_some(),
         relay_epoch: epoch,
     });
-    let mut dealer: Option<zeromq::DealerSocket> = None;
-    let mut replay_deadline: Option<tokio::time::Instant> = None;
-    let mut heartbeat = tokio::time::interval(opts.heartbeat_interval);
-    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_load = EngineLoad::default();
-    let mut gauges = RelayGauges::default();
     let metrics_listener = match opts.listen_metrics {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -166,128 +430,114 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
         ),
         None => None,
     };
-
+    let (probe_tx, mut probes) = tokio::sync::mpsc::channel(16);
+    let mut probers = Vec::new();
+    if let Some(u) = opts.effective_health_url() {
+        probers.push(spawn_prober(u, opts.health_interval, opts.health_timeout, true, probe_tx.clone()));
+    }
+    if let Some(u) = opts.metrics_url.clone() {
+        probers.push(spawn_prober(u, opts.heartbeat_interval, Duration::from_millis(500), false, probe_tx.clone()));
+    }
+    drop(probe_tx);
+    let mut r = Relay {
+        kv_subject: opts.subjects.kv_events(&opts.model, &opts.worker_id),
+        hb_subject: opts.subjects.heartbeat(&opts.model, &opts.worker_id),
+        publisher: Publisher::new(nats.clone(), opts.publish_queue),
+        nats,
+        core,
+        epoch,
+        sub: None,
+        connecting: None,
+        dealer: None,
+        replay_deadline: None,
+        last_load: EngineLoad::default(),
+        scraped_ok: false,
+        gauges: RelayGauges::default(),
+        health: HealthTracker::new(opts.down_after.as_millis() as u64),
+        started: tokio::time::Instant::now(),
+        opts,
+    };
+    r.open_sub().await?;
+    let mut heartbeat = tokio::time::interval(r.opts.heartbeat_interval);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tracing::info!(worker = %r.opts.worker_id, model = %r.opts.model, endpoint = %r.opts.endpoint, "relay started");
+    tokio::pin!(shutdown);
     loop {
-        let mut actions = Vec::new();
         tokio::select! {
             _ = &mut shutdown => break,
-            msg = sub.recv() => {
-                let msg = msg.map_err(zmq_err)?;
-                let frames: Vec<&[u8]> = msg.iter().map(|f| f.as_ref()).collect();
-                actions = core.on_live(&frames);
+            msg = recv_sub(&mut r.sub) => match msg {
+                Ok(msg) => {
+                    let frames: Vec<&[u8]> = msg.iter().map(|f| f.as_ref()).collect();
+                    let actions = r.core.on_live(&frames);
+                    r.act(actions).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV event socket failed; reopening");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    r.open_sub().await?;
+                }
+            },
+            s = join_connect(&mut r.connecting) => {
+                r.connecting = None;
+                if let Ok(s) = s { r.sub = Some(s) }
             }
-            reply = async { match dealer.as_mut() { Some(d) => d.recv().await, None => std::future::pending().await } },
-                if core.replaying() => {
-                match reply {
+            reply = async { match r.dealer.as_mut() { Some(d) => d.recv().await, None => std::future::pending().await } },
+                if r.core.replaying() => {
+                let actions = match reply {
                     Ok(msg) => {
                         let frames: Vec<&[u8]> = msg.iter().map(|f| f.as_ref()).collect();
-                        actions = core.on_replay(&frames);
+                        r.core.on_replay(&frames)
                     }
-                    Err(_) => actions = core.replay_timed_out(),
+                    Err(_) => r.core.replay_timed_out(),
+                };
+                if !r.core.replaying() {
+                    r.replay_deadline = None;
                 }
-                if !core.replaying() {
-                    replay_deadline = None;
-                }
+                r.act(actions).await;
             }
-            _ = async { match replay_deadline { Some(d) => tokio::time::sleep_until(d).await, None => std::future::pending().await } },
-                if replay_deadline.is_some() => {
-                actions = core.replay_timed_out();
-                replay_deadline = None;
+            _ = async { match r.replay_deadline { Some(d) => tokio::time::sleep_until(d).await, None => std::future::pending().await } },
+                if r.replay_deadline.is_some() => {
+                r.replay_deadline = None;
+                let actions = r.core.replay_timed_out();
+                r.act(actions).await;
             }
-            req = snapshots.next() => {
-                let Some(req) = req else { return Err(RunError::Nats("snapshot subscription closed".into())) };
-                if let Some(reply) = req.reply {
-                    let max = pb::SnapshotRequest::decode(req.payload.as_ref())
-                        .ok()
-                        .map(|r| r.max_chunk_bytes as usize)
-                        .filter(|m| *m > 0)
-                        .unwrap_or(opts.snapshot_max_chunk_bytes);
-                    let bs = last_load.block_size.unwrap_or(opts.block_size);
-                    for chunk in core.snapshot(bs, max) {
-                        nats.publish(reply.clone(), chunk.encode_to_vec().into()).await.map_err(nats_err)?;
+            req = snapshots.next() => match req {
+                Some(req) => r.on_snapshot_request(req),
+                None => {
+                    tracing::warn!("snapshot subscription closed; subscribing again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if let Ok(s) = r.nats.subscribe(r.opts.subjects.snapshot(&r.opts.model, &r.opts.worker_id)).await {
+                        snapshots = s;
                     }
                 }
-            }
+            },
             conn = async { match &metrics_listener { Some(l) => l.accept().await, None => std::future::pending().await } } => {
-                if let Ok((mut stream, _)) = conn {
-                    gauges.mirror_blocks = core.mirror().len();
-                    gauges.relay_seq = core.relay_seq();
-                    gauges.engine_generation = core.generation();
-                    gauges.nats_connected = nats.connection_state() == async_nats::connection::State::Connected;
-                    let body = render(core.counters(), &gauges, &opts.worker_id, &opts.model);
-                    tokio::spawn(async move {
-                        let mut buf = [0u8; 1024];
-                        let _ = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut buf)).await;
-                        let head = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                            body.len()
-                        );
-                        let _ = stream.write_all(head.as_bytes()).await;
-                        let _ = stream.write_all(body.as_bytes()).await;
-                    });
+                if let Ok((stream, _)) = conn {
+                    serve_metrics(stream, r.metrics_text());
                 }
             }
-            _ = heartbeat.tick() => {
-                let scraped = match &opts.metrics_url {
-                    Some(url) => http_get(url, Duration::from_millis(500)).await.map(|t| parse_vllm_metrics(&t)),
-                    None => None,
-                };
-                match scraped {
-                    Some(l) => last_load = l,
-                    None if opts.metrics_url.is_some() => gauges.scrape_failures += 1,
-                    None => {}
-                }
-                let hb = pb::WorkerHeartbeat {
-                    worker_id: opts.worker_id.clone(),
-                    model: opts.model.clone(),
-                    endpoint: opts.endpoint.clone(),
-                    relay_epoch: epoch,
-                    relay_seq: core.relay_seq(),
-                    block_size: last_load.block_size.unwrap_or(opts.block_size),
-                    capacity_blocks: last_load.capacity_blocks.unwrap_or(0),
-                    running: last_load.running.unwrap_or(0),
-                    waiting: last_load.waiting.unwrap_or(0),
-                    kv_usage: last_load.kv_usage.unwrap_or(0.0),
-                    max_num_seqs: opts.max_num_seqs,
-                    ts_unix_nanos: std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_nanos() as u64)
-                        .unwrap_or(0),
-                    interval_ms: opts.heartbeat_interval.as_millis() as u32,
-                    engine_ok: scraped.is_some(),
-                };
-                nats.publish(hb_subject.clone(), hb.encode_to_vec().into()).await.map_err(nats_err)?;
-            }
-        }
-        for a in actions {
-            match a {
-                Action::Publish(b) => {
-                    if b.engine_ts_unix_nanos > 0 {
-                        let now = std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.as_nanos() as u64)
-                            .unwrap_or(0);
-                        gauges.lag_seconds = now.saturating_sub(b.engine_ts_unix_nanos) as f64 / 1e9;
-                    }
-                    nats.publish(kv_subject.clone(), b.encode_to_vec().into()).await.map_err(nats_err)?;
-                }
-                Action::RequestReplay { from_seq } => {
-                    let Some(endpoint) = &opts.replay_endpoint else { continue };
-                    if dealer.is_none() {
-                        let mut d = zeromq::DealerSocket::new();
-                        d.connect(endpoint).await.map_err(zmq_err)?;
-                        dealer = Some(d);
-                    }
-                    if let Some(d) = dealer.as_mut() {
-                        let mut m = ZmqMessage::from(Vec::<u8>::new());
-                        m.push_back(from_seq.to_be_bytes().to_vec().into());
-                        d.send(m).await.map_err(zmq_err)?;
-                    }
-                    replay_deadline = Some(tokio::time::Instant::now() + opts.replay_timeout);
-                }
-            }
+            p = probes.recv(), if !probers.is_empty() => match p {
+                Some(Probe::Health(ok)) => r.on_health(ok).await?,
+                Some(Probe::Load(Some(l))) => { r.last_load = l; r.scraped_ok = true; }
+                Some(Probe::Load(None)) => { r.scraped_ok = false; r.gauges.scrape_failures += 1; }
+                None => probers.clear(),
+            },
+            _ = heartbeat.tick() => r.heartbeat(),
         }
     }
-    nats.flush().await.map_err(nats_err)?;
+    for p in probers {
+        p.abort();
+    }
+    if let Some(h) = r.connecting.take() {
+        h.abort();
+    }
+    // Let queued messages go out (bounded: NATS may be down).
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while r.publisher.queued() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = r.nats.flush().await;
+    })
+    .await;
     Ok(())
 }

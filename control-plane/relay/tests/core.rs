@@ -308,15 +308,86 @@ fn non_indexable_groups_are_skipped() {
     assert!(r.mirror().get(2).is_some());
 }
 
-/// An engine that published only seq 0 and restarted sends seq 0 again:
-/// that is a restart (ZMQ never redelivers), not a duplicate.
+/// The same message twice (same sequence, same bytes) is a duplicate: it
+/// is counted and dropped, and the worker keeps its blocks. A message with
+/// a sequence that goes back and other bytes is a restart, even when the
+/// old engine had published only seq 0.
 #[test]
-fn a_repeated_sequence_is_a_restart() {
+fn a_duplicate_is_dropped_and_a_restart_clears() {
     let msgs = capture("inst1");
     let mut r = relay(false);
     feed(&mut r, &msgs[0]);
-    let out = published(&feed(&mut r, &msgs[0]));
+    feed(&mut r, &msgs[1]);
+    let held = mirror_refs(&r);
+    assert!(!held.is_empty());
+    // Both again, in any order: duplicates.
+    assert!(published(&feed(&mut r, &msgs[1])).is_empty());
+    assert!(published(&feed(&mut r, &msgs[0])).is_empty());
+    assert_eq!((r.counters().duplicates, r.counters().restarts, r.generation()), (2, 0, 0));
+    assert_eq!(mirror_refs(&r), held, "a duplicate changes nothing");
+    // seq 0 with the bytes of another batch: a new engine process.
+    let mut restarted = msgs[0].clone();
+    restarted[2] = msgs[1][2].clone();
+    let out = published(&feed(&mut r, &restarted));
     assert_eq!(r.counters().restarts, 1);
     assert!(matches!(out[0].events[0].event, Some(kv_event::Event::Cleared(_))));
     assert_eq!(r.generation(), 1);
+}
+
+/// The engine confirmed down: the mirror is cleared (published), and the
+/// next engine process starts a fresh stream from seq 0 without being
+/// taken for a restart or a gap.
+#[test]
+fn engine_down_clears_and_the_next_engine_starts_fresh() {
+    let msgs = capture("inst1");
+    let mut r = relay(false);
+    feed(&mut r, &msgs[0]);
+    feed(&mut r, &msgs[1]);
+    let out = published(&r.engine_down());
+    assert_eq!(out.len(), 1);
+    assert!(matches!(out[0].events[0].event, Some(kv_event::Event::Cleared(_))));
+    assert!(r.mirror().is_empty());
+    assert_eq!((r.counters().engine_downs, r.generation()), (1, 1));
+    // Down again (still down): nothing more to clear.
+    assert!(published(&r.engine_down()).is_empty());
+    let out = published(&feed(&mut r, &msgs[0]));
+    assert!(!out.is_empty() && !out[0].events.iter().any(|e| matches!(e.event, Some(kv_event::Event::Cleared(_)))));
+    assert_eq!((r.counters().restarts, r.counters().gaps), (0, 0));
+}
+
+/// A batch far over NATS's payload limit (40,000 blocks, ~2 MB) is
+/// published as consecutive batches under the limit whose replay gives the
+/// same blocks.
+#[test]
+fn an_oversized_batch_is_split_under_the_limit() {
+    let mut r = relay(false);
+    let bs = 16usize;
+    let n = 40_000usize;
+    let hashes: Vec<u64> = (1..=n as u64).collect();
+    let tokens: Vec<u32> = (0..(n * bs) as u32).map(|t| 50_000 + (t % 70_000)).collect();
+    let stored = kvgate_vllm_wire::BlockStored {
+        block_hashes: hashes,
+        parent_block_hash: None,
+        token_ids: tokens,
+        block_size: bs as u32,
+        medium: Some("GPU"),
+        ..Default::default()
+    };
+    let batch = kvgate_vllm_wire::Batch {
+        ts: 1.0,
+        dp_rank: None,
+        array_len: 3,
+        events: vec![kvgate_vllm_wire::Event::Stored(stored)],
+    };
+    let payload = kvgate_vllm_wire::encode::encode_batch(&batch, kvgate_vllm_wire::encode::Encoding::Map);
+    let frames = vec![b"kv".to_vec(), 0u64.to_be_bytes().to_vec(), payload];
+    assert!(frames[2].len() > 1 << 20, "{} bytes", frames[2].len());
+    let out = published(&feed(&mut r, &frames));
+    assert!(out.len() >= 3, "{} batches", out.len());
+    for (i, b) in out.iter().enumerate() {
+        assert!(prost::Message::encoded_len(b) <= kvgate_relay::core::DEFAULT_MAX_BATCH_BYTES);
+        assert_eq!(b.relay_seq, i as u64 + 1, "consecutive relay_seq");
+    }
+    assert_eq!(naive(&out).len(), n);
+    assert_eq!(r.counters().split_batches, out.len() as u64 - 1);
 }

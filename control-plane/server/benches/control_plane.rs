@@ -227,12 +227,15 @@ fn main() {
                     lat.push(t.elapsed().as_secs_f64() * 1e6);
                     std::hint::black_box(out);
                     // Keep the in-flight table at a steady size.
-                    model.state.lock().on_report(&pb::CompletionReport {
-                        request_id: r.request_id.clone(),
-                        model: MODEL.into(),
-                        total_us: 1,
-                        ..Default::default()
-                    });
+                    model.state.lock().on_report(
+                        &pb::CompletionReport {
+                            request_id: r.request_id.clone(),
+                            model: MODEL.into(),
+                            total_us: 1,
+                            ..Default::default()
+                        },
+                        0,
+                    );
                 }
                 let (p50, p99) = (pct(&mut lat, 0.50), pct(&mut lat, 0.99));
 

@@ -51,6 +51,8 @@ pub struct App {
     pub inflight_tx: tokio::sync::mpsc::UnboundedSender<(String, pb::InflightEvent)>,
     /// NATS connection state, set by the NATS task.
     pub nats_connected: std::sync::atomic::AtomicBool,
+    /// Since when NATS has been down (liveness frozen), if it is.
+    nats_down_since: Mutex<Option<u64>>,
     ids: std::sync::atomic::AtomicU64,
 }
 
@@ -131,6 +133,7 @@ impl App {
                 start: Instant::now(),
                 inflight_tx: tx,
                 nats_connected: std::sync::atomic::AtomicBool::new(false),
+                nats_down_since: Mutex::new(None),
                 ids: std::sync::atomic::AtomicU64::new(0),
             }),
             rx,
@@ -295,9 +298,10 @@ impl App {
     /// Applies a batch of completion reports.
     pub fn report(&self, batch: &pb::CompletionReportBatch) -> pb::ReportAck {
         let mut accepted = 0;
+        let now = self.now_ms();
         for r in &batch.reports {
             let Some(model) = self.models.get(&r.model) else { continue };
-            let events = model.state.lock().on_report(r);
+            let events = model.state.lock().on_report(r, now);
             accepted += 1;
             if self.config.nats_url.is_some() {
                 for mut ev in events {
@@ -382,6 +386,29 @@ impl App {
     /// Returns workers whose snapshot must be retried later (none now).
     pub fn tick(&self) {
         let now = self.now_ms();
+        // Liveness is judged on heartbeats that travel over NATS: while the
+        // connection is down nobody is reaped, and the outage does not count
+        // against any worker once it is back (ARCHITECTURE §5).
+        if self.config.nats_url.is_some() {
+            let up = self.nats_connected.load(Ordering::Relaxed);
+            let mut down_since = self.nats_down_since.lock();
+            match (up, *down_since) {
+                (false, None) => {
+                    *down_since = Some(now);
+                    return;
+                }
+                (false, Some(_)) => return,
+                (true, Some(t)) => {
+                    *down_since = None;
+                    let outage = now.saturating_sub(t);
+                    tracing::info!(outage_ms = outage, "NATS back: worker liveness resumes");
+                    for m in self.models.values() {
+                        m.state.lock().thaw(outage);
+                    }
+                }
+                (true, None) => {}
+            }
+        }
         for m in self.models.values() {
             let mut st = m.state.lock();
             for w in st.reap(now) {
@@ -608,6 +635,9 @@ impl App {
                 ("replica_event_ignored", mc.replica_events_ignored),
                 ("inflight_expired", mc.inflight_expired),
                 ("report_unknown", mc.reports_unknown),
+                ("connection_failure", mc.connection_failures),
+                ("suspect", mc.suspects),
+                ("health_change", mc.health_changes),
             ] {
                 let _ = writeln!(o, "kvgate_model_events_total{{model=\"{ml}\",kind=\"{k}\"}} {v}");
             }
@@ -644,6 +674,7 @@ impl App {
             for w in st.worker_views(now) {
                 let wl = format!("model=\"{ml}\",worker=\"{}\"", label(&w.id));
                 let _ = writeln!(o, "kvgate_worker_up{{{wl}}} {}", u8::from(w.live));
+                let _ = writeln!(o, "kvgate_worker_engine_health{{{wl},health=\"{}\"}} 1", w.engine_health);
                 let _ = writeln!(o, "kvgate_worker_inflight{{{wl}}} {}", w.inflight);
                 let _ = writeln!(o, "kvgate_worker_blocks{{{wl}}} {}", w.device_blocks);
                 if let Some(r) = w.running {

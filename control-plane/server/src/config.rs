@@ -26,6 +26,8 @@
 //! default_output_tokens = 256
 //! heartbeat_timeout_ms = 0              # 0 = 3 heartbeat intervals
 //! inflight_ttl_ms = 600000
+//! suspect_after_failures = 2            # connection failures (filter reports) that
+//! suspect_ms = 3000                     #   take a worker out of routing this long; 0 = off
 //! workers = [{ id = "w0", endpoint = "10.0.0.5:8000" }]   # optional static workers
 //! [models.kv]                           # optional weights (kvgate_scheduler::KvConfig)
 //! unit = "time"                         # time | blocks (Dynamo's cost)
@@ -120,6 +122,11 @@ pub struct RawModel {
     pub heartbeat_timeout_ms: Option<u64>,
     /// In-flight request TTL.
     pub inflight_ttl_ms: Option<u64>,
+    /// Connection failures to a worker (from the filter's reports) within
+    /// `suspect_ms` that make it a suspect (0 = never).
+    pub suspect_after_failures: Option<u32>,
+    /// How long a suspect worker gets no Pick.
+    pub suspect_ms: Option<u64>,
     /// Static workers.
     #[serde(default)]
     pub workers: Vec<RawWorker>,
@@ -382,6 +389,10 @@ impl Config {
             if inflight_ttl_ms < 1000 {
                 return Err(err(f("inflight_ttl_ms"), inflight_ttl_ms, "must be ≥ 1000"));
             }
+            let suspect_ms = m.suspect_ms.unwrap_or(3000);
+            if !(100..=600_000).contains(&suspect_ms) {
+                return Err(err(f("suspect_ms"), suspect_ms, "must be between 100 and 600000"));
+            }
             models.push(ModelSettings {
                 routing: ModelConfig {
                     name: m.name,
@@ -392,6 +403,8 @@ impl Config {
                     static_workers,
                     heartbeat_timeout_ms: m.heartbeat_timeout_ms.unwrap_or(0),
                     inflight_ttl_ms,
+                    suspect_after_failures: m.suspect_after_failures.unwrap_or(2),
+                    suspect_ms,
                 },
                 tokenizer_dir: m.tokenizer_dir,
             });

@@ -523,6 +523,8 @@ impl Exchange {
             prompt_tokens: usage.prompt_tokens,
             cached_tokens: usage.cached_tokens,
             stream: self.stream,
+            // ext_proc does not see which upstream host Envoy used.
+            served_endpoint: String::new(),
         }
     }
 

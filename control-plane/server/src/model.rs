@@ -52,6 +52,11 @@ pub struct ModelConfig {
     pub heartbeat_timeout_ms: u64,
     /// Requests whose end was never reported are forgotten after this long.
     pub inflight_ttl_ms: u64,
+    /// Connection failures (reported by the filter) within `suspect_ms`
+    /// that make a worker a suspect; 0 = off.
+    pub suspect_after_failures: u32,
+    /// How long a suspect worker gets no Pick.
+    pub suspect_ms: u64,
 }
 
 /// Something the service layer must do for this model.
@@ -78,8 +83,31 @@ struct Worker {
     last_heartbeat_ms: Option<u64>,
     interval_ms: u32,
     engine_ok: bool,
+    health: pb::EngineHealth,
     block_size: u32,
     sync: SyncState,
+    /// Times of the recent connection failures reported by the filter.
+    failures: Vec<u64>,
+    /// No Pick before this time (a suspect).
+    suspect_until_ms: u64,
+}
+
+impl Worker {
+    fn new(idx: WorkerIdx, endpoint: Option<String>, sync: SyncState, engine_ok: bool, block_size: u32) -> Self {
+        Self {
+            idx,
+            endpoint,
+            last_seen_ms: 0,
+            last_heartbeat_ms: None,
+            interval_ms: 0,
+            engine_ok,
+            health: pb::EngineHealth::Unspecified,
+            block_size,
+            sync,
+            failures: Vec::new(),
+            suspect_until_ms: 0,
+        }
+    }
 }
 
 /// Counters of one model, beyond the index's own.
@@ -129,6 +157,12 @@ pub struct ModelCounters {
     pub reports_accurate: u64,
     /// Reports with `cached_tokens`.
     pub reports_with_cached: u64,
+    /// Reports saying the chosen worker could not be reached.
+    pub connection_failures: u64,
+    /// Times a worker became a suspect of failed connections.
+    pub suspects: u64,
+    /// Changes of a worker's engine health seen in heartbeats.
+    pub health_changes: u64,
 }
 
 /// The request as the model state needs it.
@@ -202,6 +236,10 @@ pub struct WorkerView {
     pub heartbeat_age_ms: Option<u64>,
     /// Whether the relay could read the engine's metrics.
     pub engine_ok: bool,
+    /// The engine's health as its relay probes it.
+    pub engine_health: &'static str,
+    /// Out of routing for failed connections (milliseconds left).
+    pub suspect_ms_left: u64,
     /// Block size the worker announced.
     pub block_size: u32,
 }
@@ -282,19 +320,8 @@ impl ModelState {
         for (id, endpoint) in this.config.static_workers.clone() {
             let idx = this.index.add_worker(&id);
             this.names.insert(idx, id.clone());
-            this.workers.insert(
-                id,
-                Worker {
-                    idx,
-                    endpoint: Some(endpoint),
-                    last_seen_ms: 0,
-                    last_heartbeat_ms: None,
-                    interval_ms: 0,
-                    engine_ok: true,
-                    block_size: this.config.block_size.get(),
-                    sync: SyncState::Static,
-                },
-            );
+            let w = Worker::new(idx, Some(endpoint), SyncState::Static, true, this.config.block_size.get());
+            this.workers.insert(id, w);
         }
         this
     }
@@ -338,16 +365,7 @@ impl ModelState {
         let w = self.workers.entry(id.to_owned()).or_insert_with(|| {
             let idx = index.add_worker(id);
             names.insert(idx, id.to_owned());
-            Worker {
-                idx,
-                endpoint: None,
-                last_seen_ms: now_ms,
-                last_heartbeat_ms: None,
-                interval_ms: 0,
-                engine_ok: false,
-                block_size: 0,
-                sync: SyncState::Unknown,
-            }
+            Worker { last_seen_ms: now_ms, ..Worker::new(idx, None, SyncState::Unknown, false, 0) }
         });
         w.last_seen_ms = now_ms;
         w
@@ -361,11 +379,52 @@ impl ModelState {
         }
     }
 
+    /// Routable now: heard from recently, its engine not reported unhealthy,
+    /// and not a suspect of failed connections.
     fn live(&self, w: &Worker, now_ms: u64) -> bool {
+        if now_ms < w.suspect_until_ms {
+            return false;
+        }
         if matches!(w.sync, SyncState::Static) {
             return true;
         }
-        w.endpoint.is_some() && w.last_heartbeat_ms.is_some_and(|t| now_ms.saturating_sub(t) <= self.timeout_ms(w))
+        let engine_up = matches!(w.health, pb::EngineHealth::Unspecified | pb::EngineHealth::Healthy);
+        engine_up
+            && w.endpoint.is_some()
+            && w.last_heartbeat_ms.is_some_and(|t| now_ms.saturating_sub(t) <= self.timeout_ms(w))
+    }
+
+    /// The filter could not reach `worker_id` (Envoy retried on a fallback,
+    /// or no upstream answered): enough of those within `suspect_ms` make
+    /// it a suspect, with no Pick for `suspect_ms`, before its relay's next
+    /// heartbeat says anything.
+    fn connection_failed(&mut self, worker_id: &str, now_ms: u64) {
+        let (n, window) = (self.config.suspect_after_failures, self.config.suspect_ms);
+        let Some(w) = self.workers.get_mut(worker_id) else { return };
+        self.counters.connection_failures += 1;
+        if n == 0 {
+            return;
+        }
+        w.failures.retain(|t| now_ms.saturating_sub(*t) <= window);
+        w.failures.push(now_ms);
+        if w.failures.len() >= n as usize {
+            if now_ms >= w.suspect_until_ms {
+                self.counters.suspects += 1;
+            }
+            w.suspect_until_ms = now_ms + window;
+            w.failures.clear();
+        }
+    }
+
+    /// Freezes liveness across a NATS outage: heartbeats could not arrive,
+    /// so the time without them does not count against any worker.
+    pub fn thaw(&mut self, outage_ms: u64) {
+        for w in self.workers.values_mut() {
+            if let Some(t) = w.last_heartbeat_ms.as_mut() {
+                *t = t.saturating_add(outage_ms);
+            }
+            w.last_seen_ms = w.last_seen_ms.saturating_add(outage_ms);
+        }
     }
 
     fn apply_events(&mut self, idx: WorkerIdx, batch: &pb::KvEventBatch) {
@@ -453,6 +512,9 @@ impl ModelState {
         w.last_heartbeat_ms = Some(now_ms);
         w.interval_ms = hb.interval_ms;
         w.engine_ok = hb.engine_ok;
+        let health = pb::EngineHealth::try_from(hb.engine_health).unwrap_or(pb::EngineHealth::Unspecified);
+        let health_changed = health != w.health;
+        w.health = health;
         w.block_size = hb.block_size;
         if !hb.endpoint.is_empty() {
             w.endpoint = Some(hb.endpoint.clone());
@@ -475,6 +537,7 @@ impl ModelState {
             _ => None,
         };
         self.counters.heartbeats += 1;
+        self.counters.health_changes += u64::from(health_changed);
         let m = Measured {
             running: hb.running,
             waiting: hb.waiting,
@@ -701,8 +764,11 @@ impl ModelState {
 
     /// A completion report from a filter. Returns the in-flight events to
     /// share with other replicas.
-    pub fn on_report(&mut self, r: &pb::CompletionReport) -> Vec<pb::InflightEvent> {
+    pub fn on_report(&mut self, r: &pb::CompletionReport, now_ms: u64) -> Vec<pb::InflightEvent> {
         let mut out = Vec::new();
+        if !r.worker_id.is_empty() && reached_another(r) {
+            self.connection_failed(&r.worker_id, now_ms);
+        }
         let known = self.tracker.first_token(&r.request_id).is_ok();
         if !known {
             self.counters.reports_unknown += 1;
@@ -783,6 +849,13 @@ impl ModelState {
                     waiting: load.measured_waiting,
                     heartbeat_age_ms: w.last_heartbeat_ms.map(|t| now_ms.saturating_sub(t)),
                     engine_ok: w.engine_ok,
+                    engine_health: match w.health {
+                        pb::EngineHealth::Unspecified => "unknown",
+                        pb::EngineHealth::Healthy => "healthy",
+                        pb::EngineHealth::Unhealthy => "unhealthy",
+                        pb::EngineHealth::Down => "down",
+                    },
+                    suspect_ms_left: w.suspect_until_ms.saturating_sub(now_ms),
                     block_size: w.block_size,
                 }
             })
@@ -801,4 +874,17 @@ impl ModelState {
             ("unknown_parent", c.skipped_unknown_parent),
         ]
     }
+}
+
+/// Whether a report says the chosen endpoint could not be reached: Envoy
+/// served the request from another endpoint (a retry on a fallback), or no
+/// upstream answered at all.
+pub fn reached_another(r: &pb::CompletionReport) -> bool {
+    if r.endpoint.is_empty() {
+        return false;
+    }
+    if r.served_endpoint.is_empty() {
+        return r.status_code == 0 || r.status_code == 503;
+    }
+    r.served_endpoint != r.endpoint
 }

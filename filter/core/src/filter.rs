@@ -413,6 +413,7 @@ impl RequestFilter {
             prompt_tokens: usage.prompt_tokens,
             cached_tokens: usage.cached_tokens,
             stream: self.stream,
+            served_endpoint: host.upstream_address().unwrap_or_default(),
         })
     }
 }
@@ -551,8 +552,11 @@ mod tests {
         let last = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\ndata: [DONE]\n\n";
         h.set_response_chunk(last);
         assert_eq!(f.on_response_body(&h, last.len(), true), Action::Continue);
+        // Envoy retried on a fallback: the report names the host that served.
+        h.set_upstream_address("10.0.0.2:8000");
         let r = f.finish(&h).unwrap();
         assert_eq!((r.worker_id.as_str(), r.endpoint.as_str(), r.status_code), ("w1", "10.0.0.1:8000", 200));
+        assert_eq!(r.served_endpoint, "10.0.0.2:8000");
         assert_eq!((r.ttfb_us, r.total_us), (1300, 6300));
         assert_eq!((r.prompt_tokens, r.output_tokens, r.cached_tokens), (Some(9), Some(4), Some(0)));
         assert!(r.stream);

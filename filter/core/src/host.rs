@@ -201,6 +201,9 @@ pub trait Host {
     /// is `upstream request timeout{response_timeout}`, a status the server
     /// sent ends in `{via_upstream}`.
     fn grpc_status_message(&self) -> Option<String>;
+    /// The address of the upstream host that served the stream (Envoy's
+    /// `upstream.address`), asked once when the stream ends.
+    fn upstream_address(&self) -> Option<String>;
     /// Starts `kvgate.v1.Router/Pick`; returns the call's token.
     fn dispatch_pick(&self, grpc_service: &[u8], message: &[u8], timeout_ms: u32) -> Option<u32>;
     /// Resumes a paused request.

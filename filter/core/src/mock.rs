@@ -34,6 +34,7 @@ pub struct MockHost {
     refuse: Cell<bool>,
     next_token: Cell<u32>,
     grpc_message: RefCell<Option<String>>,
+    upstream: RefCell<Option<String>>,
 }
 
 impl MockHost {
@@ -48,6 +49,11 @@ impl MockHost {
     /// A POST to `path`.
     pub fn post(path: &str) -> Self {
         Self::new("POST", path)
+    }
+
+    /// Sets the upstream address Envoy reports for the stream.
+    pub fn set_upstream_address(&self, a: &str) {
+        *self.upstream.borrow_mut() = Some(a.to_owned());
     }
 
     /// Sets the buffered request body.
@@ -137,6 +143,9 @@ impl Host for MockHost {
     }
     fn grpc_status_message(&self) -> Option<String> {
         self.grpc_message.borrow().clone()
+    }
+    fn upstream_address(&self) -> Option<String> {
+        self.upstream.borrow().clone()
     }
     fn dispatch_pick(&self, _svc: &[u8], message: &[u8], _timeout_ms: u32) -> Option<u32> {
         if self.refuse.get() {

@@ -87,6 +87,10 @@ impl Host for Envoy<'_> {
     fn grpc_status_message(&self) -> Option<String> {
         hostcalls::get_grpc_status().ok().and_then(|(_, m)| m)
     }
+    fn upstream_address(&self) -> Option<String> {
+        let v = hostcalls::get_property(vec!["upstream", "address"]).ok().flatten()?;
+        String::from_utf8(v).ok()
+    }
     fn dispatch_pick(&self, grpc_service: &[u8], message: &[u8], timeout_ms: u32) -> Option<u32> {
         let service = std::str::from_utf8(grpc_service).ok()?;
         hostcalls::dispatch_grpc_call(

@@ -174,6 +174,13 @@ pub struct CompletionReport {
     /// The request asked for a stream.
     #[prost(bool, tag = "11")]
     pub stream: bool,
+    /// The upstream address that served the request (Envoy's `upstream.address`),
+    /// when known. It differs from `endpoint` when Envoy retried on a fallback
+    /// because the chosen worker could not be reached (connect failure, refused
+    /// stream, reset before headers): the control plane counts that against the
+    /// chosen worker.
+    #[prost(string, tag = "12")]
+    pub served_endpoint: ::prost::alloc::string::String,
 }
 /// A batch of reports from one Envoy worker thread.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -450,6 +457,14 @@ pub struct WorkerHeartbeat {
     /// The last scrape of the engine's /metrics succeeded.
     #[prost(bool, tag = "14")]
     pub engine_ok: bool,
+    /// The engine's health as the relay probes it (its `/health`, and its
+    /// metrics). Anything but HEALTHY or UNSPECIFIED takes the worker out of
+    /// routing at once.
+    #[prost(enumeration = "EngineHealth", tag = "15")]
+    pub engine_health: i32,
+    /// Consecutive failed health probes (0 while healthy).
+    #[prost(uint32, tag = "16")]
+    pub health_failures: u32,
 }
 /// Asks a relay for the full content of its mirror. Subject:
 /// `<prefix>.snap.<model>.<worker>`, sent with a reply inbox.
@@ -632,6 +647,47 @@ impl BlockOrigin {
             "BLOCK_ORIGIN_UNSPECIFIED" => Some(Self::Unspecified),
             "BLOCK_ORIGIN_NEW" => Some(Self::New),
             "BLOCK_ORIGIN_REUSED" => Some(Self::Reused),
+            _ => None,
+        }
+    }
+}
+/// The engine's health, from the relay's probes (ARCHITECTURE §5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum EngineHealth {
+    /// The relay does not probe (no health or metrics URL), or is older than
+    /// this field: routing relies on heartbeats alone.
+    Unspecified = 0,
+    /// The last probe succeeded.
+    Healthy = 1,
+    /// A probe failed: no new request goes there, its blocks are kept (a
+    /// passing stall, a GC pause).
+    Unhealthy = 2,
+    /// Probes kept failing: the engine is gone. The relay has cleared its
+    /// mirror and published AllBlocksCleared, so that a restarted engine
+    /// starts empty in every index.
+    Down = 3,
+}
+impl EngineHealth {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "ENGINE_HEALTH_UNSPECIFIED",
+            Self::Healthy => "ENGINE_HEALTH_HEALTHY",
+            Self::Unhealthy => "ENGINE_HEALTH_UNHEALTHY",
+            Self::Down => "ENGINE_HEALTH_DOWN",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "ENGINE_HEALTH_UNSPECIFIED" => Some(Self::Unspecified),
+            "ENGINE_HEALTH_HEALTHY" => Some(Self::Healthy),
+            "ENGINE_HEALTH_UNHEALTHY" => Some(Self::Unhealthy),
+            "ENGINE_HEALTH_DOWN" => Some(Self::Down),
             _ => None,
         }
     }
