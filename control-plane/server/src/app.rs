@@ -395,6 +395,10 @@ impl App {
             match (up, *down_since) {
                 (false, None) => {
                     *down_since = Some(now);
+                    tracing::warn!("NATS down: routing goes on on the last index, worker liveness frozen");
+                    for m in self.models.values() {
+                        m.state.lock().freeze(now);
+                    }
                     return;
                 }
                 (false, Some(_)) => return,

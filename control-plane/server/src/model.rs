@@ -258,6 +258,8 @@ pub struct ModelState {
     counters: ModelCounters,
     decisions: HashMap<(&'static str, &'static str), u64>,
     scratch: Vec<Overlap>,
+    /// Liveness is judged as of this time while NATS is down.
+    frozen_at: Option<u64>,
 }
 
 impl std::fmt::Debug for ModelState {
@@ -315,6 +317,7 @@ impl ModelState {
             counters: ModelCounters::default(),
             decisions: HashMap::new(),
             scratch: Vec::new(),
+            frozen_at: None,
             config,
         };
         for (id, endpoint) in this.config.static_workers.clone() {
@@ -389,9 +392,10 @@ impl ModelState {
             return true;
         }
         let engine_up = matches!(w.health, pb::EngineHealth::Unspecified | pb::EngineHealth::Healthy);
+        let judged_at = self.frozen_at.map_or(now_ms, |f| f.min(now_ms));
         engine_up
             && w.endpoint.is_some()
-            && w.last_heartbeat_ms.is_some_and(|t| now_ms.saturating_sub(t) <= self.timeout_ms(w))
+            && w.last_heartbeat_ms.is_some_and(|t| judged_at.saturating_sub(t) <= self.timeout_ms(w))
     }
 
     /// The filter could not reach `worker_id` (Envoy retried on a fallback,
@@ -416,9 +420,17 @@ impl ModelState {
         }
     }
 
-    /// Freezes liveness across a NATS outage: heartbeats could not arrive,
-    /// so the time without them does not count against any worker.
+    /// NATS went down at `now_ms`: liveness is judged as of then until
+    /// [`ModelState::thaw`] (heartbeats cannot arrive; routing goes on on
+    /// the last index).
+    pub fn freeze(&mut self, now_ms: u64) {
+        self.frozen_at.get_or_insert(now_ms);
+    }
+
+    /// NATS is back after `outage_ms`: the time without heartbeats does not
+    /// count against any worker.
     pub fn thaw(&mut self, outage_ms: u64) {
+        self.frozen_at = None;
         for w in self.workers.values_mut() {
             if let Some(t) = w.last_heartbeat_ms.as_mut() {
                 *t = t.saturating_add(outage_ms);

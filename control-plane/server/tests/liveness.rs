@@ -146,7 +146,9 @@ fn thawing_after_an_outage_keeps_the_workers() {
     let mut st = state();
     st.on_heartbeat(&hb("w0", H::Healthy), 0);
     st.on_heartbeat(&hb("w1", H::Healthy), 0);
-    // 10 s without heartbeats (NATS down); the service layer thaws.
+    // 10 s without heartbeats (NATS down): routed all along; then thawed.
+    st.freeze(50);
+    assert_eq!(picked(&mut st, 9_000), vec!["w0", "w1"], "frozen: still routable");
     st.thaw(10_000);
     assert!(st.reap(10_500).is_empty());
     assert_eq!(picked(&mut st, 10_500), vec!["w0", "w1"]);

@@ -28,6 +28,13 @@ pub fn kvgate(args: &[&str]) -> Command {
     c
 }
 
+/// `kvgate` with these arguments.
+pub fn kvgate_args(args: &[String]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    c.args(args);
+    c
+}
+
 /// Two consecutive free ports (ZMQ PUB and replay).
 pub fn port_pair() -> u16 {
     kvgate_e2e::port_pair().unwrap()
@@ -44,6 +51,17 @@ pub fn until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
+/// Extra settings of a fleet.
+#[derive(Default)]
+pub struct FleetOpts<'a> {
+    /// NATS user and password.
+    pub auth: Option<(&'a str, &'a str)>,
+    /// More arguments for `kvgate serve`.
+    pub serve_args: &'a [&'a str],
+    /// More arguments for every `kvgate relay`.
+    pub relay_args: &'a [&'a str],
+}
+
 /// The running fleet.
 pub struct Fleet {
     pub nats: NatsServer,
@@ -56,6 +74,11 @@ pub struct Fleet {
     pub admin: SocketAddr,
     /// Each relay's own /metrics address.
     pub relay_metrics: Vec<SocketAddr>,
+    /// The arguments each process was started with (to start it again):
+    /// `procs[2w]` is sim `w`, `procs[2w + 1]` its relay, the last one the
+    /// control plane.
+    args: Vec<Vec<String>>,
+    dir: PathBuf,
 }
 
 impl Fleet {
@@ -79,6 +102,13 @@ impl Fleet {
         auth: Option<(&str, &str)>,
         serve_args: &[&str],
     ) -> Fleet {
+        Self::start_opts(dir, workers, speedup, FleetOpts { auth, serve_args, relay_args: &[] })
+    }
+
+    /// The most general start.
+    pub fn start_opts(dir: &Path, workers: usize, speedup: &str, opts: FleetOpts<'_>) -> Fleet {
+        let FleetOpts { auth, serve_args, relay_args } = opts;
+        let mut args: Vec<Vec<String>> = Vec::new();
         let (nats, nats_url) = match auth {
             Some((u, p)) => {
                 let n = NatsServer::start_with_auth(dir, u, p).unwrap();
@@ -100,7 +130,7 @@ impl Fleet {
             let hp = free_port().unwrap();
             let zp = port_pair();
             let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
-            let sim = kvgate(&[
+            let sim_args: Vec<String> = [
                 "sim",
                 "--workers",
                 "1",
@@ -116,8 +146,12 @@ impl Fleet {
                 "4096",
                 "--speedup",
                 speedup,
-            ]);
-            procs.push(Proc::spawn(&format!("sim-{w}"), sim, dir).unwrap());
+            ]
+            .iter()
+            .map(|a| (*a).to_owned())
+            .collect();
+            procs.push(Proc::spawn(&format!("sim-{w}"), kvgate_args(&sim_args), dir).unwrap());
+            args.push(sim_args);
             let addr: SocketAddr = ([127, 0, 0, 1], hp).into();
             wait_for_tcp(addr, Duration::from_secs(30)).unwrap();
             http.push(addr);
@@ -132,15 +166,17 @@ impl Fleet {
                 max_num_seqs: 64,
                 heartbeat_ms: 100,
             };
-            let mut relay = Command::new(env!("CARGO_BIN_EXE_kvgate"));
             let rm: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();
-            relay.args(spec.args()).arg("--listen-metrics").arg(rm.to_string());
+            let mut relay_a = spec.args();
+            relay_a.extend(["--listen-metrics".to_owned(), rm.to_string()]);
+            relay_a.extend(relay_args.iter().map(|a| (*a).to_owned()));
             relay_metrics.push(rm);
-            procs.push(Proc::spawn(&format!("relay-{w}"), relay, dir).unwrap());
+            procs.push(Proc::spawn(&format!("relay-{w}"), kvgate_args(&relay_a), dir).unwrap());
+            args.push(relay_a);
         }
         let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
         let (grpc, admin) = (format!("127.0.0.1:{gp}"), format!("127.0.0.1:{ap}"));
-        let mut serve = kvgate(&[
+        let mut serve_a: Vec<String> = [
             "serve",
             "--model",
             MODEL,
@@ -156,11 +192,23 @@ impl Fleet {
             &admin,
             "--replica-id",
             "cp-e2e",
-        ]);
-        serve.args(serve_args);
-        procs.push(Proc::spawn("serve", serve, dir).unwrap());
-        let fleet =
-            Fleet { nats, procs, http, grpc: grpc.parse().unwrap(), admin: admin.parse().unwrap(), relay_metrics };
+        ]
+        .iter()
+        .map(|a| (*a).to_owned())
+        .collect();
+        serve_a.extend(serve_args.iter().map(|a| (*a).to_owned()));
+        procs.push(Proc::spawn("serve", kvgate_args(&serve_a), dir).unwrap());
+        args.push(serve_a);
+        let fleet = Fleet {
+            nats,
+            procs,
+            http,
+            grpc: grpc.parse().unwrap(),
+            admin: admin.parse().unwrap(),
+            relay_metrics,
+            args,
+            dir: dir.to_owned(),
+        };
         wait_for_tcp(fleet.admin, Duration::from_secs(30)).unwrap();
         until(30, "every worker live in the control plane", || {
             fleet.workers()[MODEL].as_array().is_some_and(|a| a.len() == workers && a.iter().all(|w| w["live"] == true))
@@ -170,7 +218,11 @@ impl Fleet {
 
     /// `/admin/workers` of the control plane.
     pub fn workers(&self) -> Value {
-        serde_json::from_slice(&http_request(self.admin, "GET", "/admin/workers", &[], b"").unwrap().body).unwrap()
+        // Null while the control plane is down (a fault test kills it).
+        http_request(self.admin, "GET", "/admin/workers", &[], b"")
+            .ok()
+            .and_then(|r| serde_json::from_slice(&r.body).ok())
+            .unwrap_or_default()
     }
 
     /// Waits until no request is in flight and every worker's last heartbeat
@@ -187,12 +239,61 @@ impl Fleet {
 
     /// Device blocks of worker `w` in the control plane's index.
     pub fn blocks(&self, w: usize) -> u64 {
-        self.workers()[MODEL][w]["device_blocks"].as_u64().unwrap_or(0)
+        self.worker(w)["device_blocks"].as_u64().unwrap_or(0)
     }
 
     /// The control plane's Prometheus text.
     pub fn metrics(&self) -> String {
         String::from_utf8(http_request(self.admin, "GET", "/metrics", &[], b"").unwrap().body).unwrap()
+    }
+
+    /// Index of sim `w`, relay `w` and the control plane in `procs`.
+    pub fn sim(w: usize) -> usize {
+        2 * w
+    }
+
+    /// See [`Fleet::sim`].
+    pub fn relay(w: usize) -> usize {
+        2 * w + 1
+    }
+
+    /// See [`Fleet::sim`].
+    pub fn serve(&self) -> usize {
+        self.procs.len() - 1
+    }
+
+    /// Kills process `i` (SIGKILL, by its PID).
+    pub fn kill(&mut self, i: usize) {
+        self.procs[i].kill();
+    }
+
+    /// Starts process `i` again with the same arguments (same ports).
+    pub fn restart(&mut self, i: usize) {
+        self.procs[i].kill();
+        let name = format!("{}-{i}-again", self.args[i][0]);
+        self.procs[i] = Proc::spawn(&name, kvgate_args(&self.args[i]), &self.dir).unwrap();
+    }
+
+    /// Sends a signal (`STOP`, `CONT`) to process `i`, by its PID.
+    pub fn signal(&self, i: usize, sig: &str) {
+        let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.procs[i].pid().to_string()).status().unwrap();
+        assert!(ok.success(), "kill -{sig}");
+    }
+
+    /// The simulator's own view of worker `w`'s cache (`/kvgate/sim/cache`).
+    pub fn engine_blocks(&self, w: usize) -> Option<u64> {
+        let r = http_request(self.http[w], "GET", "/kvgate/sim/cache", &[], b"").ok()?;
+        let v: Value = serde_json::from_slice(&r.body).ok()?;
+        v["cached_blocks"].as_u64()
+    }
+
+    /// Worker `w`'s entry in `/admin/workers`.
+    pub fn worker(&self, w: usize) -> Value {
+        let id = format!("w{w}");
+        self.workers()[MODEL]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["id"] == id.as_str()).cloned())
+            .unwrap_or_default()
     }
 
     /// Every process still runs.
