@@ -25,6 +25,8 @@ ap.add_argument("--skip", default="")
 ap.add_argument("--replay")
 ap.add_argument("--linger", type=float, default=0.3)
 ap.add_argument("--range", default="", help="A:B publishes only lines A..B-1")
+ap.add_argument("--replay-from", type=int, default=0,
+                help="the replay buffer holds only lines from this one on (a gap beyond it cannot be replayed)")
 args = ap.parse_args()
 skip = {int(x) for x in args.skip.split(",") if x}
 lo, hi = (int(x) for x in args.range.split(":")) if args.range else (0, 1 << 30)
@@ -47,7 +49,7 @@ def serve_replay(endpoint):
             continue
         ident, _, start = frames
         start = int.from_bytes(start, "big")
-        for topic, seq, payload in msgs:
+        for topic, seq, payload in msgs[args.replay_from:]:
             if int.from_bytes(seq, "big") >= start:
                 router.send_multipart([ident, b"", topic, seq, payload])
         router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])

@@ -347,3 +347,229 @@ fn relay_survives_a_nats_restart_without_losing_state() {
     relay.ensure_running().unwrap();
     relay.kill();
 }
+
+// ------------------------------------------------------ relay faults --
+//
+// Faults of the event stream, each with a real libzmq publisher, the relay
+// binary and nats-server: the relay keeps running, counts what it skipped,
+// and what it publishes equals what the relay core computes for the same
+// frames (so an index fed from NATS equals the engine's cache as far as
+// its events tell).
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Writes frames as a capture file for `zmq_pub.py`.
+fn write_capture(dir: &std::path::Path, name: &str, msgs: &[Vec<Vec<u8>>]) -> std::path::PathBuf {
+    let path = dir.join(format!("{name}.raw.jsonl"));
+    let lines: Vec<String> = msgs
+        .iter()
+        .map(|m| serde_json::json!({"frames_hex": m.iter().map(|f| hex(f)).collect::<Vec<_>>()}).to_string())
+        .collect();
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    path
+}
+
+/// The relay core's output for `msgs` (no replay socket).
+fn offline(msgs: &[Vec<Vec<u8>>]) -> (Vec<pb::KvEventBatch>, RelayCore) {
+    let mut core =
+        RelayCore::new(RelayConfig { worker_id: ENDPOINT.into(), model: MODEL.into(), replay: false, relay_epoch: 0 });
+    let mut out = Vec::new();
+    for m in msgs {
+        let refs: Vec<&[u8]> = m.iter().map(Vec::as_slice).collect();
+        for a in core.on_live(&refs) {
+            if let Action::Publish(b) = a {
+                out.push(b);
+            }
+        }
+    }
+    (out, core)
+}
+
+/// Runs the relay on a capture file made of `msgs`; returns what reached
+/// NATS and the relay's metrics.
+fn run_frames(name: &str, msgs: &[Vec<Vec<u8>>], want: usize) -> (Vec<pb::KvEventBatch>, String) {
+    let dir = scratch_dir(&format!("relay-fault-{name}")).unwrap();
+    let path = write_capture(&dir, name, msgs);
+    let nats = NatsServer::start(&dir).unwrap();
+    let zmq_port = free_port().unwrap();
+    let metrics_port = free_port().unwrap();
+    let mut client = NatsClient::connect(nats.port).unwrap();
+    client.subscribe(&Subjects::default().kv_events(MODEL, ENDPOINT), "kv").unwrap();
+    client.flush().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    cmd.args(["relay", "--zmq-endpoint", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .args(["--nats-url", &format!("nats://127.0.0.1:{}", nats.port)])
+        .args(["--model", MODEL, "--endpoint", ENDPOINT, "--block-size", "32"])
+        .args(["--listen-metrics", &format!("127.0.0.1:{metrics_port}")]);
+    let mut relay = Proc::spawn("relay", cmd, &dir).unwrap();
+    wait_for_tcp(([127, 0, 0, 1], zmq_port).into(), Duration::from_secs(10)).unwrap();
+    let out = Command::new(tool("KVGATE_PYTHON", "../venv/bin/python").unwrap())
+        .arg(repo_root().join("tests/tools/zmq_pub.py"))
+        .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "publisher failed: {}", String::from_utf8_lossy(&out.stderr));
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.len() < want && Instant::now() < deadline {
+        if let Some(m) = client.next_msg(Duration::from_millis(500)).unwrap() {
+            got.push(pb::KvEventBatch::decode(m.payload.as_slice()).unwrap());
+        }
+    }
+    relay.ensure_running().unwrap();
+    let metrics = kvgate_e2e::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
+    relay.kill();
+    (got, String::from_utf8(metrics.body).unwrap())
+}
+
+fn frames(seq: u64, payload: Vec<u8>) -> Vec<Vec<u8>> {
+    vec![b"kv-events".to_vec(), seq.to_be_bytes().to_vec(), payload]
+}
+
+/// A valid batch of 40,000 blocks (~2.1 MB, over NATS's 1 MiB payload
+/// limit) stopped the relay ("max payload size exceeded"). It is now split
+/// under the limit; nothing is lost and the relay goes on.
+#[test]
+fn relay_fault_oversized_batch() {
+    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let n = 40_000usize;
+    let stored = kvgate_vllm_wire::BlockStored {
+        block_hashes: (1..=n as u64).map(|h| h << 20).collect(),
+        token_ids: (0..(n * 32) as u32).map(|t| 1_000 + t % 100_000).collect(),
+        block_size: 32,
+        medium: Some("GPU"),
+        ..Default::default()
+    };
+    let batch = kvgate_vllm_wire::Batch {
+        ts: 1.0,
+        dp_rank: Some(0),
+        array_len: 3,
+        events: vec![kvgate_vllm_wire::Event::Stored(stored)],
+    };
+    let big = kvgate_vllm_wire::encode::encode_batch(&batch, kvgate_vllm_wire::encode::Encoding::Map);
+    assert!(big.len() > 2_000_000);
+    let last = real.len() as u64;
+    let mut msgs = real.clone();
+    msgs.push(frames(last, big));
+    msgs.push(
+        real[1]
+            .iter()
+            .enumerate()
+            .map(|(i, f)| if i == 1 { (last + 1).to_be_bytes().to_vec() } else { f.clone() })
+            .collect(),
+    );
+    let (want, core) = offline(&msgs);
+    let (got, metrics) = run_frames("oversized", &msgs, want.len());
+    assert_eq!(without_epoch(&got), want, "every batch, split the same way");
+    assert!(metric(&metrics, "split_batches_total") >= 2.0, "{metrics}");
+    assert_eq!(metric(&metrics, "publish_errors_total"), 0.0, "{metrics}");
+    assert!(core.mirror().len() >= n);
+}
+
+/// The same batch delivered twice is dropped as a duplicate: the worker's
+/// blocks are not wiped (it used to be taken for an engine restart).
+#[test]
+fn relay_fault_duplicated_batch() {
+    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let mut msgs = real[..6].to_vec();
+    msgs.insert(4, real[3].clone());
+    let (want, _) = offline(&msgs);
+    let (got, metrics) = run_frames("duplicate", &msgs, want.len());
+    assert_eq!(without_epoch(&got), want);
+    assert_eq!(metric(&metrics, "duplicates_total"), 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, "restarts_total"), 0.0, "{metrics}");
+    // Exactly what the stream without the duplicate gives.
+    assert_eq!(without_epoch(&got), offline(&real[..6]).0);
+}
+
+/// Garbage frames (not msgpack, wrong frame counts, msgpack of another
+/// shape) are counted and skipped; the valid batches around them all pass.
+#[test]
+fn relay_fault_garbage_frames() {
+    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let mut msgs = real[..3].to_vec();
+    msgs.push(frames(3, vec![0xc1, 0xff, 0x00]));
+    msgs.push(vec![b"kv-events".to_vec()]);
+    msgs.push(frames(4, vec![0x93, 0x01, 0x02, 0x03]));
+    msgs.extend(real[3..6].iter().map(|m| {
+        let seq = u64::from_be_bytes(m[1].as_slice().try_into().unwrap()) + 2;
+        vec![m[0].clone(), seq.to_be_bytes().to_vec(), m[2].clone()]
+    }));
+    let (want, _) = offline(&msgs);
+    let (got, metrics) = run_frames("garbage", &msgs, want.len());
+    assert_eq!(without_epoch(&got), want);
+    let errors = metric(&metrics, "decode_errors_msgpack_total")
+        + metric(&metrics, "decode_errors_shape_total")
+        + metric(&metrics, "decode_errors_frames_total");
+    assert_eq!(errors, 3.0, "{metrics}");
+}
+
+/// A gap the engine's replay buffer no longer covers: the relay clears the
+/// worker (published, so every index forgets a state with a hole in it)
+/// and resynchronizes from the batches that follow.
+#[test]
+fn relay_fault_gap_beyond_the_replay_buffer() {
+    let replay_port = free_port().unwrap();
+    let replay = format!("tcp://127.0.0.1:{replay_port}");
+    let (got, metrics) = run_capture(
+        "inst1",
+        &["--replay-endpoint".into(), replay.clone()],
+        // Lines 5 and 6 are lost live, and the replay buffer starts at 7.
+        &["--skip".into(), "5,6".into(), "--replay".into(), replay, "--replay-from".into(), "7".into()],
+        10,
+    );
+    assert_eq!(metric(&metrics, "gaps_total"), 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, "resyncs_total"), 1.0, "{metrics}");
+    assert!(got.iter().flat_map(|b| &b.events).any(|e| matches!(e.event, Some(pb::kv_event::Event::Cleared(_)))));
+}
+
+/// The relay starts before NATS and publishes what it received once NATS
+/// is up (held in its bounded queue).
+#[test]
+fn relay_starts_without_nats_and_delivers_when_it_comes() {
+    let dir = scratch_dir("relay-no-nats").unwrap();
+    let nats_port = free_port().unwrap();
+    let zmq_port = free_port().unwrap();
+    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let msgs = real[..8].to_vec();
+    let path = write_capture(&dir, "early", &msgs);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    cmd.args(["relay", "--zmq-endpoint", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .args(["--nats-url", &format!("nats://127.0.0.1:{nats_port}")])
+        .args(["--model", MODEL, "--endpoint", ENDPOINT, "--block-size", "32"]);
+    let mut relay = Proc::spawn("relay", cmd, &dir).unwrap();
+    wait_for_tcp(([127, 0, 0, 1], zmq_port).into(), Duration::from_secs(10)).unwrap();
+    let out = Command::new(tool("KVGATE_PYTHON", "../venv/bin/python").unwrap())
+        .arg(repo_root().join("tests/tools/zmq_pub.py"))
+        .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    relay.ensure_running().unwrap();
+    let nats = NatsServer::start_on(&dir, nats_port).unwrap();
+    let mut client = NatsClient::connect(nats.port).unwrap();
+    // What was queued may be published before this subscription: ask for
+    // a snapshot instead, which equals the relay core's mirror.
+    client.subscribe("_INBOX.early", "s").unwrap();
+    client.flush().unwrap();
+    let (_, core) = offline(&msgs);
+    let want = core.snapshot(32, 900 * 1024);
+    let mut chunks = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while chunks.len() < want.len() && Instant::now() < deadline {
+        let req = pb::SnapshotRequest { requester: "test".into(), max_chunk_bytes: 0 };
+        client.request(&Subjects::default().snapshot(MODEL, ENDPOINT), "_INBOX.early", &req.encode_to_vec()).unwrap();
+        client.flush().unwrap();
+        while let Some(m) = client.next_msg(Duration::from_millis(500)).unwrap() {
+            chunks.push(pb::SnapshotChunk::decode(m.payload.as_slice()).unwrap());
+        }
+    }
+    relay.ensure_running().unwrap();
+    let blocks: usize = chunks.iter().take(want.len()).map(|c| c.blocks.len()).sum();
+    assert_eq!(blocks, want.iter().map(|c| c.blocks.len()).sum::<usize>(), "relay log:\n{}", relay.log());
+    relay.kill();
+}
