@@ -778,3 +778,33 @@ fn mutual_tls_between_filter_and_control_plane() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("tls_key_file") && err.contains("no PEM block"), "{err}");
 }
+
+/// A body over the filter's `max_body_bytes` passes through unrouted,
+/// chunked (no content-length: the filter finds out while buffering) or
+/// not, instead of getting Envoy's 413.
+#[test]
+fn a_body_over_the_limit_passes_through_unrouted() {
+    let dir = scratch_dir("gw-big-body").unwrap();
+    let (_ups, addrs) = upstreams(2);
+    let stub = StubServer::start();
+    let gw = start_gateway(&dir, &addrs, stub.addr, &json!({"control_plane": {"timeout_ms": 2000}}));
+    // 9 MiB of JSON: over the default max_body_bytes (8 MiB).
+    let big = json!({"model": MODEL, "messages": [{"role": "user", "content": "x".repeat(9 << 20)}]}).to_string();
+    let r = gw.post("/v1/chat/completions", &[], big.as_bytes());
+    assert_eq!(r.status, 200, "content-length body: {:.300}", String::from_utf8_lossy(&r.body));
+    let mut s = TcpStream::connect(gw.listen).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n").unwrap();
+    for chunk in big.as_bytes().chunks(256 << 10) {
+        write!(s, "{:x}\r\n", chunk.len()).unwrap();
+        s.write_all(chunk).unwrap();
+        s.write_all(b"\r\n").unwrap();
+    }
+    s.write_all(b"0\r\n\r\n").unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 200"), "chunked body: {text:.300}");
+    assert_eq!(gw.stat("fallback.body_too_large"), 2, "both passed through unrouted");
+    assert_eq!(stub.picks(), 0);
+}

@@ -405,12 +405,31 @@ fn serve_metrics(mut stream: tokio::net::TcpStream, body: String) {
 pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     // Credentials in the URL become connect options (the client ignores them there).
     let url = kvgate_protocol::nats_url::split_nats_url(&opts.nats_url);
-    let connect = async_nats::ConnectOptions::new()
-        .name(format!("kvgate-relay {}", opts.worker_id))
-        .retry_on_initial_connect()
-        .max_reconnects(None)
-        .event_callback(|e| async move { tracing::info!(event = %e, "NATS") });
-    let nats = url.auth.connect_options(connect).connect(url.servers.as_str()).await.map_err(nats_err)?;
+    let connect = || {
+        let o = async_nats::ConnectOptions::new()
+            .name(format!("kvgate-relay {}", opts.worker_id))
+            .max_reconnects(None)
+            .event_callback(|e| async move { tracing::info!(event = %e, "NATS") });
+        url.auth.clone().connect_options(o)
+    };
+    // Refused credentials are final (the relay exits and says so); a server
+    // that is not up yet is not: the relay runs, holds what it must publish,
+    // and connects in the background.
+    let nats = match connect().connect(url.servers.as_str()).await {
+        Ok(c) => c,
+        Err(e)
+            if matches!(
+                e.kind(),
+                async_nats::ConnectErrorKind::AuthorizationViolation | async_nats::ConnectErrorKind::Authentication
+            ) =>
+        {
+            return Err(nats_err(e));
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "NATS not reachable yet; relaying and connecting in the background");
+            connect().retry_on_initial_connect().connect(url.servers.as_str()).await.map_err(nats_err)?
+        }
+    };
     let mut snapshots = nats.subscribe(opts.subjects.snapshot(&opts.model, &opts.worker_id)).await.map_err(nats_err)?;
     let epoch = {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();

@@ -396,6 +396,9 @@ pub async fn run_worker(
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .route("/kvgate/sim/cache", get(cache_info))
+        // vLLM (FastAPI) sets no request body limit; axum's default of 2 MB
+        // refused prompts vLLM accepts. 256 MiB bounds a runaway client.
+        .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .with_state(shared);
     on_bound(bound);
     // TCP_NODELAY, as vLLM's server (asyncio sets it on every TCP
