@@ -292,6 +292,21 @@ impl RelayCore {
         out
     }
 
+    /// The event socket was (re)connected: what the engine published before
+    /// the subscription reached it is lost to PUB/SUB (ZMQ's slow joiner),
+    /// and a new engine process may publish nothing more for a while. With
+    /// a replay socket, ask for everything after the last applied batch
+    /// (from 0 on a fresh stream); live messages are held meanwhile.
+    pub fn catch_up(&mut self) -> Vec<Action> {
+        if !self.config.replay || self.replay.is_some() {
+            return Vec::new();
+        }
+        let from = self.last_seq.map_or(0, |l| l + 1);
+        self.counters.replays += 1;
+        self.replay = Some(Replay { next: from, held: Vec::new() });
+        vec![Action::RequestReplay { from_seq: from }]
+    }
+
     fn start_replay(&mut self, from: u64, seq: u64, payload: &[u8], out: &mut Vec<Action>) {
         self.counters.replays += 1;
         self.replay = Some(Replay { next: from, held: vec![(seq, payload.to_vec())] });

@@ -498,7 +498,11 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
             },
             s = join_connect(&mut r.connecting) => {
                 r.connecting = None;
-                if let Ok(s) = s { r.sub = Some(s) }
+                if let Ok(s) = s {
+                    r.sub = Some(s);
+                    let actions = r.core.catch_up();
+                    r.act(actions).await;
+                }
             }
             reply = async { match r.dealer.as_mut() { Some(d) => d.recv().await, None => std::future::pending().await } },
                 if r.core.replaying() => {

@@ -391,3 +391,33 @@ fn an_oversized_batch_is_split_under_the_limit() {
     assert_eq!(naive(&out).len(), n);
     assert_eq!(r.counters().split_batches, out.len() as u64 - 1);
 }
+
+/// After the event socket (re)connects, the relay asks the replay socket
+/// for what it may have missed: from 0 on a fresh stream, after the last
+/// applied batch otherwise; live messages wait for the replay's end.
+#[test]
+fn catch_up_after_a_reconnect_replays_what_was_missed() {
+    let msgs = capture("inst1");
+    // Without a replay socket there is nothing to ask.
+    assert!(relay(false).catch_up().is_empty());
+    let mut r = relay(true);
+    assert_eq!(r.catch_up(), vec![Action::RequestReplay { from_seq: 0 }]);
+    assert!(r.catch_up().is_empty(), "one replay at a time");
+    // A live message arrives meanwhile: held.
+    assert!(feed(&mut r, &msgs[2]).is_empty());
+    // The replay brings 0 and 1, then ends: 0, 1, then the held 2.
+    let reply = |m: &[Vec<u8>]| -> Vec<Vec<u8>> { vec![Vec::new(), m[0].clone(), m[1].clone(), m[2].clone()] };
+    let mut out = Vec::new();
+    for m in &msgs[..2] {
+        let f = reply(m);
+        let refs: Vec<&[u8]> = f.iter().map(Vec::as_slice).collect();
+        out.extend(published(&r.on_replay(&refs)));
+    }
+    let end: Vec<Vec<u8>> = vec![Vec::new(), Vec::new(), vec![0xff; 8], Vec::new()];
+    let refs: Vec<&[u8]> = end.iter().map(Vec::as_slice).collect();
+    out.extend(published(&r.on_replay(&refs)));
+    assert!(!r.replaying());
+    assert_eq!(out.iter().map(|b| b.engine_seq).collect::<Vec<_>>(), vec![0, 1, 2]);
+    // Reconnected again: from the batch after the last applied.
+    assert_eq!(r.catch_up(), vec![Action::RequestReplay { from_seq: 3 }]);
+}

@@ -53,6 +53,8 @@ pub struct App {
     pub nats_connected: std::sync::atomic::AtomicBool,
     /// Since when NATS has been down (liveness frozen), if it is.
     nats_down_since: Mutex<Option<u64>>,
+    /// NATS has been connected at least once.
+    nats_was_up: std::sync::atomic::AtomicBool,
     ids: std::sync::atomic::AtomicU64,
 }
 
@@ -134,6 +136,7 @@ impl App {
                 inflight_tx: tx,
                 nats_connected: std::sync::atomic::AtomicBool::new(false),
                 nats_down_since: Mutex::new(None),
+                nats_was_up: std::sync::atomic::AtomicBool::new(false),
                 ids: std::sync::atomic::AtomicU64::new(0),
             }),
             rx,
@@ -392,6 +395,11 @@ impl App {
         if self.config.nats_url.is_some() {
             let up = self.nats_connected.load(Ordering::Relaxed);
             let mut down_since = self.nats_down_since.lock();
+            // Not connected yet since the start: no outage, nothing to freeze.
+            if !up && !self.nats_was_up.load(Ordering::Relaxed) {
+                return;
+            }
+            self.nats_was_up.store(true, Ordering::Relaxed);
             match (up, *down_since) {
                 (false, None) => {
                     *down_since = Some(now);
