@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-workloads dashboard report clean-tools
+.PHONY: help setup test soak demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-workloads dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
@@ -11,6 +11,7 @@ help:
 	@echo "make dashboard - live dashboard on http://127.0.0.1:8090/: kv, round robin, sglang under one slider"
 	@echo "make report - rewrite the .md/.html/.svg reports of bench/results/*.json from the JSON"
 	@echo "make test   - install tools, lint, build the Wasm target, run all tests"
+	@echo "make soak   - 10-minute chaos soak under load (faults at random times) -> bench/results/chaos-soak.json"
 	@echo "make setup  - install Envoy, nats-server, tokenizer, wasm target into .tools/"
 	@echo "make lint   - rustfmt --check and clippy -D warnings (native and wasm32)"
 	@echo "make wasm   - build the filter for wasm32-wasip1 (target/wasm32-wasip1/wasm/kvgate_filter.wasm)"
@@ -29,6 +30,12 @@ setup:
 
 test: setup
 	@scripts/test.sh
+
+# The chaos soak (10 min; KVGATE_SOAK_SECS, KVGATE_SOAK_SEED): faults at
+# random times under load; requests, failures and RSS in bench/results/chaos-soak.json.
+soak: setup
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; cargo nextest run -p kvgate --test faults --run-ignored only --no-capture chaos_soak
 
 demo: setup
 	@scripts/demo.sh $(ARGS)

@@ -433,3 +433,133 @@ fn an_engine_restarted_quickly() {
     assert_no_failure_before_headers("engine restarted quickly", before, &at);
     assert!(s.fleet.blocks(1) > 0, "the new engine's blocks are indexed");
 }
+
+// ------------------------------------------------------------- soak --
+
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches("kB").trim().to_owned()))
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// RSS (KiB) of every process of the stack, by name.
+fn stack_rss(s: &Stack) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    for w in 0..WORKERS {
+        m.insert(format!("sim-{w}"), rss_kb(s.fleet.procs[Fleet::sim(w)].pid()).into());
+        m.insert(format!("relay-{w}"), rss_kb(s.fleet.procs[Fleet::relay(w)].pid()).into());
+    }
+    m.insert("control-plane".into(), rss_kb(s.fleet.procs[s.fleet.serve()].pid()).into());
+    m.insert("envoy".into(), rss_kb(s.envoy.proc.pid()).into());
+    m.insert("nats".into(), rss_kb(s.fleet.nats.proc.pid()).into());
+    m
+}
+
+/// The chaos soak (`make soak`, 10 minutes; `KVGATE_SOAK_SECS` to change):
+/// the stack under load while a fault from the suite's list strikes at a
+/// random time every 15–40 s. Reports requests, failures by kind, faults,
+/// and every process's RSS at the start and the end, to
+/// `bench/results/chaos-soak.json`. Fails on any request that failed
+/// before its stream started, or an index that does not converge.
+#[test]
+#[ignore = "10 minutes: run with make soak"]
+fn chaos_soak() {
+    let secs: u64 = std::env::var("KVGATE_SOAK_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
+    let seed: u64 = std::env::var("KVGATE_SOAK_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    let mut rng = seed | 1;
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    println!("soak: {secs} s, seed {seed}");
+    let mut s = stack("soak", &[]);
+    let load = Load::start(s.envoy.listen, 3, usize::MAX);
+    load.flowing(30);
+    let rss_start = stack_rss(&s);
+    let t0 = Instant::now();
+    let mut faults: Vec<serde_json::Value> = Vec::new();
+    while t0.elapsed() < Duration::from_secs(secs) {
+        std::thread::sleep(Duration::from_secs(15 + next(26)));
+        if t0.elapsed() >= Duration::from_secs(secs) {
+            break;
+        }
+        let w = next(WORKERS as u64) as usize;
+        let at = t0.elapsed().as_secs_f64();
+        let kind = match next(6) {
+            0 => {
+                s.fleet.kill(Fleet::sim(w));
+                std::thread::sleep(Duration::from_secs(3 + next(6)));
+                s.fleet.restart(Fleet::sim(w));
+                "engine_killed_and_restarted"
+            }
+            1 => {
+                s.fleet.kill(Fleet::relay(w));
+                s.fleet.kill(Fleet::sim(w));
+                std::thread::sleep(Duration::from_secs(3 + next(6)));
+                s.fleet.restart(Fleet::sim(w));
+                s.fleet.restart(Fleet::relay(w));
+                "pod_killed_and_restarted"
+            }
+            2 => {
+                s.fleet.restart(Fleet::relay(w));
+                "relay_restarted"
+            }
+            3 => {
+                let port = s.fleet.nats.port;
+                s.fleet.nats.proc.kill();
+                std::thread::sleep(Duration::from_secs(5 + next(6)));
+                s.fleet.nats = kvgate_e2e::NatsServer::start_on(&s.dir, port).unwrap();
+                "nats_down"
+            }
+            4 => {
+                let serve = s.fleet.serve();
+                s.fleet.signal(serve, "STOP");
+                std::thread::sleep(Duration::from_secs(3 + next(3)));
+                s.fleet.signal(serve, "CONT");
+                "control_plane_sigstop"
+            }
+            _ => {
+                let serve = s.fleet.serve();
+                s.fleet.kill(serve);
+                std::thread::sleep(Duration::from_secs(1 + next(3)));
+                s.fleet.restart(serve);
+                "control_plane_killed_and_restarted"
+            }
+        };
+        println!("soak: {at:.0} s: {kind} (worker {w})");
+        faults.push(json!({"at_s": at, "fault": kind, "worker": w}));
+    }
+    // Everything back: every worker live, then the index converges.
+    until(60, "every worker live after the soak", || (0..WORKERS).all(|w| s.fleet.worker(w)["live"] == true));
+    let rss_end = stack_rss(&s);
+    let (sent, streaming, before, at) = load.finish();
+    let t_conv = Instant::now();
+    let conv_ms = converged(&s.fleet, &[0, 1, 2], t_conv);
+    let (commit, machine) = kvgate_e2e::bench_provenance();
+    let result = json!({
+        "seconds": secs,
+        "seed": seed,
+        "requests": sent,
+        "failed_streaming": streaming,
+        "failed_before_headers": before,
+        "faults": faults,
+        "converged_ms_after_load": conv_ms,
+        "rss_kb_start": rss_start,
+        "rss_kb_end": rss_end,
+        "commit": commit,
+        "machine": machine,
+    });
+    let path = kvgate_e2e::repo_root().join("bench/results/chaos-soak.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap() + "\n").unwrap();
+    println!("soak: {}", serde_json::to_string(&result).unwrap());
+    assert_no_failure_before_headers("soak", before, &at);
+    s.fleet.check();
+}
