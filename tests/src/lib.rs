@@ -421,42 +421,12 @@ enum Op {
 
 /// Fills `${NAME}` placeholders; every placeholder must have a value.
 pub fn render_template(template: &str, vars: &BTreeMap<&str, String>) -> Result<String> {
-    let mut out = String::with_capacity(template.len());
-    let mut rest = template;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let after = &rest[start + 2..];
-        let end = after.find('}').ok_or_else(|| anyhow!("unclosed placeholder"))?;
-        let name = &after[..end];
-        let value = vars.get(name).ok_or_else(|| anyhow!("no value for ${{{name}}}"))?;
-        out.push_str(value);
-        rest = &after[end + 1..];
-    }
-    out.push_str(rest);
-    Ok(out)
+    Ok(kvgate_envoy_config::render_template(template, vars)?)
 }
 
 /// Renders `envoy/local.yaml` for a listener, an admin port and workers.
 pub fn render_local_envoy(listen: u16, admin: u16, workers: &[SocketAddr]) -> Result<String> {
-    let template = std::fs::read_to_string(repo_root().join("envoy/local.yaml"))?;
-    let vars = BTreeMap::from([
-        ("LISTEN_PORT", listen.to_string()),
-        ("ADMIN_PORT", admin.to_string()),
-        ("WORKER_ENDPOINTS", endpoints_yaml(workers)),
-    ]);
-    render_template(&template, &vars)
-}
-
-fn endpoints_yaml(addrs: &[SocketAddr]) -> String {
-    let mut endpoints = String::new();
-    for w in addrs {
-        endpoints.push_str(&format!(
-            "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
-            w.ip(),
-            w.port()
-        ));
-    }
-    endpoints.trim_end().to_owned()
+    Ok(kvgate_envoy_config::render_local(listen, admin, workers)?)
 }
 
 /// Where the built filter is: `KVGATE_WASM`, else the `wasm` profile's
@@ -474,9 +444,9 @@ pub fn filter_wasm() -> Result<PathBuf> {
     Ok(p)
 }
 
-/// Renders `envoy/kvgate.yaml`: the listener with the kvgate filter
-/// (`filter_config` is its JSON configuration, on one line, without single
-/// quotes), the workers and the control plane.
+/// Renders `envoy/kvgate.yaml` on 127.0.0.1: the listener with the kvgate
+/// filter (`filter_config` is its JSON configuration, on one line, without
+/// single quotes), the workers and the control plane.
 pub fn render_kvgate_envoy(
     listen: u16,
     admin: u16,
@@ -511,31 +481,21 @@ pub fn render_kvgate_envoy_tls(
     filter_config: &str,
     tls: Option<&ControlPlaneTls<'_>>,
 ) -> Result<String> {
-    ensure!(!filter_config.contains(['\'', '\n']), "filter config must be one line without single quotes");
-    let transport_socket = match tls {
-        None => String::new(),
-        Some(t) => {
-            let fragment = std::fs::read_to_string(repo_root().join("envoy/control-plane-tls.yaml"))?;
-            let vars = BTreeMap::from([
-                ("CA_FILE", t.ca_file.display().to_string()),
-                ("CERT_FILE", t.cert_file.display().to_string()),
-                ("KEY_FILE", t.key_file.display().to_string()),
-                ("SNI", t.sni.to_owned()),
-            ]);
-            render_template(&fragment, &vars)?.trim_end().to_owned()
-        }
+    let boot = kvgate_envoy_config::KvgateBootstrap {
+        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+        admin_port: admin,
+        workers: workers.to_vec(),
+        control_plane: control_plane.to_vec(),
+        wasm_path: filter_wasm()?.display().to_string(),
+        filter_config: filter_config.to_owned(),
+        tls: tls.map(|t| kvgate_envoy_config::ControlPlaneTls {
+            ca_file: t.ca_file.display().to_string(),
+            cert_file: t.cert_file.display().to_string(),
+            key_file: t.key_file.display().to_string(),
+            sni: t.sni.to_owned(),
+        }),
     };
-    let template = std::fs::read_to_string(repo_root().join("envoy/kvgate.yaml"))?;
-    let vars = BTreeMap::from([
-        ("LISTEN_PORT", listen.to_string()),
-        ("ADMIN_PORT", admin.to_string()),
-        ("WORKER_ENDPOINTS", endpoints_yaml(workers)),
-        ("CONTROL_PLANE_ENDPOINTS", endpoints_yaml(control_plane)),
-        ("WASM_PATH", filter_wasm()?.display().to_string()),
-        ("FILTER_CONFIG", filter_config.to_owned()),
-        ("CONTROL_PLANE_TRANSPORT_SOCKET", transport_socket),
-    ]);
-    render_template(&template, &vars)
+    Ok(boot.render()?)
 }
 
 /// Renders `envoy/endpoint-picker.yaml`: Envoy's ext_proc filter calling
@@ -549,16 +509,7 @@ pub fn render_picker_envoy(
     request_body_mode: &str,
     response_body_mode: &str,
 ) -> Result<String> {
-    let template = std::fs::read_to_string(repo_root().join("envoy/endpoint-picker.yaml"))?;
-    let vars = BTreeMap::from([
-        ("LISTEN_PORT", listen.to_string()),
-        ("ADMIN_PORT", admin.to_string()),
-        ("WORKER_ENDPOINTS", endpoints_yaml(workers)),
-        ("PICKER_ENDPOINTS", endpoints_yaml(&[picker])),
-        ("REQUEST_BODY_MODE", request_body_mode.to_owned()),
-        ("RESPONSE_BODY_MODE", response_body_mode.to_owned()),
-    ]);
-    render_template(&template, &vars)
+    Ok(kvgate_envoy_config::render_picker(listen, admin, workers, picker, request_body_mode, response_body_mode)?)
 }
 
 /// FNV-1a of a body: what [`EchoUpstream`] reports as `body_fnv`, so that a

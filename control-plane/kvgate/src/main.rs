@@ -15,7 +15,7 @@
 use std::io::Read;
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use kvgate_protocol::subject::{SubjectKind, Subjects};
 use kvgate_protocol::{BlockSeed, BlockSize, local_block_hashes, sequence_hashes};
 
@@ -68,8 +68,79 @@ enum Command {
     Relay(Box<RelayArgs>),
     /// Run simulated vLLM workers (OpenAI API, /metrics, ZMQ KV events).
     Sim(Box<SimArgs>),
+    /// Print a plain-Envoy bootstrap with the kvgate filter (envoy/kvgate.yaml
+    /// filled in): run it with `envoy -c FILE`.
+    EnvoyConfig(Box<EnvoyConfigArgs>),
     /// Print the version.
     Version,
+}
+
+/// `kvgate envoy-config`: the bootstrap's inputs.
+#[derive(clap::Args)]
+struct EnvoyConfigArgs {
+    /// Where clients connect.
+    #[arg(long, default_value = "0.0.0.0:10000")]
+    listen: std::net::SocketAddr,
+    /// Envoy's admin port (on 127.0.0.1 only).
+    #[arg(long, default_value_t = 9901)]
+    admin_port: u16,
+    /// A vLLM worker `ip:port` (repeat for each).
+    #[arg(long = "worker", required = true)]
+    workers: Vec<std::net::SocketAddr>,
+    /// A control-plane replica `ip:port` (repeat for each).
+    #[arg(long = "control-plane", default_value = "127.0.0.1:50051")]
+    control_plane: Vec<std::net::SocketAddr>,
+    /// The built filter (`kvgate_filter.wasm`).
+    #[arg(long)]
+    wasm: std::path::PathBuf,
+    /// The filter's JSON configuration (see filter/README.md), one line.
+    #[arg(long, default_value = "{}")]
+    filter_config: String,
+    /// Mutual TLS to the control plane: CA of its certificate (with
+    /// --tls-cert, --tls-key, --tls-sni).
+    #[arg(long, requires_all = ["tls_cert", "tls_key", "tls_sni"])]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Envoy's client certificate chain.
+    #[arg(long, requires = "tls_ca")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// Its private key.
+    #[arg(long, requires = "tls_ca")]
+    tls_key: Option<std::path::PathBuf>,
+    /// The name in the control plane's certificate.
+    #[arg(long, requires = "tls_ca")]
+    tls_sni: Option<String>,
+    /// Write here instead of standard output.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+fn envoy_config(a: EnvoyConfigArgs) -> Result<()> {
+    let filter: serde_json::Value = serde_json::from_str(&a.filter_config).context("--filter-config: not JSON")?;
+    let tls = match (a.tls_ca, a.tls_cert, a.tls_key, a.tls_sni) {
+        (Some(ca), Some(cert), Some(key), Some(sni)) => Some(kvgate_envoy_config::ControlPlaneTls {
+            ca_file: ca.display().to_string(),
+            cert_file: cert.display().to_string(),
+            key_file: key.display().to_string(),
+            sni,
+        }),
+        _ => None,
+    };
+    let boot = kvgate_envoy_config::KvgateBootstrap {
+        listen: a.listen,
+        admin_port: a.admin_port,
+        workers: a.workers,
+        control_plane: a.control_plane,
+        wasm_path: a.wasm.display().to_string(),
+        // One line, re-serialized: the template quotes it in single quotes.
+        filter_config: filter.to_string().replace('\'', "\\u0027"),
+        tls,
+    };
+    let yaml = boot.render()?;
+    match a.out {
+        Some(path) => std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?,
+        None => print!("{yaml}"),
+    }
+    Ok(())
 }
 
 /// `kvgate serve`: a configuration file, overridden by environment variables
@@ -111,20 +182,42 @@ struct ServeArgs {
     #[arg(long, env = "KVGATE_MODEL")]
     model: Option<String>,
     /// Tokenizer directory of --model (tokenizer.json, chat_template.jinja).
-    #[arg(long, env = "KVGATE_TOKENIZER_DIR", requires = "model")]
+    /// The per-model flags need --model on the command line; from the
+    /// environment without a --model (a config file names the models) they
+    /// are ignored, so that a shell with `.tools/env` sourced still works.
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
     tokenizer_dir: Option<std::path::PathBuf>,
     /// Block size of --model.
-    #[arg(long, env = "KVGATE_BLOCK_SIZE", requires = "model")]
+    #[arg(long, env = "KVGATE_BLOCK_SIZE")]
     block_size: Option<u32>,
     /// Routing mode of --model.
-    #[arg(long, env = "KVGATE_MODE", requires = "model")]
+    #[arg(long, env = "KVGATE_MODE")]
     mode: Option<String>,
     /// Heartbeat timeout of --model in ms (0 = 3 intervals).
-    #[arg(long, env = "KVGATE_HEARTBEAT_TIMEOUT_MS", requires = "model")]
+    #[arg(long, env = "KVGATE_HEARTBEAT_TIMEOUT_MS")]
     heartbeat_timeout_ms: Option<u64>,
     /// Static workers of --model, `id=ip:port`, repeatable.
     #[arg(long = "worker", requires = "model")]
     workers: Vec<String>,
+}
+
+/// The per-model flags given on the command line without `--model`.
+fn model_flags_without_model(m: &clap::ArgMatches) -> Vec<&'static str> {
+    use clap::parser::ValueSource;
+    if m.contains_id("model") && m.value_source("model").is_some() {
+        return Vec::new();
+    }
+    [
+        ("tokenizer_dir", "--tokenizer-dir"),
+        ("block_size", "--block-size"),
+        ("mode", "--mode"),
+        ("heartbeat_timeout_ms", "--heartbeat-timeout-ms"),
+        ("workers", "--worker"),
+    ]
+    .into_iter()
+    .filter(|(id, _)| m.value_source(id) == Some(ValueSource::CommandLine))
+    .map(|(_, flag)| flag)
+    .collect()
 }
 
 fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
@@ -438,7 +531,14 @@ fn parse_tokens(text: &str) -> Result<Vec<u32>> {
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().command {
+    let matches = Cli::command().get_matches();
+    if let Some(("serve", m)) = matches.subcommand() {
+        let orphans = model_flags_without_model(m);
+        if !orphans.is_empty() {
+            bail!("{} apply to --model: give --model too (or name the model in the --config file)", orphans.join(", "));
+        }
+    }
+    match Cli::from_arg_matches(&matches)?.command {
         Command::Hash { block_size, lora, salt, tokens } => {
             let bs = BlockSize::new(block_size).context("--block-size")?;
             let text = if tokens == "-" {
@@ -483,6 +583,7 @@ fn main() -> Result<()> {
             }))?;
         }
         Command::Sim(args) => run_sim(*args)?,
+        Command::EnvoyConfig(args) => envoy_config(*args)?,
         Command::Relay(args) => {
             let opts = relay_options(*args)?;
             init_logging();

@@ -750,7 +750,11 @@ impl ModelState {
         // Its new prefill excludes what requests in flight there compute.
         let shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
         let _ = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
-        self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
+        // Only `kv` looks the prompt up in the index: other modes make no
+        // prediction for the accuracy metric to judge.
+        if self.mode == Mode::Kv && !input.load_only {
+            self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
+        }
         let reason = if load_only_reason { pb::PickReason::Fallback } else { reason_pb(decision.reason) };
         let mode = self.mode.name();
         *self.decisions.entry((mode, reason_label(reason))).or_insert(0) += 1;

@@ -157,3 +157,34 @@ fn thawing_after_an_outage_keeps_the_workers() {
     st.on_heartbeat(&hb("w0", H::Healthy), 0);
     assert_eq!(st.reap(10_500), vec!["w0"]);
 }
+
+/// Only `kv` predicts cached tokens; a report of a request routed in
+/// another mode is not judged (it used to count every hit as a miss).
+#[test]
+fn prediction_accuracy_judges_only_predictions_that_were_made() {
+    use pb::EngineHealth as H;
+    for (mode, judged) in [(Mode::RoundRobin, 0), (Mode::LeastLoad, 0), (Mode::Kv, 1)] {
+        let mut st = state();
+        st.set_mode(mode);
+        st.on_heartbeat(&hb("w0", H::Healthy), 0);
+        let input = PickInput {
+            request_id: "a",
+            token_ids: &[7; 64],
+            seed: BlockSeed::default(),
+            text_prefix: &[],
+            max_tokens: Some(1),
+            load_only: false,
+        };
+        let out = st.pick(&input, 1).unwrap();
+        let report = pb::CompletionReport {
+            request_id: "a".into(),
+            model: "m".into(),
+            worker_id: out.worker_id,
+            total_us: 10,
+            cached_tokens: Some(48),
+            ..Default::default()
+        };
+        st.on_report(&report, 2);
+        assert_eq!(st.counters().reports_with_cached, judged, "{mode:?}");
+    }
+}
