@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-workloads dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-workloads dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
@@ -11,6 +11,7 @@ help:
 	@echo "make dashboard - live dashboard on http://127.0.0.1:8090/: kv, round robin, sglang under one slider"
 	@echo "make report - rewrite the .md/.html/.svg reports of bench/results/*.json from the JSON"
 	@echo "make test   - install tools, lint, build the Wasm target, run all tests"
+	@echo "make bench-vllm - real vLLM: kv vs round robin vs sglang-router on two CPU engines -> bench/results/vllm.json"
 	@echo "make soak   - 10-minute chaos soak under load (faults at random times) -> bench/results/chaos-soak.json"
 	@echo "make setup  - install Envoy, nats-server, tokenizer, wasm target into .tools/"
 	@echo "make lint   - rustfmt --check and clippy -D warnings (native and wasm32)"
@@ -30,6 +31,13 @@ setup:
 
 test: setup
 	@scripts/test.sh
+
+# Real vLLM (two engines on this machine): kv vs round robin vs sglang-router,
+# bench/results/vllm.json (~5 min).
+bench-vllm: setup
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; target/release/kvgate-bench vllm $(ARGS)
 
 # The chaos soak (10 min; KVGATE_SOAK_SECS, KVGATE_SOAK_SEED): faults at
 # random times under load; requests, failures and RSS in bench/results/chaos-soak.json.

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 
+pub mod vllm;
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -198,6 +200,8 @@ pub struct Proc {
     name: String,
     child: std::process::Child,
     log: PathBuf,
+    /// The process leads its own process group, killed as a whole.
+    group: bool,
 }
 
 impl Proc {
@@ -212,7 +216,19 @@ impl Proc {
             .stderr(err)
             .spawn()
             .with_context(|| format!("starting {name}: {cmd:?}"))?;
-        Ok(Self { name: name.to_owned(), child, log })
+        Ok(Self { name: name.to_owned(), child, log, group: false })
+    }
+
+    /// Like [`Proc::spawn`], in a process group of its own that
+    /// [`Proc::kill`] kills as a whole: for programs that start children
+    /// (vLLM's API server starts its engine core and workers, which would
+    /// otherwise outlive it and keep its ports).
+    pub fn spawn_group(name: &str, mut cmd: Command, dir: &Path) -> Result<Self> {
+        use std::os::unix::process::CommandExt as _;
+        cmd.process_group(0);
+        let mut p = Self::spawn(name, cmd, dir)?;
+        p.group = true;
+        Ok(p)
     }
 
     /// The process id.
@@ -233,8 +249,18 @@ impl Proc {
         Ok(())
     }
 
-    /// Kills the process (SIGKILL to its PID) and waits for it.
+    /// Kills the process (SIGKILL to its PID, or to its process group when
+    /// started with [`Proc::spawn_group`]) and waits for it.
     pub fn kill(&mut self) {
+        // Linux does not hand out a PID that is still some group's id, so
+        // the group's id names only this group while any member lives.
+        if self.group {
+            let _ = Command::new("kill")
+                .args(["-s", "KILL", "--"])
+                .arg(format!("-{}", self.child.id()))
+                .stderr(Stdio::null())
+                .status();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -5,7 +5,10 @@ kvgate's real-engine tests. Each request prints one JSON line:
    "error", "worker", "reason", "blocks", "prompt_tokens", "cached_tokens"}
 
 "started" is true once the response headers arrived (a stream that fails
-after that was already running). worker/reason/blocks are kvgate's debug
+after that was already running). "oracle_cached_tokens" is what one
+unbounded cache shared by every engine would have held of the prompt (its
+leading 32-token blocks seen in any earlier prompt, from vLLM's own
+prompt_token_ids), as vLLM counts cached tokens (never the whole prompt). worker/reason/blocks are kvgate's debug
 headers. Conversations share long system prompts in groups, so that some
 prefixes are common to several conversations.
 
@@ -35,6 +38,9 @@ args = ap.parse_args()
 client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=120)
 lock = threading.Lock()
 rng = random.Random(args.seed)
+BLOCK = 32
+seen_blocks = set()
+EXTRA = {"return_token_ids": True}
 WORDS = ("kv cache prefix routing envoy worker block token engine gateway stream latency "
          "throughput queue batch decode prefill model tenant session").split()
 
@@ -43,14 +49,31 @@ def text(r, n):
     return " ".join(r.choice(WORDS) for _ in range(n))
 
 
-def emit(rec):
+def oracle(ids):
+    """Leading blocks of `ids` seen before (then remembered), in tokens."""
+    if not ids:
+        return None
+    chain, matched, matching = 0, 0, True
+    for b in range(len(ids) // BLOCK):
+        chain = hash((chain, tuple(ids[b * BLOCK:(b + 1) * BLOCK])))
+        if matching and chain in seen_blocks:
+            matched += 1
+        else:
+            matching = False
+        seen_blocks.add(chain)
+    return min(matched, (len(ids) - 1) // BLOCK) * BLOCK
+
+
+def emit(rec, ids=None):
     with lock:
+        rec["oracle_cached_tokens"] = oracle(ids)
         print(json.dumps(rec), flush=True)
 
 
 def headers_of(raw):
     h = raw.headers
-    return {"worker": h.get("x-kvgate-worker"), "reason": h.get("x-kvgate-reason"), "blocks": h.get("x-kvgate-blocks")}
+    return {"worker": h.get("x-kvgate-worker"), "reason": h.get("x-kvgate-reason"), "blocks": h.get("x-kvgate-blocks"),
+            "passed_over": h.get("x-kvgate-passed-over")}
 
 
 def chat_turn(conv, turn, messages, stream):
@@ -59,11 +82,12 @@ def chat_turn(conv, turn, messages, stream):
         if stream:
             raw = client.chat.completions.with_raw_response.create(
                 model=args.model, messages=messages, max_tokens=args.max_tokens, stream=True,
-                stream_options={"include_usage": True})
+                stream_options={"include_usage": True}, extra_body=EXTRA)
             rec["started"] = True
             rec.update(headers_of(raw))
-            reply, usage = [], None
+            reply, usage, ids = [], None, None
             for chunk in raw.parse():
+                ids = ids or getattr(chunk, "prompt_token_ids", None)
                 if chunk.choices and chunk.choices[0].delta.content:
                     reply.append(chunk.choices[0].delta.content)
                 if chunk.usage:
@@ -71,36 +95,41 @@ def chat_turn(conv, turn, messages, stream):
             content = "".join(reply)
         else:
             raw = client.chat.completions.with_raw_response.create(
-                model=args.model, messages=messages, max_tokens=args.max_tokens)
+                model=args.model, messages=messages, max_tokens=args.max_tokens, extra_body=EXTRA)
             rec["started"] = True
             rec.update(headers_of(raw))
             r = raw.parse()
             content, usage = r.choices[0].message.content or "", r.usage
+            ids = getattr(r, "prompt_token_ids", None)
         rec["ok"] = usage is not None
         if usage is not None:
             rec["prompt_tokens"] = usage.prompt_tokens
             d = usage.prompt_tokens_details
             rec["cached_tokens"] = (d.cached_tokens or 0) if d is not None else None
-        return content, rec
+        return content, rec, ids
     except Exception as e:  # noqa: BLE001 - every failure is a result
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
-        return None, rec
+        return None, rec, None
 
 
 def completion(conv, prompt):
     rec = {"conv": conv, "turn": 0, "api": "completions", "stream": False, "ok": False, "started": False}
+    ids = None
     try:
-        raw = client.completions.with_raw_response.create(model=args.model, prompt=prompt, max_tokens=args.max_tokens)
+        raw = client.completions.with_raw_response.create(
+            model=args.model, prompt=prompt, max_tokens=args.max_tokens, extra_body=EXTRA)
         rec["started"] = True
         rec.update(headers_of(raw))
         r = raw.parse()
+        ids = getattr(r.choices[0], "prompt_token_ids", None)
         rec["ok"] = True
         rec["prompt_tokens"] = r.usage.prompt_tokens
         d = r.usage.prompt_tokens_details
         rec["cached_tokens"] = (d.cached_tokens or 0) if d is not None else None
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
-    emit(rec)
+        ids = None
+    emit(rec, ids)
 
 
 def conversation(conv, seed):
@@ -110,8 +139,8 @@ def conversation(conv, seed):
     messages = [{"role": "system", "content": system}]
     for turn in range(args.turns):
         messages.append({"role": "user", "content": f"Conversation {conv} turn {turn}: " + text(r, 40)})
-        content, rec = chat_turn(conv, turn, messages, stream=(turn % 2 == 1))
-        emit(rec)
+        content, rec, ids = chat_turn(conv, turn, messages, stream=(turn % 2 == 1))
+        emit(rec, ids)
         if content is None:
             return
         messages.append({"role": "assistant", "content": content})

@@ -20,4 +20,5 @@ pub mod report;
 pub mod runner;
 pub mod stack;
 pub mod stats;
+pub mod vllm_cell;
 pub mod workload;

@@ -35,6 +35,10 @@ enum Cli {
     /// in percent of the recorded one (100 = as recorded, 50 = the recorded
     /// gaps doubled).
     Mooncake(ReqArgs),
+    /// Real vLLM (issue #20): kv, round robin and sglang-router's
+    /// cache_aware on two real engines; hit rate, prediction accuracy,
+    /// load skew and errors to bench/results/vllm.json.
+    Vllm(kvgate_bench::vllm_cell::VllmArgs),
     /// The live dashboard: every mode's stack under the same DOKS load, a
     /// web page with a concurrency slider and rolling metrics per mode.
     Dashboard(DashArgs),
@@ -325,6 +329,7 @@ fn main() -> Result<()> {
         Cli::Groups(a) => requests_sweep(Kind::Groups, a),
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Dashboard(a) => dashboard(a),
+        Cli::Vllm(a) => kvgate_bench::vllm_cell::run(&a),
         Cli::Report { files } => {
             for f in files {
                 rewrite_report(&f)?;

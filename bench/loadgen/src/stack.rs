@@ -151,7 +151,7 @@ fn kvgate(bin: &Path, args: &[&str]) -> Command {
     c
 }
 
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
+pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
     let t = Instant::now();
     loop {
         if f()? {
@@ -332,7 +332,9 @@ impl Stack {
             cmd.arg(format!("http://{w}"));
         }
         // No retries or circuit breaking: a failed request is an error to
-        // count, as with Envoy (no retry policy) in the kvgate modes.
+        // count. (Envoy in the kvgate modes retries only requests that could
+        // not reach their worker: connect failures, refused streams, resets
+        // before headers, which a healthy fleet does not produce.)
         cmd.args(["--disable-retries", "--disable-circuit-breaker", "--log-level", "warn"]);
         cmd.args(["--prometheus-port", &free_port()?.to_string(), "--prometheus-host", "127.0.0.1"]);
         let p = Proc::spawn("sglang-router", cmd, &self.dir)?;

@@ -295,6 +295,8 @@ impl App {
             mode: out.mode.to_owned(),
             retained_chain_hashes: retained,
             resend: false,
+            best_overlap_blocks: out.passed_over.0,
+            best_overlap_worker_id: out.passed_over.1,
         })
     }
 
@@ -650,6 +652,7 @@ impl App {
                 ("connection_failure", mc.connection_failures),
                 ("suspect", mc.suspects),
                 ("health_change", mc.health_changes),
+                ("refused_endpoint", mc.refused_endpoints),
             ] {
                 let _ = writeln!(o, "kvgate_model_events_total{{model=\"{ml}\",kind=\"{k}\"}} {v}");
             }

@@ -28,6 +28,7 @@
 //! inflight_ttl_ms = 600000
 //! suspect_after_failures = 2            # connection failures (filter reports) that
 //! suspect_ms = 3000                     #   take a worker out of routing this long; 0 = off
+//! allowed_endpoints = ["10.0.0.0/8"]    # endpoints relays may claim (ip:port, ip, ip/len); default: any
 //! workers = [{ id = "w0", endpoint = "10.0.0.5:8000" }]   # optional static workers
 //! [models.kv]                           # optional weights (kvgate_scheduler::KvConfig)
 //! unit = "time"                         # time | blocks (Dynamo's cost)
@@ -127,6 +128,9 @@ pub struct RawModel {
     pub suspect_after_failures: Option<u32>,
     /// How long a suspect worker gets no Pick.
     pub suspect_ms: Option<u64>,
+    /// Endpoints relays may claim (`ip:port`, `ip`, `ip/len`); empty = any.
+    #[serde(default)]
+    pub allowed_endpoints: Vec<String>,
     /// Static workers.
     #[serde(default)]
     pub workers: Vec<RawWorker>,
@@ -389,6 +393,12 @@ impl Config {
             if inflight_ttl_ms < 1000 {
                 return Err(err(f("inflight_ttl_ms"), inflight_ttl_ms, "must be ≥ 1000"));
             }
+            let mut allowed_endpoints = Vec::new();
+            for (j, e) in m.allowed_endpoints.iter().enumerate() {
+                let rule = crate::endpoints::EndpointRule::parse(e)
+                    .map_err(|why| err(format!("models[{i}].allowed_endpoints[{j}]"), e, why))?;
+                allowed_endpoints.push(rule);
+            }
             let suspect_ms = m.suspect_ms.unwrap_or(3000);
             if !(100..=600_000).contains(&suspect_ms) {
                 return Err(err(f("suspect_ms"), suspect_ms, "must be between 100 and 600000"));
@@ -405,6 +415,7 @@ impl Config {
                     inflight_ttl_ms,
                     suspect_after_failures: m.suspect_after_failures.unwrap_or(2),
                     suspect_ms,
+                    allowed_endpoints,
                 },
                 tokenizer_dir: m.tokenizer_dir,
             });

@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod endpoints;
 pub mod epp;
 pub mod metrics;
 pub mod model;

@@ -57,6 +57,8 @@ pub struct ModelConfig {
     pub suspect_after_failures: u32,
     /// How long a suspect worker gets no Pick.
     pub suspect_ms: u64,
+    /// Endpoints relays may claim; empty = any (see [`crate::endpoints`]).
+    pub allowed_endpoints: Vec<crate::endpoints::EndpointRule>,
 }
 
 /// Something the service layer must do for this model.
@@ -163,6 +165,9 @@ pub struct ModelCounters {
     pub suspects: u64,
     /// Changes of a worker's engine health seen in heartbeats.
     pub health_changes: u64,
+    /// Heartbeats and batches refused: the claimed endpoint is not in
+    /// `allowed_endpoints`, or the worker never announced an allowed one.
+    pub refused_endpoints: u64,
 }
 
 /// The request as the model state needs it.
@@ -197,6 +202,9 @@ pub struct PickOutput {
     pub total_blocks: u32,
     /// Why (wire enum).
     pub reason: pb::PickReason,
+    /// The largest overlap of any candidate when it is larger than the
+    /// chosen one's: (blocks, worker id); (0, "") otherwise.
+    pub passed_over: (u32, String),
     /// Mode name.
     pub mode: &'static str,
     /// For replica sync.
@@ -464,6 +472,12 @@ impl ModelState {
 
     /// A KV event batch from a worker's relay.
     pub fn on_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Option<Need> {
+        // With an endpoint list, only workers whose heartbeat was allowed
+        // get an index entry (their first heartbeat asks for a snapshot).
+        if !self.config.allowed_endpoints.is_empty() && !self.workers.contains_key(&batch.worker_id) {
+            self.counters.refused_endpoints += 1;
+            return None;
+        }
         let id = batch.worker_id.clone();
         let w = self.worker_entry(&id, now_ms);
         let idx = w.idx;
@@ -515,6 +529,10 @@ impl ModelState {
 
     /// A heartbeat from a worker's relay.
     pub fn on_heartbeat(&mut self, hb: &pb::WorkerHeartbeat, now_ms: u64) -> Option<Need> {
+        if !crate::endpoints::allowed(&self.config.allowed_endpoints, &hb.endpoint) {
+            self.counters.refused_endpoints += 1;
+            return None;
+        }
         let model_bs = self.config.block_size.get();
         if hb.block_size != 0 && hb.block_size != model_bs {
             self.counters.heartbeats_block_size_mismatch += 1;
@@ -756,6 +774,11 @@ impl ModelState {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
         let reason = if load_only_reason { pb::PickReason::Fallback } else { reason_pb(decision.reason) };
+        let passed_over = match cands.iter().enumerate().max_by_key(|(i, c)| (c.overlap_blocks, std::cmp::Reverse(*i)))
+        {
+            Some((i, c)) if c.overlap_blocks > chosen.overlap_blocks => (c.overlap_blocks, order[i].clone()),
+            _ => (0, String::new()),
+        };
         let mode = self.mode.name();
         *self.decisions.entry((mode, reason_label(reason))).or_insert(0) += 1;
         Ok(PickOutput {
@@ -765,6 +788,7 @@ impl ModelState {
             matched_blocks: chosen.overlap_blocks,
             total_blocks: hashes.len() as u32,
             reason,
+            passed_over,
             mode,
             inflight: pb::InflightEvent {
                 request_id: input.request_id.to_owned(),

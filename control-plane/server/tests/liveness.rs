@@ -19,6 +19,7 @@ fn state() -> ModelState {
             inflight_ttl_ms: 600_000,
             suspect_after_failures: 2,
             suspect_ms: 3000,
+            allowed_endpoints: Vec::new(),
         },
         1,
     )
@@ -187,4 +188,73 @@ fn prediction_accuracy_judges_only_predictions_that_were_made() {
         st.on_report(&report, 2);
         assert_eq!(st.counters().reports_with_cached, judged, "{mode:?}");
     }
+}
+
+/// When `kv` moves a request away from the worker holding more of its
+/// prompt (for load), the answer names what it passed over and where.
+#[test]
+fn a_move_for_load_names_the_overlap_it_passed_over() {
+    use pb::EngineHealth as H;
+    let mut st = state();
+    st.set_mode(Mode::Kv);
+    let tokens: Vec<u32> = (0..16 * 8).map(|t| 1000 + t).collect();
+    for w in ["w0", "w1"] {
+        st.on_heartbeat(&hb(w, H::Healthy), 0);
+    }
+    let stored = pb::KvEventBatch {
+        worker_id: "w0".into(),
+        model: "m".into(),
+        relay_epoch: 1,
+        relay_seq: 1,
+        events: vec![pb::KvEvent {
+            event: Some(pb::kv_event::Event::Stored(pb::BlockStored {
+                engine_hashes: (1..=4).collect(),
+                token_ids: tokens[..64].to_vec(),
+                block_size: 16,
+                ..Default::default()
+            })),
+        }],
+        ..Default::default()
+    };
+    st.on_batch(stored, 1);
+    let pick = |st: &mut ModelState, id: &str| {
+        let input = PickInput {
+            request_id: id,
+            token_ids: &tokens,
+            seed: BlockSeed::default(),
+            text_prefix: &[],
+            max_tokens: Some(16),
+            load_only: false,
+        };
+        st.pick(&input, 2).unwrap()
+    };
+    let calm = pick(&mut st, "a");
+    assert_eq!((calm.worker_id.as_str(), calm.matched_blocks, calm.passed_over.0), ("w0", 4, 0));
+    // w0 saturated: its queue costs more than recomputing 4 blocks.
+    let busy = pb::WorkerHeartbeat { running: 64, waiting: 400, max_num_seqs: 64, ..hb("w0", H::Healthy) };
+    st.on_heartbeat(&busy, 3);
+    let moved = pick(&mut st, "b");
+    assert_eq!(moved.worker_id, "w1", "{moved:?}");
+    assert_eq!(moved.passed_over, (4, "w0".to_owned()));
+    assert_eq!(moved.reason, pb::PickReason::Load);
+}
+
+/// With `allowed_endpoints`, a relay claiming another endpoint registers
+/// no worker: its heartbeats and batches are refused and counted.
+#[test]
+fn an_endpoint_outside_the_worker_set_is_refused() {
+    use pb::EngineHealth as H;
+    let mut st = ModelState::new(
+        ModelConfig {
+            allowed_endpoints: vec![kvgate_server::endpoints::EndpointRule::parse("10.0.0.0/30").unwrap()],
+            ..state().config().clone()
+        },
+        1,
+    );
+    st.on_heartbeat(&hb("w1", H::Healthy), 0); // 10.0.0.1:8000: inside
+    st.on_heartbeat(&hb("w9", H::Healthy), 0); // 10.0.0.9:8000: outside
+    st.on_batch(pb::KvEventBatch { worker_id: "w9".into(), model: "m".into(), relay_seq: 1, ..Default::default() }, 1);
+    assert_eq!(picked(&mut st, 10), vec!["w1"]);
+    assert_eq!(st.worker_views(10).len(), 1);
+    assert_eq!(st.counters().refused_endpoints, 2);
 }

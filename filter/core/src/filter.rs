@@ -49,6 +49,9 @@ pub const DEBUG_REASON: &str = "x-kvgate-reason";
 pub const DEBUG_BLOCKS: &str = "x-kvgate-blocks";
 /// The failure cause of a request that was not steered.
 pub const DEBUG_FALLBACK: &str = "x-kvgate-fallback";
+/// Debug header: a larger prompt overlap the decision passed over, as
+/// `blocks@worker` (why a conversation moved).
+pub const DEBUG_PASSED_OVER: &str = "x-kvgate-passed-over";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -355,6 +358,14 @@ impl RequestFilter {
                     blocks.push('/');
                     push_u32(&mut blocks, d.total_blocks);
                     host.add_response_header(DEBUG_BLOCKS, &blocks);
+                    let (best, worker) = &d.passed_over;
+                    if *best > d.matched_blocks && !worker.is_empty() {
+                        let mut v = String::with_capacity(12 + worker.len());
+                        push_u32(&mut v, *best);
+                        v.push('@');
+                        v.push_str(worker);
+                        host.add_response_header(DEBUG_PASSED_OVER, &v);
+                    }
                 }
                 (None, Some(c)) => {
                     host.add_response_header(DEBUG_REASON, "fallback");
@@ -543,6 +554,7 @@ mod tests {
         h.set_response_header(":status", "200");
         assert_eq!(f.on_response_headers(&h), Action::Continue);
         assert_eq!(h.response_headers_added(DEBUG_BLOCKS).as_deref(), Some("2/3"));
+        assert_eq!(h.response_headers_added(DEBUG_PASSED_OVER), None, "nothing larger was passed over");
         assert_eq!(h.response_headers_added(DEBUG_REASON).as_deref(), Some("kv"));
         h.advance_us(1000);
         let first = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";

@@ -166,6 +166,8 @@ pub struct Decision {
     pub total_blocks: u32,
     /// Why (a short name: "kv", "load", ...).
     pub reason: &'static str,
+    /// A larger overlap passed over: (blocks, worker id); blocks 0 = none.
+    pub passed_over: (u32, String),
 }
 
 impl Decision {
@@ -240,6 +242,7 @@ fn decide(r: pb::PickResponse, max_fallbacks: usize) -> Option<Decision> {
         matched_blocks: r.matched_blocks,
         total_blocks: r.total_blocks,
         reason: reason_name(r.reason),
+        passed_over: (r.best_overlap_blocks, r.best_overlap_worker_id),
     })
 }
 
@@ -330,11 +333,14 @@ mod tests {
                 total_blocks: 4,
                 reason: pb::PickReason::Load as i32,
                 mode: "kv".into(),
+                best_overlap_blocks: 9,
+                best_overlap_worker_id: "w2".into(),
                 ..Default::default()
             }),
             4,
         )
         .unwrap();
+        assert_eq!(d.passed_over, (9, "w2".to_owned()));
         assert_eq!(d.header, "10.0.0.1:8000,10.0.0.2:8000,[::1]:9");
         assert_eq!(d.endpoint(), "10.0.0.1:8000");
         assert_eq!(d.reason, "load");

@@ -135,6 +135,16 @@ pub struct PickResponse {
     /// replica answered): no decision; send the request again without eliding.
     #[prost(bool, tag = "9")]
     pub resend: bool,
+    /// The largest prompt overlap any routable worker holds, when it is larger
+    /// than the chosen worker's: what the decision passed over (for load), and
+    /// on which worker. 0 and "" otherwise. Shown in the filter's debug header
+    /// `x-kvgate-passed-over` ("blocks@worker"), so that a user sees why a
+    /// conversation moved.
+    #[prost(uint32, tag = "10")]
+    pub best_overlap_blocks: u32,
+    /// See best_overlap_blocks.
+    #[prost(string, tag = "11")]
+    pub best_overlap_worker_id: ::prost::alloc::string::String,
 }
 /// What happened to one steered request, measured at the gateway.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
