@@ -49,8 +49,10 @@ def text(r, n):
     return " ".join(r.choice(WORDS) for _ in range(n))
 
 
-def oracle(ids):
-    """Leading blocks of `ids` seen before (then remembered), in tokens."""
+def oracle(ids, out):
+    """Leading blocks of the prompt `ids` seen before, in tokens; then the
+    blocks of prompt + output are remembered (an engine caches the blocks
+    it decodes too)."""
     if not ids:
         return None
     chain, matched, matching = 0, 0, True
@@ -60,13 +62,17 @@ def oracle(ids):
             matched += 1
         else:
             matching = False
+    full = list(ids) + list(out or [])
+    chain = 0
+    for b in range(len(full) // BLOCK):
+        chain = hash((chain, tuple(full[b * BLOCK:(b + 1) * BLOCK])))
         seen_blocks.add(chain)
     return min(matched, (len(ids) - 1) // BLOCK) * BLOCK
 
 
-def emit(rec, ids=None):
+def emit(rec, ids=None, out=None):
     with lock:
-        rec["oracle_cached_tokens"] = oracle(ids)
+        rec["oracle_cached_tokens"] = oracle(ids, out)
         print(json.dumps(rec), flush=True)
 
 
@@ -85,9 +91,11 @@ def chat_turn(conv, turn, messages, stream):
                 stream_options={"include_usage": True}, extra_body=EXTRA)
             rec["started"] = True
             rec.update(headers_of(raw))
-            reply, usage, ids = [], None, None
+            reply, usage, ids, out = [], None, None, []
             for chunk in raw.parse():
                 ids = ids or getattr(chunk, "prompt_token_ids", None)
+                if chunk.choices:
+                    out.extend(getattr(chunk.choices[0], "token_ids", None) or [])
                 if chunk.choices and chunk.choices[0].delta.content:
                     reply.append(chunk.choices[0].delta.content)
                 if chunk.usage:
@@ -101,20 +109,21 @@ def chat_turn(conv, turn, messages, stream):
             r = raw.parse()
             content, usage = r.choices[0].message.content or "", r.usage
             ids = getattr(r, "prompt_token_ids", None)
+            out = getattr(r.choices[0], "token_ids", None) or []
         rec["ok"] = usage is not None
         if usage is not None:
             rec["prompt_tokens"] = usage.prompt_tokens
             d = usage.prompt_tokens_details
             rec["cached_tokens"] = (d.cached_tokens or 0) if d is not None else None
-        return content, rec, ids
+        return content, rec, ids, out
     except Exception as e:  # noqa: BLE001 - every failure is a result
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
-        return None, rec, None
+        return None, rec, None, None
 
 
 def completion(conv, prompt):
     rec = {"conv": conv, "turn": 0, "api": "completions", "stream": False, "ok": False, "started": False}
-    ids = None
+    ids, out = None, None
     try:
         raw = client.completions.with_raw_response.create(
             model=args.model, prompt=prompt, max_tokens=args.max_tokens, extra_body=EXTRA)
@@ -122,14 +131,15 @@ def completion(conv, prompt):
         rec.update(headers_of(raw))
         r = raw.parse()
         ids = getattr(r.choices[0], "prompt_token_ids", None)
+        out = getattr(r.choices[0], "token_ids", None) or []
         rec["ok"] = True
         rec["prompt_tokens"] = r.usage.prompt_tokens
         d = r.usage.prompt_tokens_details
         rec["cached_tokens"] = (d.cached_tokens or 0) if d is not None else None
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
-        ids = None
-    emit(rec, ids)
+        ids, out = None, None
+    emit(rec, ids, out)
 
 
 def conversation(conv, seed):
@@ -139,8 +149,8 @@ def conversation(conv, seed):
     messages = [{"role": "system", "content": system}]
     for turn in range(args.turns):
         messages.append({"role": "user", "content": f"Conversation {conv} turn {turn}: " + text(r, 40)})
-        content, rec, ids = chat_turn(conv, turn, messages, stream=(turn % 2 == 1))
-        emit(rec, ids)
+        content, rec, ids, out = chat_turn(conv, turn, messages, stream=(turn % 2 == 1))
+        emit(rec, ids, out)
         if content is None:
             return
         messages.append({"role": "assistant", "content": content})
