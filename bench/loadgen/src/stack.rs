@@ -322,25 +322,10 @@ impl Stack {
     }
 
     fn start_sglang(&mut self, policy: &str) -> Result<()> {
-        let bin = sglang_router_bin();
-        ensure!(bin.exists(), "{} not installed: run scripts/setup.sh", bin.display());
-        let port = free_port()?;
-        let mut cmd = Command::new(bin);
-        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy]);
-        cmd.arg("--worker-urls");
-        for w in &self.workers {
-            cmd.arg(format!("http://{w}"));
-        }
-        // No retries or circuit breaking: a failed request is an error to
-        // count. (Envoy in the kvgate modes retries only requests that could
-        // not reach their worker: connect failures, refused streams, resets
-        // before headers, which a healthy fleet does not produce.)
-        cmd.args(["--disable-retries", "--disable-circuit-breaker", "--log-level", "warn"]);
-        cmd.args(["--prometheus-port", &free_port()?.to_string(), "--prometheus-host", "127.0.0.1"]);
-        let p = Proc::spawn("sglang-router", cmd, &self.dir)?;
+        let (p, front) = spawn_sglang(&self.workers, &self.dir, policy)?;
         self.pids.push(("sglang-router".into(), p.pid()));
         self.procs.push(p);
-        self.front = ([127, 0, 0, 1], port).into();
+        self.front = front;
         let front = self.front;
         wait_until("sglang-router to route", 60, || {
             self.check()?;
@@ -372,4 +357,26 @@ impl Stack {
         }
         Ok(())
     }
+}
+
+/// Starts sglang-router with `policy` in front of `workers`; returns the
+/// process and its address (not yet waited for).
+pub fn spawn_sglang(workers: &[SocketAddr], dir: &Path, policy: &str) -> Result<(Proc, SocketAddr)> {
+    let bin = sglang_router_bin();
+    ensure!(bin.exists(), "{} not installed: run scripts/setup.sh", bin.display());
+    let port = free_port()?;
+    let mut cmd = Command::new(bin);
+    cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy]);
+    cmd.arg("--worker-urls");
+    for w in workers {
+        cmd.arg(format!("http://{w}"));
+    }
+    // No retries or circuit breaking: a failed request is an error to
+    // count. (Envoy in the kvgate modes retries only requests that could
+    // not reach their worker: connect failures, refused streams, resets
+    // before headers, which a healthy fleet does not produce.)
+    cmd.args(["--disable-retries", "--disable-circuit-breaker", "--log-level", "warn"]);
+    cmd.args(["--prometheus-port", &free_port()?.to_string(), "--prometheus-host", "127.0.0.1"]);
+    let p = Proc::spawn(&format!("sglang-router-{policy}"), cmd, dir)?;
+    Ok((p, ([127, 0, 0, 1], port).into()))
 }

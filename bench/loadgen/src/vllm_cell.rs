@@ -25,7 +25,7 @@ use kvgate_e2e::vllm::{Fleet, MODEL, conversations};
 use kvgate_e2e::{Envoy, Proc, free_port, http_request, render_kvgate_envoy, repo_root};
 use serde_json::{Value, json};
 
-use crate::stack::{kvgate_bin, sglang_router_bin, tokenizer_dir, wait_until};
+use crate::stack::{kvgate_bin, spawn_sglang, tokenizer_dir, wait_until};
 
 /// The cell's arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -95,19 +95,7 @@ fn cp_metric(admin: SocketAddr, series: &str) -> f64 {
 }
 
 fn start_sglang(fleet: &Fleet, dir: &Path, policy: &str) -> Result<(Proc, SocketAddr)> {
-    let bin = sglang_router_bin();
-    ensure!(bin.exists(), "{} not installed: run scripts/setup.sh", bin.display());
-    let port = free_port()?;
-    let mut cmd = Command::new(bin);
-    cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy]);
-    cmd.arg("--worker-urls");
-    for w in fleet.http() {
-        cmd.arg(format!("http://{w}"));
-    }
-    cmd.args(["--disable-retries", "--disable-circuit-breaker", "--log-level", "warn"]);
-    cmd.args(["--prometheus-port", &free_port()?.to_string(), "--prometheus-host", "127.0.0.1"]);
-    let p = Proc::spawn(&format!("sglang-router-{policy}"), cmd, dir)?;
-    let front: SocketAddr = ([127, 0, 0, 1], port).into();
+    let (p, front) = spawn_sglang(&fleet.http(), dir, policy)?;
     wait_until("sglang-router to route", 60, || {
         Ok(http_request(front, "GET", "/v1/models", &[], b"").is_ok_and(|r| r.status == 200))
     })?;

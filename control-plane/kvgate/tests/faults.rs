@@ -179,6 +179,34 @@ fn stack(name: &str, serve_args: &[&str]) -> Stack {
     Stack { fleet, envoy, dir }
 }
 
+/// Starts the stack and the load (3 clients, at most `max` requests each),
+/// waits until it flows, and returns the time the fault starts.
+fn begin(name: &str, max: usize) -> (Stack, Load, Instant) {
+    let s = stack(name, &[]);
+    let load = Load::start(s.envoy.listen, 3, max);
+    load.flowing(30);
+    (s, load, Instant::now())
+}
+
+/// A request straight to engine `w` (not through the router), so that it
+/// stores blocks of its own: the load's conversations are cached on the
+/// other workers, and the router has no reason to send them to a
+/// restarted engine.
+fn store_on_engine(fleet: &Fleet, w: usize) {
+    kvgate_e2e::wait_for_tcp(fleet.http[w], Duration::from_secs(30)).unwrap();
+    let text = "A fresh prompt for the restarted engine. ".repeat(20);
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}).to_string();
+    let r = kvgate_e2e::http_request(
+        fleet.http[w],
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200);
+}
+
 /// Milliseconds from now until worker `w` is out of rotation.
 fn out_of_rotation_ms(fleet: &Fleet, w: usize, since: Instant) -> u64 {
     until(10, "the dead worker out of rotation", || fleet.worker(w)["live"] != true);
@@ -228,96 +256,62 @@ fn assert_no_failure_before_headers(name: &str, before: u64, at: &[(Duration, St
     assert_eq!(before, 0, "{name}: requests failed before their stream started: {at:?}");
 }
 
+/// Ends the load, waits until the index equals the engines' caches, prints
+/// the fault's line and fails on any request that failed before its stream
+/// started. Returns the streams that failed while running.
+fn settle(load: Load, fleet: &Fleet, name: &str, workers: &[usize], since: Instant, extra: String) -> u64 {
+    let (sent, streaming, before, at) = load.finish();
+    let conv_ms = converged(fleet, workers, since);
+    report(name, sent, streaming, before, &format!("{extra} converged_ms={conv_ms}"));
+    assert_no_failure_before_headers(name, before, &at);
+    streaming
+}
+
 #[test]
 fn engine_killed_with_its_relay_alive() {
-    let mut s = stack("fault-engine-kill", &[]);
-    let load = Load::start(s.envoy.listen, 3, 2000);
-    load.flowing(30);
-    let t = Instant::now();
+    let (mut s, load, t) = begin("fault-engine-kill", 2000);
     s.fleet.kill(Fleet::sim(1));
     let out_ms = out_of_rotation_ms(&s.fleet, 1, t);
     // The relay confirms the death and clears the worker's blocks.
     until(10, "the dead engine's blocks cleared", || s.fleet.blocks(1) == 0);
     let cleared_ms = t.elapsed().as_millis() as u64;
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
-    let conv_ms = converged(&s.fleet, &[0, 2], t);
-    report(
-        "engine_killed",
-        sent,
-        streaming,
-        before,
-        &format!("out_of_rotation_ms={out_ms} cleared_ms={cleared_ms} converged_ms={conv_ms}"),
-    );
-    assert_no_failure_before_headers("engine killed", before, &at);
+    settle(load, &s.fleet, "engine_killed", &[0, 2], t, format!("out_of_rotation_ms={out_ms} cleared_ms={cleared_ms}"));
     assert!(out_ms <= 1000, "out of rotation after {out_ms} ms");
     assert_eq!(s.fleet.worker(1)["engine_health"], "down");
 }
 
 #[test]
 fn a_whole_worker_pod_killed() {
-    let mut s = stack("fault-pod-kill", &[]);
-    let load = Load::start(s.envoy.listen, 3, 2000);
-    load.flowing(30);
-    let t = Instant::now();
+    let (mut s, load, t) = begin("fault-pod-kill", 2000);
     s.fleet.kill(Fleet::relay(1));
     s.fleet.kill(Fleet::sim(1));
     let out_ms = out_of_rotation_ms(&s.fleet, 1, t);
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
-    let conv_ms = converged(&s.fleet, &[0, 2], t);
-    report("pod_killed", sent, streaming, before, &format!("out_of_rotation_ms={out_ms} converged_ms={conv_ms}"));
-    assert_no_failure_before_headers("pod killed", before, &at);
+    settle(load, &s.fleet, "pod_killed", &[0, 2], t, format!("out_of_rotation_ms={out_ms}"));
     assert!(out_ms <= 1000, "out of rotation after {out_ms} ms");
 }
 
 #[test]
 fn an_engine_restarted_on_the_same_port() {
-    let mut s = stack("fault-engine-restart", &[]);
-    let load = Load::start(s.envoy.listen, 3, 2000);
-    load.flowing(30);
-    let t = Instant::now();
+    let (mut s, load, t) = begin("fault-engine-restart", 2000);
     s.fleet.kill(Fleet::sim(1));
     let out_ms = out_of_rotation_ms(&s.fleet, 1, t);
     until(10, "the dead engine's blocks cleared", || s.fleet.blocks(1) == 0);
     s.fleet.restart(Fleet::sim(1));
     until(30, "the restarted engine back in rotation", || s.fleet.worker(1)["live"] == true);
     let back_ms = t.elapsed().as_millis() as u64;
-    // Its new blocks reach the index (the relay sees the new publisher). The
-    // load's conversations are cached on the other workers, so the router
-    // has no reason to send them here: a request straight to the engine
-    // stores blocks.
-    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "A fresh prompt for the restarted engine. ".repeat(20)}], "max_tokens": 4});
-    let r = kvgate_e2e::http_request(
-        s.fleet.http[1],
-        "POST",
-        "/v1/chat/completions",
-        &[("content-type", "application/json")],
-        body.to_string().as_bytes(),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200);
+    // Its new blocks reach the index (the relay sees the new publisher).
+    store_on_engine(&s.fleet, 1);
     until(30, "the restarted engine's blocks indexed", || s.fleet.blocks(1) > 0);
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
-    let conv_ms = converged(&s.fleet, &[0, 1, 2], t);
-    report(
-        "engine_restarted",
-        sent,
-        streaming,
-        before,
-        &format!("out_of_rotation_ms={out_ms} back_ms={back_ms} converged_ms={conv_ms}"),
-    );
-    assert_no_failure_before_headers("engine restarted", before, &at);
+    settle(load, &s.fleet, "engine_restarted", &[0, 1, 2], t, format!("out_of_rotation_ms={out_ms} back_ms={back_ms}"));
     assert!(out_ms <= 1000, "out of rotation after {out_ms} ms");
 }
 
 #[test]
 fn nats_down_for_10_s() {
-    let mut s = stack("fault-nats-down", &[]);
-    let load = Load::start(s.envoy.listen, 3, 4000);
-    load.flowing(30);
-    let t = Instant::now();
+    let (mut s, load, t) = begin("fault-nats-down", 4000);
     let port = s.fleet.nats.port;
     s.fleet.nats.proc.kill();
     // Routing goes on on the last index: workers stay live, Picks answer.
@@ -328,16 +322,14 @@ fn nats_down_for_10_s() {
     let steered_during = s.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered_before;
     s.fleet.nats = kvgate_e2e::NatsServer::start_on(&s.dir, port).unwrap();
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
-    let conv_ms = converged(&s.fleet, &[0, 1, 2], t);
-    report(
+    let streaming = settle(
+        load,
+        &s.fleet,
         "nats_down_10s",
-        sent,
-        streaming,
-        before,
-        &format!("live_during={live} steered_during={steered_during} converged_ms={conv_ms}"),
+        &[0, 1, 2],
+        t,
+        format!("live_during={live} steered_during={steered_during}"),
     );
-    assert_no_failure_before_headers("NATS down", before, &at);
     assert_eq!(streaming, 0, "no engine died");
     assert_eq!(live, WORKERS, "liveness frozen during the outage");
     assert!(steered_during >= 10, "the filter kept steering on the last index");
@@ -346,10 +338,7 @@ fn nats_down_for_10_s() {
 
 #[test]
 fn control_plane_stopped_for_5_s() {
-    let mut s = stack("fault-cp-sigstop", &[]);
-    let load = Load::start(s.envoy.listen, 3, 4000);
-    load.flowing(30);
-    let t = Instant::now();
+    let (mut s, load, t) = begin("fault-cp-sigstop", 4000);
     let serve = s.fleet.serve();
     s.fleet.signal(serve, "STOP");
     // The filter fails open (Pick times out): requests keep flowing.
@@ -357,50 +346,35 @@ fn control_plane_stopped_for_5_s() {
     std::thread::sleep(Duration::from_secs(5).saturating_sub(t.elapsed()));
     s.fleet.signal(serve, "CONT");
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
-    let conv_ms = converged(&s.fleet, &[0, 1, 2], t);
-    report("control_plane_sigstop_5s", sent, streaming, before, &format!("converged_ms={conv_ms}"));
-    assert_no_failure_before_headers("control plane stopped", before, &at);
+    let streaming = settle(load, &s.fleet, "control_plane_sigstop_5s", &[0, 1, 2], t, String::new());
     assert_eq!(streaming, 0);
     s.fleet.check();
 }
 
 #[test]
 fn control_plane_killed_and_restarted() {
-    let mut s = stack("fault-cp-kill", &[]);
-    let load = Load::start(s.envoy.listen, 3, 4000);
-    load.flowing(30);
-    let t = Instant::now();
+    let (mut s, load, t) = begin("fault-cp-kill", 4000);
     let serve = s.fleet.serve();
     s.fleet.kill(serve);
     load.flowing(20);
     s.fleet.restart(serve);
     until(30, "every worker live in the new control plane", || (0..WORKERS).all(|w| s.fleet.worker(w)["live"] == true));
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
-    let conv_ms = converged(&s.fleet, &[0, 1, 2], t);
-    report("control_plane_killed", sent, streaming, before, &format!("converged_ms={conv_ms}"));
-    assert_no_failure_before_headers("control plane killed", before, &at);
+    let streaming = settle(load, &s.fleet, "control_plane_killed", &[0, 1, 2], t, String::new());
     assert_eq!(streaming, 0);
 }
 
 #[test]
 fn a_relay_restarted() {
-    let mut s = stack("fault-relay-restart", &[]);
-    let load = Load::start(s.envoy.listen, 3, 4000);
-    load.flowing(30);
-    let t = Instant::now();
+    let (mut s, load, t) = begin("fault-relay-restart", 4000);
     s.fleet.restart(Fleet::relay(1));
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
     // The new relay has a new epoch: the control plane takes its snapshot.
     // The relay itself rebuilt its mirror from the engine's replay buffer
     // (it asks for everything from 0 when its event socket connects), so
     // the index equals the engine's cache again.
     until(30, "worker 1 resynced", || s.fleet.worker(1)["sync"].as_str().is_some_and(|x| x.starts_with("synced")));
-    let conv_ms = converged(&s.fleet, &[0, 1, 2], t);
-    report("relay_restarted", sent, streaming, before, &format!("converged_ms={conv_ms}"));
-    assert_no_failure_before_headers("relay restarted", before, &at);
+    let streaming = settle(load, &s.fleet, "relay_restarted", &[0, 1, 2], t, String::new());
     assert_eq!(streaming, 0);
 }
 
@@ -415,22 +389,9 @@ fn an_engine_restarted_quickly() {
     until(30, "worker 1 holds blocks", || s.fleet.blocks(1) > 0);
     let t = Instant::now();
     s.fleet.restart(Fleet::sim(1));
-    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "A fresh prompt for the restarted engine. ".repeat(20)}], "max_tokens": 4});
-    kvgate_e2e::wait_for_tcp(s.fleet.http[1], Duration::from_secs(30)).unwrap();
-    let r = kvgate_e2e::http_request(
-        s.fleet.http[1],
-        "POST",
-        "/v1/chat/completions",
-        &[("content-type", "application/json")],
-        body.to_string().as_bytes(),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200);
+    store_on_engine(&s.fleet, 1);
     load.flowing(30);
-    let (sent, streaming, before, at) = load.finish();
-    let conv_ms = converged(&s.fleet, &[0, 1, 2], t);
-    report("engine_restarted_quickly", sent, streaming, before, &format!("converged_ms={conv_ms}"));
-    assert_no_failure_before_headers("engine restarted quickly", before, &at);
+    settle(load, &s.fleet, "engine_restarted_quickly", &[0, 1, 2], t, String::new());
     assert!(s.fleet.blocks(1) > 0, "the new engine's blocks are indexed");
 }
 

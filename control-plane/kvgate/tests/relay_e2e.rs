@@ -157,6 +157,18 @@ fn run_capture(
     want: usize,
 ) -> (Vec<pb::KvEventBatch>, String) {
     let dir = scratch_dir(&format!("relay-{capture}")).unwrap();
+    run_capture_file(&dir, &capture_named(capture), relay_flags, pub_flags, want)
+}
+
+/// [`run_capture`] of a capture file, in `dir`.
+fn run_capture_file(
+    dir: &std::path::Path,
+    capture: &std::path::Path,
+    relay_flags: &[String],
+    pub_flags: &[String],
+    want: usize,
+) -> (Vec<pb::KvEventBatch>, String) {
+    let dir = dir.to_owned();
     let nats = NatsServer::start(&dir).unwrap();
     let zmq_port = free_port().unwrap();
     let metrics_port = free_port().unwrap();
@@ -175,7 +187,7 @@ fn run_capture(
     let out = Command::new(tool("KVGATE_PYTHON", "../venv/bin/python").unwrap())
         .arg(repo_root().join("tests/tools/zmq_pub.py"))
         .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
-        .arg(capture_named(capture))
+        .arg(capture)
         .args(pub_flags)
         .output()
         .unwrap();
@@ -392,37 +404,7 @@ fn offline(msgs: &[Vec<Vec<u8>>]) -> (Vec<pb::KvEventBatch>, RelayCore) {
 fn run_frames(name: &str, msgs: &[Vec<Vec<u8>>], want: usize) -> (Vec<pb::KvEventBatch>, String) {
     let dir = scratch_dir(&format!("relay-fault-{name}")).unwrap();
     let path = write_capture(&dir, name, msgs);
-    let nats = NatsServer::start(&dir).unwrap();
-    let zmq_port = free_port().unwrap();
-    let metrics_port = free_port().unwrap();
-    let mut client = NatsClient::connect(nats.port).unwrap();
-    client.subscribe(&Subjects::default().kv_events(MODEL, ENDPOINT), "kv").unwrap();
-    client.flush().unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
-    cmd.args(["relay", "--zmq-endpoint", &format!("tcp://127.0.0.1:{zmq_port}")])
-        .args(["--nats-url", &format!("nats://127.0.0.1:{}", nats.port)])
-        .args(["--model", MODEL, "--endpoint", ENDPOINT, "--block-size", "32"])
-        .args(["--listen-metrics", &format!("127.0.0.1:{metrics_port}")]);
-    let mut relay = Proc::spawn("relay", cmd, &dir).unwrap();
-    wait_for_tcp(([127, 0, 0, 1], zmq_port).into(), Duration::from_secs(10)).unwrap();
-    let out = Command::new(tool("KVGATE_PYTHON", "../venv/bin/python").unwrap())
-        .arg(repo_root().join("tests/tools/zmq_pub.py"))
-        .args(["connect", &format!("tcp://127.0.0.1:{zmq_port}")])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "publisher failed: {}", String::from_utf8_lossy(&out.stderr));
-    let mut got = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while got.len() < want && Instant::now() < deadline {
-        if let Some(m) = client.next_msg(Duration::from_millis(500)).unwrap() {
-            got.push(pb::KvEventBatch::decode(m.payload.as_slice()).unwrap());
-        }
-    }
-    relay.ensure_running().unwrap();
-    let metrics = kvgate_e2e::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
-    relay.kill();
-    (got, String::from_utf8(metrics.body).unwrap())
+    run_capture_file(&dir, &path, &[], &[], want)
 }
 
 fn frames(seq: u64, payload: Vec<u8>) -> Vec<Vec<u8>> {
