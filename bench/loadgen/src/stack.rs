@@ -326,7 +326,6 @@ impl Stack {
         self.pids.push(("sglang-router".into(), p.pid()));
         self.procs.push(p);
         self.front = front;
-        let front = self.front;
         wait_until("sglang-router to route", 60, || {
             self.check()?;
             Ok(http_request(front, "GET", "/v1/models", &[], b"").is_ok_and(|r| r.status == 200))
