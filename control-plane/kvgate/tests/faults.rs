@@ -164,12 +164,20 @@ struct Stack {
 }
 
 fn stack(name: &str, serve_args: &[&str]) -> Stack {
+    stack_with(name, serve_args, &[])
+}
+
+fn stack_with(name: &str, serve_args: &[&str], sim_args: &[&str]) -> Stack {
     let dir = scratch_dir(name).unwrap();
     // Fast probes, so that a death is seen within one probe; the engine is
     // confirmed down after 1 s of failures.
     let relay_args = ["--health-ms", "100", "--health-timeout-ms", "500", "--down-after-ms", "1000"];
-    let fleet =
-        Fleet::start_opts(&dir, WORKERS, "20", FleetOpts { relay_args: &relay_args, serve_args, ..Default::default() });
+    let fleet = Fleet::start_opts(
+        &dir,
+        WORKERS,
+        "20",
+        FleetOpts { relay_args: &relay_args, serve_args, sim_args, ..Default::default() },
+    );
     let filter = json!({"control_plane": {"timeout_ms": 200}, "debug_headers": true, "reports": {"interval_ms": 100}});
     let config = dir.join("envoy.yaml");
     std::fs::write(&config, render_kvgate_envoy(0, 0, &fleet.http, &[fleet.grpc], &filter.to_string()).unwrap())
@@ -541,4 +549,100 @@ fn chaos_soak() {
     println!("soak: {}", serde_json::to_string(&result).unwrap());
     assert_no_failure_before_headers("soak", before, &at);
     s.fleet.check();
+}
+
+// ------------------------------------------- event-stream faults --
+
+/// Asks worker `w`'s simulator to inject an event-stream fault into its
+/// next batch, and waits until its relay counted it.
+fn inject(s: &Stack, w: usize, kind: &str, relay_metric: &str) {
+    let before = relay_count(&s.fleet, w, relay_metric);
+    let r =
+        kvgate_e2e::http_request(s.fleet.http[w], "POST", &format!("/kvgate/sim/fault?kind={kind}"), &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    // The fault rides on the worker's next batch: give it one.
+    store_on_engine(&s.fleet, w);
+    until(30, "the relay to see the fault", || relay_count(&s.fleet, w, relay_metric) > before);
+}
+
+fn relay_count(fleet: &Fleet, w: usize, name: &str) -> f64 {
+    let Ok(r) = kvgate_e2e::http_request(fleet.relay_metrics[w], "GET", "/metrics", &[], b"") else { return 0.0 };
+    common::prom(
+        &String::from_utf8_lossy(&r.body),
+        &format!("kvgate_relay_{name}{{worker=\"w{w}\",model=\"{MODEL}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+/// The same batch twice under load: dropped as a duplicate, the worker's
+/// blocks kept, and the index still equals every engine's cache.
+#[test]
+fn a_duplicated_batch_under_load() {
+    let (s, load, t) = begin("fault-duplicate", 4000);
+    inject(&s, 1, "duplicate", "duplicates_total");
+    load.flowing(30);
+    let streaming = settle(load, &s.fleet, "duplicated_batch", &[0, 1, 2], t, String::new());
+    assert_eq!(streaming, 0);
+    assert_eq!(relay_count(&s.fleet, 1, "restarts_total"), 0.0, "a duplicate is not a restart");
+}
+
+/// Malformed frames under load: counted and skipped; nothing else changes.
+#[test]
+fn garbage_frames_under_load() {
+    let (s, load, t) = begin("fault-garbage", 4000);
+    inject(&s, 1, "garbage", "decode_errors_frames_total");
+    load.flowing(30);
+    let streaming = settle(load, &s.fleet, "garbage_frames", &[0, 1, 2], t, String::new());
+    assert_eq!(streaming, 0);
+    assert_eq!(relay_count(&s.fleet, 1, "decode_errors_frames_total"), 2.0);
+}
+
+/// A gap the engine's replay buffer no longer covers, under load: the relay
+/// clears the worker and resynchronizes from the batches that follow. What
+/// the engine stored before the gap cannot be learned again (the engine
+/// does not re-announce it), so for that worker the index converges to a
+/// subset of the engine's cache, never to blocks the engine does not hold;
+/// the other workers' indexes equal their engines'.
+#[test]
+fn a_gap_beyond_the_replay_buffer_under_load() {
+    let (s, load, t) = begin("fault-gap", 4000);
+    inject(&s, 1, "gap", "resyncs_total");
+    load.flowing(30);
+    let streaming = settle(load, &s.fleet, "gap_beyond_replay", &[0, 2], t, String::new());
+    assert_eq!(streaming, 0);
+    until(30, "worker 1 synced again", || s.fleet.worker(1)["sync"].as_str().is_some_and(|x| x.starts_with("synced")));
+    let (index, engine) = (s.fleet.blocks(1), s.fleet.engine_blocks(1).unwrap());
+    println!("fault: gap_beyond_replay worker 1: index {index} of the engine's {engine} blocks");
+    assert!(index <= engine, "the index claims {index} blocks, the engine holds {engine}");
+}
+
+/// A batch over NATS's 1 MiB payload limit under load: a 45,000-block prompt
+/// prefilled in one step (the batch that stopped the relay was 40,000
+/// blocks, 2.1 MB). The relay splits it; the index equals every engine's
+/// cache, that worker's 45,000 blocks included.
+#[test]
+fn an_oversized_batch_under_load() {
+    let sim = ["--num-blocks", "60000", "--max-num-batched-tokens", "1000000", "--max-model-len", "1000000"];
+    let s = stack_with("fault-oversized", &[], &sim);
+    let load = Load::start(s.envoy.listen, 3, 4000);
+    load.flowing(30);
+    let t = Instant::now();
+    let ids: Vec<u32> = (0..45_000u32 * 16).map(|i| 1_000 + i % 90_000).collect();
+    let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 1}).to_string();
+    assert!(body.len() > 2_000_000);
+    let r = kvgate_e2e::http_request(
+        s.fleet.http[1],
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    until(60, "the split batches published", || relay_count(&s.fleet, 1, "split_batches_total") > 0.0);
+    load.flowing(30);
+    let streaming = settle(load, &s.fleet, "oversized_batch", &[0, 1, 2], t, String::new());
+    assert_eq!(streaming, 0);
+    assert!(s.fleet.blocks(1) >= 45_000, "{} blocks indexed", s.fleet.blocks(1));
+    assert_eq!(relay_count(&s.fleet, 1, "publish_errors_total"), 0.0);
 }

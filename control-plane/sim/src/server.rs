@@ -149,9 +149,36 @@ struct Stats {
 struct Shared {
     opts: WorkerOptions,
     stats: Mutex<Stats>,
+    /// Event-stream faults to inject into the next published batch
+    /// (`POST /kvgate/sim/fault?kind=…`, for the fault suite).
+    faults: Mutex<Vec<StreamFault>>,
     submit: mpsc::UnboundedSender<Submit>,
     next_id: std::sync::atomic::AtomicU64,
     created: u64,
+}
+
+/// An event-stream fault the simulator can inject (the fault suite's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamFault {
+    /// The next batch is published twice (same sequence, same bytes).
+    Duplicate,
+    /// Two malformed messages before the next batch (one frame; a sequence
+    /// frame of the wrong length).
+    Garbage,
+    /// The next batch's sequence jumps beyond the replay buffer, which loses
+    /// what it held: a gap that replay cannot cover.
+    Gap,
+}
+
+impl StreamFault {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "duplicate" => Some(Self::Duplicate),
+            "garbage" => Some(Self::Garbage),
+            "gap" => Some(Self::Gap),
+            _ => None,
+        }
+    }
 }
 
 /// Why a worker could not run.
@@ -287,6 +314,7 @@ pub async fn run_worker(
         submit: tx,
         next_id: std::sync::atomic::AtomicU64::new(1),
         created: now_unix(),
+        faults: Mutex::new(Vec::new()),
         opts: opts.clone(),
     });
 
@@ -377,10 +405,29 @@ pub async fn run_worker(
                         b.pop_front();
                     }
                 }
+                let faults = std::mem::take(&mut *sh.faults.lock());
+                if faults.contains(&StreamFault::Gap) {
+                    // The engine's buffer moved on: what it held is gone.
+                    seq += opts.replay_buffer as u64 + 10;
+                    let mut b = buf.lock();
+                    b.clear();
+                    b.push_back((seq, payload.clone()));
+                }
                 if let Some(p) = publisher.as_mut() {
+                    if faults.contains(&StreamFault::Garbage) {
+                        let one = zeromq::ZmqMessage::from(opts.topic.as_bytes().to_vec());
+                        let _ = p.send(one).await;
+                        let mut bad = zeromq::ZmqMessage::from(opts.topic.as_bytes().to_vec());
+                        bad.push_back(b"bad".to_vec().into());
+                        bad.push_back(vec![0xc1].into());
+                        let _ = p.send(bad).await;
+                    }
                     let mut m = zeromq::ZmqMessage::from(opts.topic.as_bytes().to_vec());
                     m.push_back(seq.to_be_bytes().to_vec().into());
                     m.push_back(payload.into());
+                    if faults.contains(&StreamFault::Duplicate) {
+                        let _ = p.send(m.clone()).await;
+                    }
                     let _ = p.send(m).await;
                 }
                 seq += 1;
@@ -396,6 +443,7 @@ pub async fn run_worker(
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .route("/kvgate/sim/cache", get(cache_info))
+        .route("/kvgate/sim/fault", post(inject_fault))
         // vLLM (FastAPI) sets no request body limit; axum's default of 2 MB
         // refused prompts vLLM accepts. 256 MiB bounds a runaway client.
         .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
@@ -695,6 +743,21 @@ async fn models(State(sh): State<Arc<Shared>>) -> impl IntoResponse {
 
 /// Simulator-only: the engine's cache, for tests that compare it with what
 /// the KV events describe.
+/// `POST /kvgate/sim/fault?kind=duplicate|garbage|gap`: the next published
+/// batch carries that event-stream fault.
+async fn inject_fault(
+    State(sh): State<Arc<Shared>>,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> impl IntoResponse {
+    match q.get("kind").and_then(|k| StreamFault::parse(k)) {
+        Some(f) => {
+            sh.faults.lock().push(f);
+            (StatusCode::OK, "queued\n")
+        }
+        None => (StatusCode::BAD_REQUEST, "expected ?kind=duplicate|garbage|gap\n"),
+    }
+}
+
 async fn cache_info(State(sh): State<Arc<Shared>>) -> impl IntoResponse {
     let st = sh.stats.lock().clone();
     let body = json!({

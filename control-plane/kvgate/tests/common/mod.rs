@@ -60,6 +60,9 @@ pub struct FleetOpts<'a> {
     pub serve_args: &'a [&'a str],
     /// More arguments for every `kvgate relay`.
     pub relay_args: &'a [&'a str],
+    /// More `--flag value` pairs for every `kvgate sim` (replacing the
+    /// fleet's own value of that flag).
+    pub sim_args: &'a [&'a str],
 }
 
 /// The running fleet.
@@ -102,12 +105,12 @@ impl Fleet {
         auth: Option<(&str, &str)>,
         serve_args: &[&str],
     ) -> Fleet {
-        Self::start_opts(dir, workers, speedup, FleetOpts { auth, serve_args, relay_args: &[] })
+        Self::start_opts(dir, workers, speedup, FleetOpts { auth, serve_args, ..Default::default() })
     }
 
     /// The most general start.
     pub fn start_opts(dir: &Path, workers: usize, speedup: &str, opts: FleetOpts<'_>) -> Fleet {
-        let FleetOpts { auth, serve_args, relay_args } = opts;
+        let FleetOpts { auth, serve_args, relay_args, sim_args: extra_sim_args } = opts;
         let mut args: Vec<Vec<String>> = Vec::new();
         let (nats, nats_url) = match auth {
             Some((u, p)) => {
@@ -150,6 +153,13 @@ impl Fleet {
             .iter()
             .map(|a| (*a).to_owned())
             .collect();
+            let mut sim_args = sim_args;
+            for pair in extra_sim_args.chunks(2) {
+                match sim_args.iter().position(|a| a == pair[0]) {
+                    Some(i) if pair.len() == 2 => sim_args[i + 1] = pair[1].to_owned(),
+                    _ => sim_args.extend(pair.iter().map(|a| (*a).to_owned())),
+                }
+            }
             procs.push(Proc::spawn(&format!("sim-{w}"), kvgate_args(&sim_args), dir).unwrap());
             args.push(sim_args);
             let addr: SocketAddr = ([127, 0, 0, 1], hp).into();
