@@ -266,8 +266,6 @@ impl Stack {
             self.pids.push((format!("relay-{w}"), p.pid()));
             self.procs.push(p);
         }
-        let (gp, ap) = (free_port()?, free_port()?);
-        let (grpc, admin) = (format!("127.0.0.1:{gp}"), format!("127.0.0.1:{ap}"));
         // One model, from a file (the only way to give `[models.kv]`).
         let mut toml = format!(
             "[[models]]\nname = {MODEL:?}\ntokenizer_dir = {tk:?}\nblock_size = {block}\nmode = {mode:?}\n[models.kv]\n"
@@ -279,31 +277,51 @@ impl Stack {
         let cp_config = self.dir.join("control-plane.toml");
         std::fs::write(&cp_config, toml)?;
         let cp_config = cp_config.to_str().context("run dir is not UTF-8")?.to_owned();
-        let serve = kvgate(
-            &fleet.kvgate,
-            &[
-                "serve",
-                "--config",
-                &cp_config,
-                "--nats-url",
-                &nats_url,
-                "--listen-grpc",
-                &grpc,
-                "--listen-admin",
-                &admin,
-                "--replica-id",
-                "bench",
-            ],
-        );
-        let mut serve = serve;
-        // KVGATE_TOKENIZER_DIR (for the simulator) would stand for
-        // --tokenizer-dir, which needs --model; the file has it.
-        serve.env_remove("KVGATE_TOKENIZER_DIR");
-        let p = Proc::spawn("serve", serve, &self.dir)?;
-        self.pids.push(("control-plane".into(), p.pid()));
-        self.procs.push(p);
-        let admin: SocketAddr = admin.parse()?;
-        wait_for_tcp(admin, Duration::from_secs(60))?;
+        // Ports drawn by free_port() can be taken by another process before
+        // the control plane binds them (other tests start processes too):
+        // on "Address already in use", draw again.
+        let mut attempt = 0;
+        let (grpc, admin) = loop {
+            attempt += 1;
+            let (gp, ap) = (free_port()?, free_port()?);
+            let (grpc, admin) = (format!("127.0.0.1:{gp}"), format!("127.0.0.1:{ap}"));
+            let mut serve = kvgate(
+                &fleet.kvgate,
+                &[
+                    "serve",
+                    "--config",
+                    &cp_config,
+                    "--nats-url",
+                    &nats_url,
+                    "--listen-grpc",
+                    &grpc,
+                    "--listen-admin",
+                    &admin,
+                    "--replica-id",
+                    "bench",
+                ],
+            );
+            // KVGATE_TOKENIZER_DIR (for the simulator) is not the control
+            // plane's: the file names the model's tokenizer.
+            serve.env_remove("KVGATE_TOKENIZER_DIR");
+            let mut p = Proc::spawn("serve", serve, &self.dir)?;
+            let admin_addr: SocketAddr = admin.parse()?;
+            let up = wait_until("the control plane to listen", 60, || {
+                p.ensure_running()?;
+                Ok(std::net::TcpStream::connect(admin_addr).is_ok())
+            });
+            match up {
+                Ok(()) => {
+                    self.pids.push(("control-plane".into(), p.pid()));
+                    self.procs.push(p);
+                    break (grpc, admin_addr);
+                }
+                Err(e) if attempt < 3 && p.log().contains("Address already in use") => {
+                    eprintln!("control plane: a port was taken ({e}); drawing others");
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let n = self.workers.len();
         wait_until("every worker live in the control plane", 60, || {
             let r = http_request(admin, "GET", "/admin/workers", &[], b"")?;
