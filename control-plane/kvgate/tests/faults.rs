@@ -46,8 +46,6 @@ struct Tally {
     /// Time (since the load started) of each failure before headers, for
     /// the report.
     before_at: Mutex<Vec<(Duration, String)>>,
-    /// Time of the last success.
-    last_ok_ms: AtomicU64,
 }
 
 /// A bounded closed-loop streaming load: `clients` threads, each running
@@ -116,7 +114,6 @@ impl Load {
                         match o {
                             Outcome::Ok => {
                                 tally.ok.fetch_add(1, Ordering::Relaxed);
-                                tally.last_ok_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
                             }
                             Outcome::FailedStreaming => {
                                 tally.streaming.fetch_add(1, Ordering::Relaxed);
