@@ -92,6 +92,40 @@ pub struct Counters {
     pub capacity_evictions: u64,
 }
 
+impl Counters {
+    /// The counters not exported on their own (`events_applied` and the
+    /// `skipped_*` causes are), as (kind, value) for metrics. The struct is
+    /// destructured without `..`: a counter added to it does not compile
+    /// until it is placed here or exported elsewhere.
+    pub fn by_kind(&self) -> [(&'static str, u64); 8] {
+        let Self {
+            events_applied: _,
+            blocks_stored,
+            blocks_removed,
+            clears,
+            skipped_malformed: _,
+            skipped_block_size: _,
+            skipped_unknown_parent: _,
+            skipped_unknown_worker: _,
+            unknown_removals,
+            refs_capped,
+            reused_reports,
+            hash_conflicts,
+            capacity_evictions,
+        } = *self;
+        [
+            ("block_stored", blocks_stored),
+            ("block_removed", blocks_removed),
+            ("cleared", clears),
+            ("unknown_removal", unknown_removals),
+            ("ref_capped", refs_capped),
+            ("reused_report", reused_reports),
+            ("hash_conflict", hash_conflicts),
+            ("capacity_eviction", capacity_evictions),
+        ]
+    }
+}
+
 type Map<K, V> = HashMap<K, V, RandomState>;
 
 /// How many blocks of an event ahead of the one being applied their

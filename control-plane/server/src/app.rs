@@ -17,7 +17,7 @@ use tonic::Status;
 
 use crate::config::Config;
 use crate::metrics::{self, Global, Histogram, LATENCY_BUCKETS, NATS_KINDS, PICK_ERRORS, RATIO_BUCKETS, label};
-use crate::model::{ModelState, Need, PickError, PickInput};
+use crate::model::{ByLoad, ModelState, Need, PickInput};
 use crate::tokens::{PromptTokenizer, SegmentRef, TokenCacheConfig, Tokenized};
 
 /// One served model.
@@ -163,6 +163,36 @@ impl App {
 
     /// Validates, tokenizes and routes one request.
     pub fn pick(&self, req: &pb::PickRequest) -> Result<pb::PickResponse, Status> {
+        self.pick_among(req, None)
+    }
+
+    /// Routes a request without a prompt to score (an endpoint picker saw
+    /// no body, or one kvgate does not route by prefix) to the least loaded
+    /// live worker of `model` among `allowed` (all when `None`).
+    pub fn pick_by_load(
+        &self,
+        model: &str,
+        request_id: &str,
+        allowed: Option<&[String]>,
+    ) -> Result<pb::PickResponse, Status> {
+        let Some(m) = self.models.get(model) else {
+            self.pick_error(0);
+            return Err(status(tonic::Code::NotFound, format!("unknown model {model:?}")));
+        };
+        let input = PickInput {
+            request_id,
+            token_ids: &[],
+            seed: BlockSeed::new(None, None),
+            text_prefix: &[],
+            max_tokens: None,
+            by_load: Some(ByLoad::NoPrompt),
+            allowed,
+        };
+        self.decide(m, &input, Instant::now())
+    }
+
+    /// As [`App::pick`], among the endpoints `allowed` (all when `None`).
+    pub fn pick_among(&self, req: &pb::PickRequest, allowed: Option<&[String]>) -> Result<pb::PickResponse, Status> {
         let t0 = Instant::now();
         let Some(model) = self.models.get(&req.model) else {
             self.pick_error(0);
@@ -237,12 +267,12 @@ impl App {
             }
             (_, _, None) => Err("no tokenizer configured for this model".into()),
         };
-        let (ids, load_only, retained) = match tokenized {
-            Ok(t) => (t.ids, false, t.retained),
+        let (ids, by_load, retained) = match tokenized {
+            Ok(t) => (t.ids, None, t.retained),
             Err(e) => {
                 self.global.tokenize_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(model = %req.model, error = %e, "tokenization failed; routing by load");
-                (Vec::new(), true, Vec::new())
+                (Vec::new(), Some(ByLoad::TokenizeFailed), Vec::new())
             }
         };
         let seed = BlockSeed::new(Some(&req.lora_name), Some(&req.cache_salt));
@@ -265,21 +295,30 @@ impl App {
             seed,
             text_prefix: &text_prefix,
             max_tokens: req.max_tokens,
-            load_only,
+            by_load,
+            allowed,
         };
+        let mut answer = self.decide(model, &input, t0)?;
+        answer.retained_chain_hashes = retained;
+        Ok(answer)
+    }
+
+    /// Runs the model's pick, shares the decision with the other replicas
+    /// and records its metrics.
+    fn decide(&self, model: &Model, input: &PickInput<'_>, t0: Instant) -> Result<pb::PickResponse, Status> {
         let now = self.now_ms();
-        let out = model.state.lock().pick(&input, now);
+        let out = model.state.lock().pick(input, now);
         let out = match out {
             Ok(o) => o,
-            Err(PickError::NoWorkers) => {
+            Err(e) => {
                 self.pick_error(2);
-                return Err(status(tonic::Code::Unavailable, format!("no live worker for model {:?}", req.model)));
+                return Err(status(tonic::Code::Unavailable, format!("model {:?}: {e}", model.name)));
             }
         };
         if self.config.nats_url.is_some() {
             let mut ev = out.inflight.clone();
             ev.ts_unix_nanos = unix_nanos();
-            let _ = self.inflight_tx.send((req.model.clone(), ev));
+            let _ = self.inflight_tx.send((model.name.clone(), ev));
         }
         if out.total_blocks > 0 {
             model.overlap_ratio.observe(f64::from(out.matched_blocks) / f64::from(out.total_blocks));
@@ -293,7 +332,7 @@ impl App {
             total_blocks: out.total_blocks,
             reason: out.reason as i32,
             mode: out.mode.to_owned(),
-            retained_chain_hashes: retained,
+            retained_chain_hashes: Vec::new(),
             resend: false,
             best_overlap_blocks: out.passed_over.0,
             best_overlap_worker_id: out.passed_over.1,
@@ -576,6 +615,13 @@ impl App {
             "Replica-sync batches published.",
             g.inflight_published.load(Ordering::Relaxed),
         );
+        scalar(
+            &mut o,
+            "kvgate_inflight_publish_errors_total",
+            "counter",
+            "Replica-sync batches that could not be published.",
+            g.inflight_publish_errors.load(Ordering::Relaxed),
+        );
 
         // Per model, read under the model's lock.
         metrics::header(&mut o, "kvgate_events_applied_total", "counter", "KV events applied to the index.");
@@ -609,6 +655,11 @@ impl App {
             "Prompt text bytes run through the tokenizer.",
         );
         metrics::header(&mut o, "kvgate_tokenize_cache_tokens", "gauge", "Token ids held by the segment cache.");
+        let token_counters = kvgate_tokenize::prompt::TokenStats::default().counters();
+        for (name, help, _) in &token_counters {
+            metrics::header(&mut o, &format!("kvgate_tokenize_{name}_total"), "counter", help);
+        }
+        metrics::header(&mut o, "kvgate_index_events_total", "counter", "Index changes and anomalies, by kind.");
         metrics::header(&mut o, "kvgate_tokenize_segmented", "gauge", "1 when the segment cache is in use.");
         metrics::header(&mut o, "kvgate_mode", "gauge", "1 for the current routing mode of the model.");
         let mut names: Vec<&String> = self.models.keys().collect();
@@ -678,6 +729,9 @@ impl App {
                 );
             }
             let _ = writeln!(o, "kvgate_index_heap_bytes{{model=\"{ml}\"}} {}", st.index().approx_heap_bytes());
+            for (kind, v) in c.by_kind() {
+                let _ = writeln!(o, "kvgate_index_events_total{{model=\"{ml}\",kind=\"{kind}\"}} {v}");
+            }
             for mode in kvgate_scheduler::Mode::ALL {
                 let _ = writeln!(
                     o,
@@ -715,6 +769,9 @@ impl App {
                 );
                 let _ = writeln!(o, "kvgate_tokenize_cache_tokens{{model=\"{ml}\"}} {}", tk.cache_size().0);
                 let _ = writeln!(o, "kvgate_tokenize_segmented{{model=\"{ml}\"}} {}", u8::from(tk.segmented()));
+                for (name, _, v) in tk.stats.counters() {
+                    let _ = writeln!(o, "kvgate_tokenize_{name}_total{{model=\"{ml}\"}} {v}");
+                }
             }
         }
         o

@@ -26,14 +26,16 @@
 //! * `bad_request`: 400 with an OpenAI-style JSON error (not JSON, wrong shape);
 //! * `unknown_model`: 404, as OpenAI answers an unknown model;
 //! * `unavailable`: 503 when no live worker remains (the protocol's answer),
-//!   also when a subset hint excludes every endpoint the pick ranked.
+//!   also when a subset hint allows none of the live workers. The hint
+//!   narrows the candidates before the pick: the destination is the best
+//!   allowed worker, then allowed fallbacks.
 //!
 //! The response is watched, never changed: its first body byte is reported
 //! as the first token (total 0) and its end (or the stream's end) as the
 //! completion, with `usage` read from the body's tail, as the filter reports
-//! them. Cost per request: the filter's single pass over the body plus one
-//! protobuf encode/decode of the Pick (microseconds), and one copy of the
-//! body when it is echoed back in full-duplex mode.
+//! them. Cost per request: the filter's single pass over the body, the Pick
+//! built as a message (no protobuf round trip in-process), and one copy of
+//! the body when it is echoed back in full-duplex mode.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -42,7 +44,7 @@ use std::time::Instant;
 
 use futures_util::Stream;
 use kvgate_filter_core::extract::{Api, ExtractError, extract};
-use kvgate_filter_core::pick::{RequestMeta, chain_hashes, encode_pick};
+use kvgate_filter_core::pick::{RequestMeta, chain_hashes, pick_request};
 use kvgate_filter_core::usage::{Tail, find_usage};
 use kvgate_protocol::pb;
 use prost::Message as _;
@@ -395,12 +397,11 @@ impl Exchange {
             model: &e.model,
             body_bytes: u32::try_from(body.len()).unwrap_or(u32::MAX),
         };
-        let req = pb::PickRequest::decode(encode_pick(&e, api, &meta, &hashes, None).as_slice());
+        let req = pick_request(&e, api, &meta, &hashes);
         let model = e.model.clone().into_owned();
         drop(e);
         self.body = body;
-        let Ok(req) = req else { return self.load_decision(Some(model)) };
-        match self.app.pick(&req) {
+        match self.app.pick_among(&req, self.subset.as_deref()) {
             Ok(p) if !p.endpoint.is_empty() => self.route(p, &model, Outcome::Routed),
             Ok(_) => self.load_decision(Some(model)),
             Err(s) => self.failed_pick(s, model),
@@ -414,14 +415,7 @@ impl Exchange {
             .filter(|m| self.app.models.contains_key(m))
             .or_else(|| self.app.config.models.first().map(|m| m.routing.name.clone()))
             .unwrap_or_default();
-        let req = pb::PickRequest {
-            request_id: self.request_id.clone(),
-            model: model.clone(),
-            api: pb::ApiKind::Completions as i32,
-            prompt: Some(pb::pick_request::Prompt::PromptTokenIds(pb::TokenIds::default())),
-            ..Default::default()
-        };
-        match self.app.pick(&req) {
+        match self.app.pick_by_load(&model, &self.request_id, self.subset.as_deref()) {
             Ok(p) if !p.endpoint.is_empty() => self.route(p, &model, Outcome::Load),
             Ok(_) => self.unavailable("no endpoint"),
             Err(s) => self.failed_pick(s, model),
@@ -447,13 +441,9 @@ impl Exchange {
     }
 
     fn route(&mut self, p: pb::PickResponse, model: &str, outcome: Outcome) -> Decision {
-        let mut ranked: Vec<String> = std::iter::once(p.endpoint).chain(p.fallbacks).collect();
-        if let Some(subset) = &self.subset {
-            ranked.retain(|e| subset.iter().any(|s| s == e));
-            if ranked.is_empty() {
-                return self.unavailable("the subset hint excludes every ranked endpoint");
-            }
-        }
+        // A subset hint was applied in the pick: every ranked endpoint is
+        // allowed.
+        let ranked: Vec<String> = std::iter::once(p.endpoint).chain(p.fallbacks).collect();
         self.count(outcome);
         self.decided = true;
         self.report = true;
@@ -724,12 +714,16 @@ mod tests {
     use crate::config::{RawConfig, RawModel, RawWorker};
 
     fn app() -> Arc<App> {
+        app_of(3)
+    }
+
+    fn app_of(workers: usize) -> Arc<App> {
         let raw = RawConfig {
             listen_admin: Some("off".into()),
             models: vec![RawModel {
                 name: "m".into(),
                 block_size: Some(16),
-                workers: (0..3)
+                workers: (0..workers)
                     .map(|i| RawWorker { id: format!("w{i}"), endpoint: format!("10.0.0.{i}:8000") })
                     .collect(),
                 ..Default::default()
@@ -929,6 +923,59 @@ mod tests {
                 )),
             }
         }
+    }
+
+    fn hint(eps: &[&str]) -> xp::Metadata {
+        use prost_types::value::Kind;
+        let list = prost_types::ListValue {
+            values: eps.iter().map(|e| prost_types::Value { kind: Some(Kind::StringValue((*e).into())) }).collect(),
+        };
+        let ns = prost_types::Struct {
+            fields: [(SUBSET_KEY.to_owned(), prost_types::Value { kind: Some(Kind::ListValue(list)) })]
+                .into_iter()
+                .collect(),
+        };
+        xp::Metadata { filter_metadata: [(SUBSET_NAMESPACE.to_owned(), ns)].into_iter().collect() }
+    }
+
+    /// With more workers than one pick ranks (1 + 2 fallbacks), a hint
+    /// naming any live worker must route there: the hint narrows the
+    /// candidates before the pick, not the ranked list after it.
+    #[test]
+    fn a_subset_hint_outside_the_ranked_three_still_routes() {
+        let a = app_of(5);
+        for i in 0..5 {
+            let allowed = format!("10.0.0.{i}:8000");
+            let mut x = Exchange::new(a.clone());
+            let mut h =
+                with_modes(headers("POST", "/v1/chat/completions", false), BodySendMode::Buffered, BodySendMode::None);
+            h.metadata_context = Some(hint(&[&allowed]));
+            x.on_message(h);
+            let r = x.on_message(body(CHAT, true)).remove(0);
+            assert_eq!(destination_of(&r).as_deref(), Some(allowed.as_str()), "hint {allowed}");
+        }
+        // Two allowed endpoints: the destination names both and nothing else.
+        let mut x = Exchange::new(a.clone());
+        let mut h = with_modes(headers("GET", "/v1/models", true), BodySendMode::Buffered, BodySendMode::None);
+        h.metadata_context = Some(hint(&["10.0.0.3:8000", "10.0.0.4:8000"]));
+        let r = x.on_message(h).remove(0);
+        let mut got: Vec<String> = destination_of(&r).unwrap().split(',').map(str::to_owned).collect();
+        got.sort();
+        assert_eq!(got, ["10.0.0.3:8000", "10.0.0.4:8000"]);
+    }
+
+    /// A request routed by load because it has no body to score is its own
+    /// kind of decision, not one of the configured mode's.
+    #[test]
+    fn routing_by_load_without_a_body_has_its_own_label() {
+        let a = app();
+        let mut x = Exchange::new(a.clone());
+        let r =
+            x.on_message(with_modes(headers("GET", "/v1/models", true), BodySendMode::Buffered, BodySendMode::None));
+        assert!(destination_of(&r[0]).is_some());
+        let m = a.render_metrics();
+        assert!(m.contains("kvgate_pick_decisions_total{model=\"m\",mode=\"by_load\",reason=\"load\"} 1\n"), "{m}");
+        assert!(!m.contains("kvgate_pick_decisions_total{model=\"m\",mode=\"kv\""), "{m}");
     }
 
     #[test]

@@ -183,8 +183,25 @@ pub struct PickInput<'a> {
     pub text_prefix: &'a [u64],
     /// `max_tokens`, when given.
     pub max_tokens: Option<u32>,
-    /// Route by load only (tokenization failed).
-    pub load_only: bool,
+    /// Routed by load, not by the prompt, and why; `None` scores the prompt
+    /// with the model's mode.
+    pub by_load: Option<ByLoad>,
+    /// The endpoints the data plane allows (an endpoint picker's subset
+    /// hint); `None` = every live worker. Workers outside it are excluded
+    /// from the pick, so the ranking is made among the allowed ones.
+    pub allowed: Option<&'a [String]>,
+}
+
+/// Why a request is routed by load instead of by its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ByLoad {
+    /// The prompt could not be tokenized: the mode's pick falls back to the
+    /// least loaded worker (reason `fallback`, labelled with the mode).
+    TokenizeFailed,
+    /// There is no prompt to score (an endpoint picker saw no body, or one
+    /// kvgate does not route by prefix): labelled mode `by_load`, reason
+    /// `load`.
+    NoPrompt,
 }
 
 /// A decision, in wire terms.
@@ -217,7 +234,14 @@ pub enum PickError {
     /// No live worker with an endpoint.
     #[error("no live worker for this model")]
     NoWorkers,
+    /// Live workers, but none of them in the allowed endpoints.
+    #[error("no live worker among the allowed endpoints")]
+    NoneAllowed,
 }
+
+/// Mode label of the decisions routed by load for want of a prompt
+/// ([`ByLoad::NoPrompt`]).
+pub const BY_LOAD: &str = "by_load";
 
 /// One worker as the admin endpoint shows it.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -703,7 +727,7 @@ impl ModelState {
     pub fn pick(&mut self, input: &PickInput<'_>, now_ms: u64) -> Result<PickOutput, PickError> {
         let bs = self.config.block_size;
         let hashes: Vec<SequenceHash> =
-            if input.load_only { Vec::new() } else { sequence_hashes(input.token_ids, bs, input.seed) };
+            if input.by_load.is_some() { Vec::new() } else { sequence_hashes(input.token_ids, bs, input.seed) };
         let mut device: HashMap<WorkerIdx, u32> = HashMap::new();
         let mut any: HashMap<WorkerIdx, u32> = HashMap::new();
         if !hashes.is_empty() && self.mode == Mode::Kv {
@@ -725,13 +749,14 @@ impl ModelState {
             let d = device.get(&w.idx).copied().unwrap_or(0);
             let h = any.get(&w.idx).copied().unwrap_or(0);
             let inflight = if self.mode == Mode::Kv { self.tracker.inflight_prefix(w.idx, &hashes) } else { 0 };
+            let excluded = input.allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
             cands.push(Candidate {
                 worker: w.idx,
                 overlap_blocks: d,
                 overlap_any_tier_blocks: d.max(h),
                 inflight_overlap_blocks: inflight,
                 load: self.tracker.load(w.idx),
-                excluded: false,
+                excluded,
             });
             order.push(id.as_str());
         }
@@ -748,13 +773,12 @@ impl ModelState {
             block_size: bs.get(),
             text_prefix: input.text_prefix,
         };
-        let (decision, load_only_reason) = if input.load_only {
-            let mut ll = kvgate_scheduler::LeastLoadPolicy;
-            (ll.pick(&view, &cands, &mut self.rng), true)
+        let decision = if input.by_load.is_some() {
+            kvgate_scheduler::LeastLoadPolicy.pick(&view, &cands, &mut self.rng)
         } else {
-            (self.policy.pick(&view, &cands, &mut self.rng), false)
+            self.policy.pick(&view, &cands, &mut self.rng)
         };
-        let decision = decision.ok_or(PickError::NoWorkers)?;
+        let decision = decision.ok_or(if cands.is_empty() { PickError::NoWorkers } else { PickError::NoneAllowed })?;
         let chosen = cands[decision.chosen];
         let endpoint_of =
             |i: usize| -> String { self.workers.get(&order[i]).and_then(|w| w.endpoint.clone()).unwrap_or_default() };
@@ -770,16 +794,19 @@ impl ModelState {
         let _ = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
         // Only `kv` looks the prompt up in the index: other modes make no
         // prediction for the accuracy metric to judge.
-        if self.mode == Mode::Kv && !input.load_only {
+        if self.mode == Mode::Kv && input.by_load.is_none() {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
-        let reason = if load_only_reason { pb::PickReason::Fallback } else { reason_pb(decision.reason) };
+        let (mode, reason) = match input.by_load {
+            None => (self.mode.name(), reason_pb(decision.reason)),
+            Some(ByLoad::TokenizeFailed) => (self.mode.name(), pb::PickReason::Fallback),
+            Some(ByLoad::NoPrompt) => (BY_LOAD, pb::PickReason::Load),
+        };
         let passed_over = match cands.iter().enumerate().max_by_key(|(i, c)| (c.overlap_blocks, std::cmp::Reverse(*i)))
         {
             Some((i, c)) if c.overlap_blocks > chosen.overlap_blocks => (c.overlap_blocks, order[i].clone()),
             _ => (0, String::new()),
         };
-        let mode = self.mode.name();
         *self.decisions.entry((mode, reason_label(reason))).or_insert(0) += 1;
         Ok(PickOutput {
             endpoint,

@@ -50,13 +50,14 @@ fn picked(st: &mut ModelState, now: u64) -> Vec<String> {
             seed: BlockSeed::default(),
             text_prefix: &[],
             max_tokens: Some(1),
-            load_only: false,
+            by_load: None,
+            allowed: None,
         };
         match st.pick(&input, now) {
             Ok(o) => {
                 seen.insert(o.worker_id);
             }
-            Err(PickError::NoWorkers) => {}
+            Err(PickError::NoWorkers | PickError::NoneAllowed) => {}
         }
         st.on_report(
             &pb::CompletionReport { request_id: id, model: "m".into(), total_us: 1, ..Default::default() },
@@ -174,7 +175,8 @@ fn prediction_accuracy_judges_only_predictions_that_were_made() {
             seed: BlockSeed::default(),
             text_prefix: &[],
             max_tokens: Some(1),
-            load_only: false,
+            by_load: None,
+            allowed: None,
         };
         let out = st.pick(&input, 1).unwrap();
         let report = pb::CompletionReport {
@@ -224,7 +226,8 @@ fn a_move_for_load_names_the_overlap_it_passed_over() {
             seed: BlockSeed::default(),
             text_prefix: &[],
             max_tokens: Some(16),
-            load_only: false,
+            by_load: None,
+            allowed: None,
         };
         st.pick(&input, 2).unwrap()
     };

@@ -225,6 +225,40 @@ pub struct TokenStats {
     pub encoded_bytes: AtomicU64,
 }
 
+impl TokenStats {
+    /// The single-valued counters as (name, help, value), for metrics. The
+    /// struct is destructured without `..`: a counter added to it does not
+    /// compile until it is listed here.
+    pub fn counters(&self) -> [(&'static str, &'static str, u64); 5] {
+        let Self { outcomes: _, hash_mismatches, prefix_unstable, unsafe_boundaries, verify_failures, encoded_bytes } =
+            self;
+        let v = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            (
+                "hash_mismatches",
+                "Requests whose chain hashes did not match their bytes (cache bypassed).",
+                v(hash_mismatches),
+            ),
+            (
+                "prefix_unstable",
+                "Cached text that no longer prefixed the render (prefix-unstable template).",
+                v(prefix_unstable),
+            ),
+            (
+                "unsafe_boundaries",
+                "Message boundaries the tokenizer could merge across (not used as chunk boundaries).",
+                v(unsafe_boundaries),
+            ),
+            (
+                "verify_failures",
+                "Sampled verifications that found chunked tokenization different from whole-prompt tokenization.",
+                v(verify_failures),
+            ),
+            ("encoded", "Prompt text bytes run through the tokenizer.", v(encoded_bytes)),
+        ]
+    }
+}
+
 /// Settings of a [`PromptTokenizer`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenCacheConfig {

@@ -150,6 +150,42 @@ pub fn encode_pick(
     buf
 }
 
+/// The PickRequest of [`encode_pick`] as a message, for hosts that call the
+/// control plane in-process (the endpoint picker) instead of sending bytes.
+/// `hashes` are [`chain_hashes`]; nothing is elided. Equal to decoding
+/// [`encode_pick`]'s bytes (tested).
+pub fn pick_request(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>, hashes: &[u64]) -> pb::PickRequest {
+    pb::PickRequest {
+        request_id: meta.request_id.into(),
+        model: meta.model.into(),
+        api: match api {
+            Api::Chat => pb::ApiKind::ChatCompletions,
+            Api::Completions => pb::ApiKind::Completions,
+        } as i32,
+        template_context_json: e.template_context.clone(),
+        segments: e
+            .messages
+            .iter()
+            .zip(hashes)
+            .map(|(m, h)| pb::Segment {
+                chain_hash: *h,
+                role: m.role.to_string(),
+                message_json: m.json.to_vec(),
+                elided: false,
+            })
+            .collect(),
+        prompt: e.prompt.as_ref().map(|p| match p {
+            Prompt::Text(t) => pb::pick_request::Prompt::PromptText(t.to_string()),
+            Prompt::Tokens(ids) => pb::pick_request::Prompt::PromptTokenIds(pb::TokenIds { ids: ids.clone() }),
+        }),
+        cache_salt: e.cache_salt.to_string(),
+        lora_name: meta.lora_name.into(),
+        max_tokens: e.max_tokens,
+        stream: e.stream,
+        body_bytes: meta.body_bytes,
+    }
+}
+
 /// A usable answer of the control plane.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
@@ -252,44 +288,6 @@ mod tests {
     use crate::extract::extract;
     use proptest::prelude::*;
 
-    /// The same request built the slow way, with prost.
-    fn reference(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>, elide: Option<usize>) -> pb::PickRequest {
-        let mut h = SegmentHash::context(&e.template_context);
-        pb::PickRequest {
-            request_id: meta.request_id.into(),
-            model: meta.model.into(),
-            api: match api {
-                Api::Chat => pb::ApiKind::ChatCompletions,
-                Api::Completions => pb::ApiKind::Completions,
-            } as i32,
-            template_context_json: e.template_context.clone(),
-            segments: e
-                .messages
-                .iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    h = h.chain(m.json);
-                    let elided = elide.is_some_and(|k| i <= k);
-                    pb::Segment {
-                        chain_hash: h.0,
-                        role: m.role.to_string(),
-                        message_json: if elided { Vec::new() } else { m.json.to_vec() },
-                        elided,
-                    }
-                })
-                .collect(),
-            prompt: e.prompt.as_ref().map(|p| match p {
-                Prompt::Text(t) => pb::pick_request::Prompt::PromptText(t.to_string()),
-                Prompt::Tokens(ids) => pb::pick_request::Prompt::PromptTokenIds(pb::TokenIds { ids: ids.clone() }),
-            }),
-            cache_salt: e.cache_salt.to_string(),
-            lora_name: meta.lora_name.into(),
-            max_tokens: e.max_tokens,
-            stream: e.stream,
-            body_bytes: meta.body_bytes,
-        }
-    }
-
     proptest! {
         #[test]
         fn encoding_equals_prost(
@@ -310,8 +308,13 @@ mod tests {
             let text = serde_json::to_vec(&body).unwrap();
             let e = match extract(&text, api) { Ok(e) => e, Err(_) => return Ok(()) };
             let meta = RequestMeta { request_id: &id, lora_name: &lora, model: "m", body_bytes: bytes };
-            let ours = encode_pick(&e, api, &meta, &chain_hashes(&e), elide);
-            let theirs = reference(&e, api, &meta, elide);
+            let hashes = chain_hashes(&e);
+            let ours = encode_pick(&e, api, &meta, &hashes, elide);
+            let mut theirs = pick_request(&e, api, &meta, &hashes);
+            for s in theirs.segments.iter_mut().take(elide.map_or(0, |k| k + 1)) {
+                s.message_json.clear();
+                s.elided = true;
+            }
             prop_assert_eq!(&ours, &theirs.encode_to_vec());
             prop_assert_eq!(pb::PickRequest::decode(ours.as_slice()).unwrap(), theirs);
         }
