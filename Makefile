@@ -16,7 +16,7 @@ help:
 	@echo "make setup  - install Envoy, nats-server, tokenizer, wasm target into .tools/"
 	@echo "make lint   - rustfmt --check and clippy -D warnings (native and wasm32)"
 	@echo "make wasm   - build the filter for wasm32-wasip1 (target/wasm32-wasip1/wasm/kvgate_filter.wasm)"
-	@echo "make proto  - regenerate filter/protocol/src/gen from the .proto files"
+	@echo "make proto  - regenerate protocol/src/gen (and the tonic code of the server and the endpoint picker) from the .proto files"
 	@echo "make fuzz   - run every cargo-fuzz target briefly (FUZZ_SECS=30)"
 	@echo "make wasm-profile - measure size/speed of Wasm profile choices"
 	@echo "make bench-index - kvgate index vs dynamo-kv-router 1.6.1 on the Mooncake trace"

@@ -322,9 +322,13 @@ fn nats_down_for_10_s() {
     // Routing goes on on the last index: workers stay live, Picks answer.
     std::thread::sleep(Duration::from_secs(10));
     let live = (0..WORKERS).filter(|&w| s.fleet.worker(w)["live"] == true).count();
+    // The filter keeps steering on the last index: wait for ten more
+    // steered requests (not ten more answers, which may include requests
+    // steered before the count was read).
     let steered_before = s.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0);
-    load.flowing(10);
-    let steered_during = s.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered_before;
+    let steered = || s.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered_before;
+    until(120, "ten requests steered during the outage", || steered() >= 10);
+    let steered_during = steered();
     s.fleet.nats = kvgate_e2e::NatsServer::start_on(&s.dir, port).unwrap();
     load.flowing(30);
     let streaming = settle(

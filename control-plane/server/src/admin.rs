@@ -3,7 +3,7 @@
 //!
 //! | route | what |
 //! |---|---|
-//! | `GET /metrics` | Prometheus text |
+//! | `GET /metrics` | OpenMetrics text (`prometheus-client`) |
 //! | `GET /healthz` | 200 while the process serves |
 //! | `GET /readyz` | 200 when NATS is connected (or not configured), else 503 |
 //! | `GET /admin/workers[?model=M]` | workers per model (JSON) |
@@ -12,14 +12,14 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 
-use crate::app::App;
+use kvgate_core::App;
+use kvgate_core::metrics::CONTENT_TYPE;
 
 /// The admin routes.
 pub fn router(app: Arc<App>) -> axum::Router {
@@ -34,11 +34,11 @@ pub fn router(app: Arc<App>) -> axum::Router {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.render_metrics())
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], app.render_metrics())
 }
 
 async fn ready(State(app): State<Arc<App>>) -> impl IntoResponse {
-    if app.config.nats_url.is_none() || app.nats_connected.load(Ordering::Relaxed) {
+    if app.config.nats_url.is_none() || app.nats_connected() {
         (StatusCode::OK, "ready\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "NATS not connected\n")

@@ -370,8 +370,7 @@ async fn a_nats_restart_mid_run_is_survived_and_the_lost_batches_are_recovered()
     tokio::time::sleep(Duration::from_millis(300)).await;
     nats = NatsServer::start_on(&dir, port).unwrap();
     w1.lock().await.online = true;
-    until(10, "control plane reconnected", || async { app.nats_connected.load(std::sync::atomic::Ordering::Relaxed) })
-        .await;
+    until(10, "control plane reconnected", || async { app.nats_connected() }).await;
 
     // The next heartbeat shows relay_seq ahead: a snapshot brings the lost
     // blocks back. (The relay's chain after the restart continues.)

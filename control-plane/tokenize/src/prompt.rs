@@ -226,7 +226,8 @@ pub struct TokenStats {
 }
 
 impl TokenStats {
-    /// The single-valued counters as (name, help, value), for metrics. The
+    /// The single-valued counters as (metric name after `kvgate_tokenize_`,
+    /// help, value), for metrics. The
     /// struct is destructured without `..`: a counter added to it does not
     /// compile until it is listed here.
     pub fn counters(&self) -> [(&'static str, &'static str, u64); 5] {
@@ -254,7 +255,7 @@ impl TokenStats {
                 "Sampled verifications that found chunked tokenization different from whole-prompt tokenization.",
                 v(verify_failures),
             ),
-            ("encoded", "Prompt text bytes run through the tokenizer.", v(encoded_bytes)),
+            ("bytes", "Prompt text bytes run through the tokenizer.", v(encoded_bytes)),
         ]
     }
 }

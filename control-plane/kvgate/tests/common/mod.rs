@@ -220,7 +220,9 @@ impl Fleet {
             dir: dir.to_owned(),
         };
         wait_for_tcp(fleet.admin, Duration::from_secs(30)).unwrap();
-        until(30, "every worker live in the control plane", || {
+        // A backstop, not a bound: on a loaded 2-core machine the relays'
+        // first heartbeats and snapshots can take a while.
+        until(120, "every worker live in the control plane", || {
             fleet.workers()[MODEL].as_array().is_some_and(|a| a.len() == workers && a.iter().all(|w| w["live"] == true))
         });
         fleet

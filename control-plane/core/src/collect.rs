@@ -1,0 +1,173 @@
+//! The scrape-time collector: what the model states and tokenizers hold
+//! (index size, workers, stream events, report accuracy, tokenizer cache),
+//! read under each model's lock once per scrape and written as OpenMetrics
+//! families. Every counter struct is listed by a function that destructures
+//! it without `..` ([`ModelCounters::by_kind`], the index's
+//! `Counters::by_kind`, `TokenStats::counters`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric as _};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+
+use crate::app::Model;
+use crate::model::counters::{Family as CounterFamily, ModelCounters};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Samples of one family, gathered before encoding.
+struct Rows {
+    help: &'static str,
+    kind: MetricType,
+    rows: Vec<(Labels, i64)>,
+}
+
+#[derive(Default)]
+struct Sheet(BTreeMap<String, Rows>);
+
+impl Sheet {
+    fn add(&mut self, name: &str, help: &'static str, kind: MetricType, labels: Labels, v: u64) {
+        let rows = self.0.entry(name.to_owned()).or_insert_with(|| Rows { help, kind, rows: Vec::new() });
+        rows.rows.push((labels, i64::try_from(v).unwrap_or(i64::MAX)));
+    }
+
+    fn counter(&mut self, name: &str, help: &'static str, labels: Labels, v: u64) {
+        self.add(name, help, MetricType::Counter, labels, v);
+    }
+
+    fn gauge(&mut self, name: &str, help: &'static str, labels: Labels, v: u64) {
+        self.add(name, help, MetricType::Gauge, labels, v);
+    }
+
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        for (name, f) in &self.0 {
+            let mut me = encoder.encode_descriptor(name, f.help, None, f.kind)?;
+            for (labels, v) in &f.rows {
+                let sample = me.encode_family(labels)?;
+                match f.kind {
+                    MetricType::Counter => ConstCounter::new(v.unsigned_abs()).encode(sample)?,
+                    _ => ConstGauge::new(*v).encode(sample)?,
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads every model at scrape time.
+#[derive(Debug)]
+pub struct ModelCollector {
+    models: Vec<Arc<Model>>,
+    start: Instant,
+}
+
+impl ModelCollector {
+    /// A collector of these models; `start` is the app's monotonic origin.
+    pub fn new(mut models: Vec<Arc<Model>>, start: Instant) -> Self {
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        Self { models, start }
+    }
+}
+
+impl Collector for ModelCollector {
+    fn encode(&self, encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let now = self.start.elapsed().as_millis() as u64;
+        let mut sheet = Sheet::default();
+        for m in &self.models {
+            model_rows(&mut sheet, m, now);
+            tokenizer_rows(&mut sheet, m);
+        }
+        sheet.encode(encoder)
+    }
+}
+
+fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
+    let l = |extra: &[(&'static str, &str)]| -> Labels {
+        std::iter::once(("model", m.name.clone())).chain(extra.iter().map(|(k, v)| (*k, (*v).to_owned()))).collect()
+    };
+    let st = m.state.lock();
+    let c = st.index().counters();
+    s.counter("kvgate_events_applied", "KV events applied to the index.", l(&[]), c.events_applied);
+    for (cause, n) in st.skips() {
+        s.counter("kvgate_events_skipped", "KV events skipped, by cause.", l(&[("cause", cause)]), n);
+    }
+    for (kind, n) in c.by_kind() {
+        s.counter("kvgate_index_events", "Index changes and anomalies, by kind.", l(&[("kind", kind)]), n);
+    }
+    counter_rows(s, st.counters(), &l);
+    for (tier, t) in [("device", kvgate_index::Tier::Device), ("host", kvgate_index::Tier::Host)] {
+        let n = st.index().distinct_blocks(t) as u64;
+        s.gauge("kvgate_index_blocks", "Distinct blocks in the index, by tier.", l(&[("tier", tier)]), n);
+    }
+    let heap = st.index().approx_heap_bytes() as u64;
+    s.gauge("kvgate_index_heap_bytes", "Approximate heap bytes of the index.", l(&[]), heap);
+    for mode in kvgate_scheduler::Mode::ALL {
+        let on = u64::from(mode == st.mode());
+        s.gauge("kvgate_mode", "1 for the current routing mode of the model.", l(&[("mode", mode.name())]), on);
+    }
+    for w in st.worker_views(now) {
+        let wl = |extra: &[(&'static str, &str)]| {
+            let mut v = l(&[("worker", &w.id)]);
+            v.extend(extra.iter().map(|(k, x)| (*k, (*x).to_owned())));
+            v
+        };
+        s.gauge("kvgate_worker_up", "1 when the worker is routable.", wl(&[]), u64::from(w.live));
+        let health = wl(&[("health", w.engine_health)]);
+        s.gauge("kvgate_worker_engine_health", "The engine's health as its relay probes it.", health, 1);
+        let inflight = u64::from(w.inflight);
+        s.gauge("kvgate_worker_inflight", "Requests in flight on the worker (all replicas).", wl(&[]), inflight);
+        s.gauge("kvgate_worker_blocks", "Device blocks indexed for the worker.", wl(&[]), w.device_blocks as u64);
+        if let Some(r) = w.running {
+            s.gauge("kvgate_worker_running", "vllm:num_requests_running at the last heartbeat.", wl(&[]), r.into());
+        }
+        if let Some(r) = w.waiting {
+            s.gauge("kvgate_worker_waiting", "vllm:num_requests_waiting at the last heartbeat.", wl(&[]), r.into());
+        }
+    }
+}
+
+/// Labels of a model's sample: `model` then these.
+type LabelsOf<'a> = &'a dyn Fn(&[(&'static str, &str)]) -> Labels;
+
+fn counter_rows(s: &mut Sheet, mc: &ModelCounters, l: LabelsOf<'_>) {
+    for (family, label, v) in mc.by_kind() {
+        let (name, help, key) = match family {
+            CounterFamily::Batches => ("kvgate_batches", "KV event batches by outcome.", "outcome"),
+            CounterFamily::EventsSkipped => ("kvgate_events_skipped", "KV events skipped, by cause.", "cause"),
+            CounterFamily::ModelEvents => ("kvgate_model_events", "Stream events of the model, by kind.", "kind"),
+            CounterFamily::Reports => (
+                "kvgate_reports",
+                "Completion reports: all, with cached_tokens, and within one block of the prediction.",
+                "kind",
+            ),
+            CounterFamily::CachedTokens => (
+                "kvgate_report_cached_tokens",
+                "Cached prompt tokens: predicted at pick vs reported by the engine (usage.prompt_tokens_details.cached_tokens).",
+                "source",
+            ),
+        };
+        s.counter(name, help, l(&[(key, label)]), v);
+    }
+}
+
+fn tokenizer_rows(s: &mut Sheet, m: &Model) {
+    let Some(tk) = &m.tokenizer else { return };
+    let l = || vec![("model", m.name.clone())];
+    for (i, outcome) in ["full_hit", "partial_hit", "miss", "whole", "given"].iter().enumerate() {
+        let n = tk.stats.outcomes[i].load(std::sync::atomic::Ordering::Relaxed);
+        let mut labels = l();
+        labels.push(("outcome", (*outcome).to_owned()));
+        s.counter("kvgate_tokenize_requests", "Tokenizations by cache outcome.", labels, n);
+    }
+    for (name, help, v) in tk.stats.counters() {
+        s.counter(&format!("kvgate_tokenize_{name}"), help, l(), v);
+    }
+    let held = tk.cache_size().0 as u64;
+    s.gauge("kvgate_tokenize_cache_tokens", "Token ids held by the segment cache.", l(), held);
+    s.gauge("kvgate_tokenize_segmented", "1 when the segment cache is in use.", l(), u64::from(tk.segmented()));
+}

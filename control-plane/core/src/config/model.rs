@@ -1,0 +1,114 @@
+//! Validation of one `[[models]]` entry: block size, mode, tokenizer, `kv`
+//! weights, static workers, allowed endpoints, timeouts.
+
+use std::net::SocketAddr;
+
+use kvgate_protocol::BlockSize;
+use kvgate_scheduler::{CostUnit, KvConfig, Mode};
+
+use super::{ConfigError, ModelSettings, RawKv, RawModel, RawWorker, err, weight};
+use crate::endpoints::EndpointRule;
+use crate::model::ModelConfig;
+
+/// Validates `models[i]`.
+pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigError> {
+    let f = |name: &str| format!("models[{i}].{name}");
+    if m.name.is_empty() {
+        return Err(err(f("name"), "", "must not be empty"));
+    }
+    let bs = m.block_size.ok_or_else(|| err(f("block_size"), "<missing>", "required (tokens per KV block)"))?;
+    let block_size = BlockSize::new(bs).map_err(|_| err(f("block_size"), bs, "must be > 0"))?;
+    let mode_s = m.mode.unwrap_or_else(|| "kv".into());
+    let mode: Mode = mode_s.parse().map_err(|e: String| err(f("mode"), &mode_s, e))?;
+    if let Some(dir) = &m.tokenizer_dir
+        && !dir.join("tokenizer.json").is_file()
+    {
+        return Err(err(f("tokenizer_dir"), dir.display(), "no tokenizer.json in this directory"));
+    }
+    let kv = kv_config(&f, m.kv.unwrap_or_default())?;
+    let static_workers = static_workers(i, m.workers)?;
+    let inflight_ttl_ms = m.inflight_ttl_ms.unwrap_or(600_000);
+    if inflight_ttl_ms < 1000 {
+        return Err(err(f("inflight_ttl_ms"), inflight_ttl_ms, "must be ≥ 1000"));
+    }
+    let mut allowed_endpoints = Vec::new();
+    for (j, e) in m.allowed_endpoints.iter().enumerate() {
+        let rule = EndpointRule::parse(e).map_err(|why| err(format!("models[{i}].allowed_endpoints[{j}]"), e, why))?;
+        allowed_endpoints.push(rule);
+    }
+    let suspect_ms = m.suspect_ms.unwrap_or(3000);
+    if !(100..=600_000).contains(&suspect_ms) {
+        return Err(err(f("suspect_ms"), suspect_ms, "must be between 100 and 600000"));
+    }
+    Ok(ModelSettings {
+        routing: ModelConfig {
+            name: m.name,
+            block_size,
+            mode,
+            kv,
+            default_output_tokens: m.default_output_tokens.unwrap_or(256),
+            static_workers,
+            heartbeat_timeout_ms: m.heartbeat_timeout_ms.unwrap_or(0),
+            inflight_ttl_ms,
+            suspect_after_failures: m.suspect_after_failures.unwrap_or(2),
+            suspect_ms,
+            allowed_endpoints,
+        },
+        tokenizer_dir: m.tokenizer_dir,
+    })
+}
+
+/// The `kv` weights: each `kv.<name>` in the file, else the default;
+/// finite, ≥ 0.
+fn kv_config(f: &dyn Fn(&str) -> String, k: RawKv) -> Result<KvConfig, ConfigError> {
+    let d = KvConfig::default();
+    let unit = match &k.unit {
+        None => d.unit,
+        Some(u) => u.parse().map_err(|e: String| err(f("kv.unit"), u, e))?,
+    };
+    macro_rules! w {
+        ($name:ident) => {
+            weight(f(concat!("kv.", stringify!($name))), k.$name, d.$name)?
+        };
+    }
+    let kv = KvConfig {
+        unit,
+        prefill_ms_per_token: w!(prefill_ms_per_token),
+        decode_ms_per_seq: w!(decode_ms_per_seq),
+        ttft_weight: w!(ttft_weight),
+        overlap_weight: w!(overlap_weight),
+        pending_weight: w!(pending_weight),
+        decode_weight: w!(decode_weight),
+        host_hit_weight: w!(host_hit_weight),
+        inflight_hit_weight: w!(inflight_hit_weight),
+        queue_penalty_blocks: w!(queue_penalty_blocks),
+        tie_epsilon: w!(tie_epsilon),
+        temperature: w!(temperature),
+        fallbacks: k.fallbacks.unwrap_or(d.fallbacks),
+    };
+    if kv.unit == CostUnit::Time && kv.prefill_ms_per_token <= 0.0 {
+        return Err(err(f("kv.prefill_ms_per_token"), kv.prefill_ms_per_token, "must be > 0 with unit = \"time\""));
+    }
+    if kv.host_hit_weight > 1.0 {
+        return Err(err(f("kv.host_hit_weight"), kv.host_hit_weight, "must be in [0, 1]"));
+    }
+    if kv.inflight_hit_weight > 1.0 {
+        return Err(err(f("kv.inflight_hit_weight"), kv.inflight_hit_weight, "must be in [0, 1]"));
+    }
+    Ok(kv)
+}
+
+/// Workers routed to without relays: non-empty ids, `ip:port` endpoints.
+fn static_workers(i: usize, workers: Vec<RawWorker>) -> Result<Vec<(String, String)>, ConfigError> {
+    let mut out = Vec::new();
+    for (j, w) in workers.into_iter().enumerate() {
+        if w.id.is_empty() {
+            return Err(err(format!("models[{i}].workers[{j}].id"), "", "must not be empty"));
+        }
+        if w.endpoint.parse::<SocketAddr>().is_err() {
+            return Err(err(format!("models[{i}].workers[{j}].endpoint"), &w.endpoint, "expected ip:port"));
+        }
+        out.push((w.id, w.endpoint));
+    }
+    Ok(out)
+}

@@ -1,0 +1,142 @@
+//! What arrives over NATS, decoded and dispatched (KV event batches,
+//! heartbeats, other replicas' in-flight events), and the periodic upkeep
+//! that judges liveness (frozen while NATS is down). No NATS client here:
+//! the NATS adapter hands over subjects and payloads and acts on the
+//! snapshot needs returned.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use kvgate_protocol::pb;
+use kvgate_protocol::subject::SubjectKind;
+use prost::Message as _;
+
+use crate::app::{App, Model};
+use crate::metrics::NatsKind;
+use crate::model::Need;
+
+impl App {
+    /// Dispatches one NATS message. Returns snapshot needs (model, worker).
+    pub fn on_nats(&self, subject: &str, payload: &[u8]) -> Vec<(Arc<Model>, String)> {
+        let g = &self.metrics.global;
+        let Ok(parsed) = self.subjects.parse(subject) else {
+            g.nats(NatsKind::Other, false);
+            return Vec::new();
+        };
+        let kind = match parsed.kind {
+            SubjectKind::KvEvents => NatsKind::Kv,
+            SubjectKind::Heartbeat => NatsKind::Heartbeat,
+            SubjectKind::Inflight => NatsKind::Inflight,
+            SubjectKind::Snapshot => NatsKind::Other,
+        };
+        g.nats(kind, false);
+        if kind == NatsKind::Other {
+            return Vec::new();
+        }
+        let Some(model) = self.models.get(&parsed.model) else {
+            g.nats_unknown_model.inc();
+            return Vec::new();
+        };
+        let now = self.now_ms();
+        let worker = parsed.worker.as_deref();
+        let need = match kind {
+            NatsKind::Kv => match pb::KvEventBatch::decode(payload) {
+                Ok(b) if Some(b.worker_id.as_str()) == worker && b.model == parsed.model => {
+                    model.state.lock().on_batch(b, now)
+                }
+                _ => self.malformed(kind),
+            },
+            NatsKind::Heartbeat => match pb::WorkerHeartbeat::decode(payload) {
+                Ok(h) if Some(h.worker_id.as_str()) == worker && h.model == parsed.model => {
+                    model.state.lock().on_heartbeat(&h, now)
+                }
+                _ => self.malformed(kind),
+            },
+            _ => match pb::InflightBatch::decode(payload) {
+                Ok(b) if b.model == parsed.model => {
+                    if b.replica_id != self.config.replica_id {
+                        let mut st = model.state.lock();
+                        for ev in &b.events {
+                            st.on_replica_event(ev, now);
+                        }
+                    }
+                    None
+                }
+                _ => self.malformed(kind),
+            },
+        };
+        match need {
+            Some(Need::Snapshot(w)) => vec![(model.clone(), w)],
+            None => Vec::new(),
+        }
+    }
+
+    fn malformed(&self, kind: NatsKind) -> Option<Need> {
+        self.metrics.global.nats(kind, true);
+        None
+    }
+
+    /// The NATS adapter's view of its connection.
+    pub fn set_nats_connected(&self, up: bool) {
+        self.nats_connected.store(up, Ordering::Relaxed);
+        self.metrics.global.nats_connected.set(i64::from(up));
+    }
+
+    /// Whether NATS is connected.
+    pub fn nats_connected(&self) -> bool {
+        self.nats_connected.load(Ordering::Relaxed)
+    }
+
+    /// Periodic upkeep: dead workers, expired requests, stale snapshots.
+    /// Liveness is judged on heartbeats that travel over NATS: while the
+    /// connection is down nobody is reaped, and the outage does not count
+    /// against any worker once it is back (ARCHITECTURE §5).
+    pub fn tick(&self) {
+        let now = self.now_ms();
+        if self.config.nats_url.is_some() && !self.nats_allows_reaping(now) {
+            return;
+        }
+        for m in self.models.values() {
+            let mut st = m.state.lock();
+            for w in st.reap(now) {
+                tracing::info!(model = %m.name, worker = %w, "worker removed: heartbeats stopped");
+            }
+            for w in st.stale_snapshots(now, self.config.snapshot_timeout_ms * 2) {
+                st.snapshot_failed(&w);
+            }
+        }
+    }
+
+    /// Freezes liveness when NATS goes down and thaws it when it is back;
+    /// false while it is down (or was never up).
+    fn nats_allows_reaping(&self, now: u64) -> bool {
+        let up = self.nats_connected();
+        let mut down_since = self.nats_down_since.lock();
+        // Not connected yet since the start: no outage, nothing to freeze.
+        if !up && !self.nats_was_up.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.nats_was_up.store(true, Ordering::Relaxed);
+        match (up, *down_since) {
+            (false, None) => {
+                *down_since = Some(now);
+                tracing::warn!("NATS down: routing goes on on the last index, worker liveness frozen");
+                for m in self.models.values() {
+                    m.state.lock().freeze(now);
+                }
+                false
+            }
+            (false, Some(_)) => false,
+            (true, Some(t)) => {
+                *down_since = None;
+                let outage = now.saturating_sub(t);
+                tracing::info!(outage_ms = outage, "NATS back: worker liveness resumes");
+                for m in self.models.values() {
+                    m.state.lock().thaw(outage);
+                }
+                true
+            }
+            (true, None) => true,
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! One model's routing state: its index, worker registry, load tracker and
+//! policy, and the per-worker event-stream synchronization. Synchronous:
+//! the adapters feed it decoded messages and act on the [`Need`]s it
+//! returns.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | the state; KV event batches, snapshots, reports, replica events |
+//! | [`sync`] | the stream-sync state machine (one `accept` per batch) |
+//! | [`pick`] | candidates, the policy's decision, its bookkeeping |
+//! | [`workers`] | registry, liveness, heartbeats, expiry, admin view |
+//! | [`counters`] | the model's counters and their metric labels |
+//!
+//! | operation | cost |
+//! |---|---|
+//! | [`ModelState::pick`] | O(prompt blocks) hashing + index lookup + O(W log W) policy |
+//! | [`ModelState::on_batch`] | O(events in the batch) |
+//! | [`ModelState::on_snapshot`] | O(blocks in the snapshot + events held meanwhile) |
+//! | [`ModelState::reap`] | O(workers + requests in flight) |
+
+pub mod counters;
+pub mod pick;
+pub mod sync;
+pub mod workers;
+
+use std::collections::HashMap;
+
+use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Overlap, Stored, Tier, WorkerIdx};
+use kvgate_protocol::pb;
+use kvgate_protocol::{BlockSeed, BlockSize};
+use kvgate_scheduler::{KvConfig, KvPolicy, LoadTracker, Mode, Policy};
+
+pub use counters::ModelCounters;
+pub use pick::{BY_LOAD, ByLoad, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
+use sync::{Accept, Resync, StreamSync};
+use workers::Worker;
+pub use workers::{WorkerView, reached_another};
+
+/// Settings of one model, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// `model` as clients send it.
+    pub name: String,
+    /// Tokens per KV block.
+    pub block_size: BlockSize,
+    /// Routing mode at start.
+    pub mode: Mode,
+    /// Weights of the `kv` mode.
+    pub kv: KvConfig,
+    /// Output tokens assumed when a request has no `max_tokens`.
+    pub default_output_tokens: u32,
+    /// Workers routed to without relays (id, `ip:port`): never expire.
+    pub static_workers: Vec<(String, String)>,
+    /// A worker is dropped after this long without a heartbeat; 0 = three
+    /// of its announced heartbeat intervals (at least 1 s).
+    pub heartbeat_timeout_ms: u64,
+    /// Requests whose end was never reported are forgotten after this long.
+    pub inflight_ttl_ms: u64,
+    /// Connection failures (reported by the filter) within `suspect_ms`
+    /// that make a worker a suspect; 0 = off.
+    pub suspect_after_failures: u32,
+    /// How long a suspect worker gets no Pick.
+    pub suspect_ms: u64,
+    /// Endpoints relays may claim; empty = any (see [`crate::endpoints`]).
+    pub allowed_endpoints: Vec<crate::endpoints::EndpointRule>,
+}
+
+/// Something the adapters must do for this model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Need {
+    /// Ask this worker's relay for a snapshot.
+    Snapshot(String),
+}
+
+/// One model's routing state.
+pub struct ModelState {
+    config: ModelConfig,
+    index: Index,
+    tracker: LoadTracker,
+    policy: Box<dyn Policy>,
+    mode: Mode,
+    workers: HashMap<String, Worker>,
+    names: HashMap<WorkerIdx, String>,
+    /// Predicted cached tokens and pick time, by request id (kv mode).
+    predicted: HashMap<String, (u32, u64)>,
+    rng: fastrand::Rng,
+    counters: ModelCounters,
+    scratch: Vec<Overlap>,
+    /// Liveness is judged as of this time while NATS is down.
+    frozen_at: Option<u64>,
+}
+
+impl std::fmt::Debug for ModelState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelState").field("model", &self.config.name).field("mode", &self.mode).finish()
+    }
+}
+
+fn policy_for(mode: Mode, kv: KvConfig) -> Box<dyn Policy> {
+    match mode {
+        Mode::Kv => Box::new(KvPolicy::new(kv)),
+        m => m.policy(),
+    }
+}
+
+impl ModelState {
+    /// A model with no workers but its static ones.
+    pub fn new(config: ModelConfig, seed: u64) -> Self {
+        let mut this = Self {
+            index: Index::new(IndexConfig::new(config.block_size)),
+            tracker: LoadTracker::new(),
+            policy: policy_for(config.mode, config.kv),
+            mode: config.mode,
+            workers: HashMap::new(),
+            names: HashMap::new(),
+            predicted: HashMap::new(),
+            rng: fastrand::Rng::with_seed(seed),
+            counters: ModelCounters::default(),
+            scratch: Vec::new(),
+            frozen_at: None,
+            config,
+        };
+        for (id, endpoint) in this.config.static_workers.clone() {
+            let idx = this.index.add_worker(&id);
+            this.names.insert(idx, id.clone());
+            let w = Worker::new(idx, Some(endpoint), StreamSync::Static, this.config.block_size.get());
+            this.workers.insert(id, w);
+        }
+        this
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The index (read-only).
+    pub fn index(&self) -> &Index {
+        &self.index
+    }
+
+    /// Counters.
+    pub fn counters(&self) -> &ModelCounters {
+        &self.counters
+    }
+
+    /// Current mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Requests in flight (all replicas).
+    pub fn inflight(&self) -> usize {
+        self.tracker.inflight()
+    }
+
+    /// Switches the routing mode (learned state of the old policy is dropped).
+    pub fn set_mode(&mut self, mode: Mode) {
+        if mode != self.mode {
+            self.mode = mode;
+            self.policy = policy_for(mode, self.config.kv);
+        }
+    }
+
+    /// A KV event batch from a worker's relay.
+    pub fn on_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Option<Need> {
+        // With an endpoint list, only workers whose heartbeat was allowed
+        // get an index entry (their first heartbeat asks for a snapshot).
+        if !self.config.allowed_endpoints.is_empty() && !self.workers.contains_key(&batch.worker_id) {
+            self.counters.refused_endpoints += 1;
+            return None;
+        }
+        let id = batch.worker_id.clone();
+        let w = self.worker_entry(&id, now_ms);
+        let idx = w.idx;
+        match w.sync.accept(batch) {
+            Accept::Apply(b) => {
+                self.apply_events(idx, &b);
+                self.resync_if_needed(&id, idx, now_ms)
+            }
+            Accept::Duplicate => {
+                self.counters.batches_duplicate += 1;
+                None
+            }
+            Accept::Held => {
+                self.counters.batches_buffered += 1;
+                None
+            }
+            Accept::Resync(cause, b) => {
+                self.count_resync(cause);
+                self.start_snapshot(&id, now_ms, Some(b))
+            }
+        }
+    }
+
+    /// A complete snapshot (all chunks, in order) of a worker: replaces its
+    /// blocks, then the batches held meanwhile are accepted in order.
+    /// Returns a new need when they do not continue it.
+    pub fn on_snapshot(&mut self, id: &str, chunks: &[pb::SnapshotChunk], now_ms: u64) -> Option<Need> {
+        let Some(first) = chunks.first() else {
+            self.snapshot_failed(id);
+            return None;
+        };
+        let (epoch, seq) = (first.relay_epoch, first.relay_seq);
+        if chunks.iter().any(|c| c.relay_epoch != epoch || c.relay_seq != seq) {
+            self.snapshot_failed(id);
+            return None;
+        }
+        let w = self.worker_entry(id, now_ms);
+        let idx = w.idx;
+        let held = w.sync.snapshot_applied(epoch, seq);
+        self.replace_blocks(idx, chunks);
+        self.counters.snapshots_applied += 1;
+        for batch in held {
+            let Some(w) = self.workers.get_mut(id) else { break };
+            match w.sync.accept(batch) {
+                Accept::Apply(b) => self.apply_events(idx, &b),
+                Accept::Duplicate => self.counters.batches_duplicate += 1,
+                Accept::Held => {}
+                Accept::Resync(cause, b) => {
+                    self.count_resync(cause);
+                    return self.start_snapshot(id, now_ms, Some(b));
+                }
+            }
+        }
+        self.resync_if_needed(id, idx, now_ms)
+    }
+
+    fn replace_blocks(&mut self, idx: WorkerIdx, chunks: &[pb::SnapshotChunk]) {
+        let _ = self.index.apply(idx, &KvEvent::Cleared);
+        for chunk in chunks {
+            let bs = if chunk.block_size > 0 { chunk.block_size } else { self.config.block_size.get() };
+            for b in &chunk.blocks {
+                let hashes = [b.engine_hash];
+                let stored = Stored {
+                    engine_hashes: &hashes,
+                    parent: b.parent_engine_hash,
+                    token_ids: &b.token_ids,
+                    block_size: bs,
+                    seed: BlockSeed::from_fields(&b.lora_name, &b.cache_salt),
+                    tier: Tier::from_medium(b.medium),
+                    origin: Origin::New,
+                };
+                for _ in 0..b.ref_count.clamp(1, 16) {
+                    let _ = self.index.apply(idx, &KvEvent::Stored(stored));
+                }
+            }
+        }
+        let _ = self.index.take_resync(idx);
+    }
+
+    fn apply_events(&mut self, idx: WorkerIdx, batch: &pb::KvEventBatch) {
+        for ev in &batch.events {
+            match KvEvent::from_pb(ev) {
+                Some(e) => {
+                    let _ = self.index.apply(idx, &e);
+                }
+                None => self.counters.events_empty += 1,
+            }
+        }
+        self.counters.batches_applied += 1;
+    }
+
+    fn count_resync(&mut self, cause: Resync) {
+        match cause {
+            Resync::Gap => self.counters.gaps += 1,
+            Resync::Epoch => self.counters.epoch_changes += 1,
+            // The held batches are dropped with the snapshot under way.
+            Resync::Overflow => self.counters.batches_dropped += sync::MAX_HELD as u64,
+            Resync::Unknown => {}
+        }
+    }
+
+    fn start_snapshot(&mut self, id: &str, now_ms: u64, first: Option<pb::KvEventBatch>) -> Option<Need> {
+        let w = self.workers.get_mut(id)?;
+        if first.is_some() {
+            self.counters.batches_buffered += 1;
+        }
+        w.sync.start_snapshot(now_ms, first);
+        Some(Need::Snapshot(id.to_owned()))
+    }
+
+    /// The index met a store whose parent it does not hold: the worker's
+    /// blocks are incomplete, so a snapshot is asked for.
+    fn resync_if_needed(&mut self, id: &str, idx: WorkerIdx, now_ms: u64) -> Option<Need> {
+        if self.index.take_resync(idx) { self.start_snapshot(id, now_ms, None) } else { None }
+    }
+
+    /// Workers whose snapshot started before `now_ms - timeout_ms` (the
+    /// adapter gave up on them).
+    pub fn stale_snapshots(&self, now_ms: u64, timeout_ms: u64) -> Vec<String> {
+        self.workers.iter().filter(|(_, w)| w.sync.snapshot_stale(now_ms, timeout_ms)).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// A snapshot request failed or timed out: back to unknown, so that the
+    /// next message retries.
+    pub fn snapshot_failed(&mut self, id: &str) {
+        if let Some(w) = self.workers.get_mut(id)
+            && w.sync.snapshot_failed()
+        {
+            self.counters.snapshots_failed += 1;
+        }
+    }
+
+    /// A completion report from a filter. Returns the in-flight events to
+    /// share with other replicas.
+    pub fn on_report(&mut self, r: &pb::CompletionReport, now_ms: u64) -> Vec<pb::InflightEvent> {
+        if !r.worker_id.is_empty() && reached_another(r) {
+            self.connection_failed(&r.worker_id, now_ms);
+        }
+        if self.tracker.first_token(&r.request_id).is_err() {
+            self.counters.reports_unknown += 1;
+        }
+        let event = |phase: pb::InflightPhase| pb::InflightEvent {
+            request_id: r.request_id.clone(),
+            worker_id: r.worker_id.clone(),
+            phase: phase as i32,
+            ..Default::default()
+        };
+        let mut out = vec![event(pb::InflightPhase::FirstToken)];
+        if r.total_us > 0 {
+            let _ = self.tracker.done(&r.request_id);
+            out.push(event(pb::InflightPhase::Done));
+            self.counters.reports += 1;
+            if let Some((predicted, _)) = self.predicted.remove(&r.request_id)
+                && let Some(cached) = r.cached_tokens
+            {
+                self.counters.reports_with_cached += 1;
+                self.counters.predicted_cached_tokens += u64::from(predicted);
+                self.counters.reported_cached_tokens += u64::from(cached);
+                if predicted.abs_diff(cached) < self.config.block_size.get() {
+                    self.counters.reports_accurate += 1;
+                }
+            }
+        }
+        out
+    }
+
+    /// An in-flight event from another replica.
+    pub fn on_replica_event(&mut self, ev: &pb::InflightEvent, now_ms: u64) {
+        let Some(w) = self.workers.get(&ev.worker_id) else {
+            self.counters.replica_events_ignored += 1;
+            return;
+        };
+        let idx = w.idx;
+        let r = match pb::InflightPhase::try_from(ev.phase) {
+            Ok(pb::InflightPhase::Added) => {
+                let out = u64::from(ev.expected_output_tokens.div_ceil(self.config.block_size.get()));
+                self.tracker.added_counted(&ev.request_id, idx, ev.prompt_blocks, ev.overlap_blocks, out, now_ms)
+            }
+            Ok(pb::InflightPhase::FirstToken) => self.tracker.first_token(&ev.request_id),
+            Ok(pb::InflightPhase::Done) => self.tracker.done(&ev.request_id),
+            _ => Err(kvgate_scheduler::LifecycleError::Unknown),
+        };
+        match r {
+            Ok(()) => self.counters.replica_events += 1,
+            Err(_) => self.counters.replica_events_ignored += 1,
+        }
+    }
+
+    /// Skip counters of the index by cause, for metrics.
+    pub fn skips(&self) -> [(&'static str, u64); 4] {
+        let c = self.index.counters();
+        [
+            ("unknown_worker", c.skipped_unknown_worker),
+            ("malformed", c.skipped_malformed),
+            ("block_size", c.skipped_block_size),
+            ("unknown_parent", c.skipped_unknown_parent),
+        ]
+    }
+}

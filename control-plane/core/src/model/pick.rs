@@ -1,0 +1,232 @@
+//! One pick: the candidates (live workers, their overlap with the prompt in
+//! each tier, in-flight overlap and load), the policy's decision, and its
+//! bookkeeping (in flight, prediction for the accuracy metric).
+//!
+//! Cost: O(prompt blocks) hashing + two index lookups + O(W log W) for the
+//! W live workers (the policy's ranking).
+
+use std::collections::HashMap;
+
+use kvgate_index::{Tier, WorkerIdx};
+use kvgate_protocol::pb;
+use kvgate_protocol::{BlockSeed, SequenceHash, sequence_hashes};
+use kvgate_scheduler::{Candidate, Decision, Mode, Policy as _, Reason, RequestView};
+
+use super::ModelState;
+
+/// The request as the model state needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct PickInput<'a> {
+    /// Correlation id (non-empty).
+    pub request_id: &'a str,
+    /// Prompt token ids.
+    pub token_ids: &'a [u32],
+    /// LoRA + cache salt.
+    pub seed: BlockSeed,
+    /// Chained segment hashes (already seeded), for `approx`.
+    pub text_prefix: &'a [u64],
+    /// `max_tokens`, when given.
+    pub max_tokens: Option<u32>,
+    /// Routed by load, not by the prompt, and why; `None` scores the prompt
+    /// with the model's mode.
+    pub by_load: Option<ByLoad>,
+    /// The endpoints the data plane allows (an endpoint picker's subset
+    /// hint); `None` = every live worker. Workers outside it are excluded
+    /// from the pick, so the ranking is made among the allowed ones.
+    pub allowed: Option<&'a [String]>,
+}
+
+/// Why a request is routed by load instead of by its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ByLoad {
+    /// The prompt could not be tokenized: the mode's pick falls back to the
+    /// least loaded worker (reason `fallback`, labelled with the mode).
+    TokenizeFailed,
+    /// There is no prompt to score (an endpoint picker saw no body, or one
+    /// kvgate does not route by prefix): labelled mode `by_load`, reason
+    /// `load`.
+    NoPrompt,
+}
+
+/// Mode label of the decisions routed by load for want of a prompt
+/// ([`ByLoad::NoPrompt`]).
+pub const BY_LOAD: &str = "by_load";
+
+/// A decision, in wire terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PickOutput {
+    /// `ip:port` of the chosen worker.
+    pub endpoint: String,
+    /// Runners-up' endpoints.
+    pub fallbacks: Vec<String>,
+    /// Chosen worker id.
+    pub worker_id: String,
+    /// Leading prompt blocks it holds.
+    pub matched_blocks: u32,
+    /// Full prompt blocks.
+    pub total_blocks: u32,
+    /// Why (wire enum).
+    pub reason: pb::PickReason,
+    /// The largest overlap of any candidate when it is larger than the
+    /// chosen one's: (blocks, worker id); (0, "") otherwise.
+    pub passed_over: (u32, String),
+    /// Mode label of the decision (the model's mode, or [`BY_LOAD`]).
+    pub mode: &'static str,
+    /// For replica sync.
+    pub inflight: pb::InflightEvent,
+}
+
+/// Why a model has no worker for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NoWorker {
+    /// No live worker with an endpoint.
+    #[error("no live worker for this model")]
+    NoneLive,
+    /// Live workers, but none of them in the allowed endpoints.
+    #[error("no live worker among the allowed endpoints")]
+    NoneAllowed,
+}
+
+/// The live workers as the policy sees them, sorted by id (HashMap order
+/// is random per process: sorted for reproducible ties).
+struct Candidates {
+    cands: Vec<Candidate>,
+    ids: Vec<String>,
+}
+
+/// Wire name of a reason.
+pub fn reason_pb(r: Reason) -> pb::PickReason {
+    match r {
+        Reason::Kv => pb::PickReason::Kv,
+        Reason::Load => pb::PickReason::Load,
+        Reason::Approximate => pb::PickReason::Approximate,
+        Reason::RoundRobin => pb::PickReason::RoundRobin,
+        Reason::Random => pb::PickReason::Random,
+    }
+}
+
+/// Metric label of a wire reason.
+pub fn reason_label(r: pb::PickReason) -> &'static str {
+    match r {
+        pb::PickReason::Kv => "kv",
+        pb::PickReason::Load => "load",
+        pb::PickReason::Approximate => "approximate",
+        pb::PickReason::RoundRobin => "round_robin",
+        pb::PickReason::Random => "random",
+        pb::PickReason::Fallback => "fallback",
+        pb::PickReason::Unspecified => "unspecified",
+    }
+}
+
+impl ModelState {
+    /// Chooses a worker for a request and records it as in flight.
+    pub fn pick(&mut self, input: &PickInput<'_>, now_ms: u64) -> Result<PickOutput, NoWorker> {
+        let bs = self.config.block_size;
+        let hashes: Vec<SequenceHash> =
+            if input.by_load.is_some() { Vec::new() } else { sequence_hashes(input.token_ids, bs, input.seed) };
+        let c = self.candidates(&hashes, input.allowed, now_ms);
+        let expected_output_tokens = input.max_tokens.unwrap_or(self.config.default_output_tokens);
+        let view = RequestView {
+            prompt_blocks: hashes.len() as u32,
+            expected_output_tokens,
+            block_size: bs.get(),
+            text_prefix: input.text_prefix,
+        };
+        let decision = if input.by_load.is_some() {
+            kvgate_scheduler::LeastLoadPolicy.pick(&view, &c.cands, &mut self.rng)
+        } else {
+            self.policy.pick(&view, &c.cands, &mut self.rng)
+        };
+        let decision = decision.ok_or(if c.cands.is_empty() { NoWorker::NoneLive } else { NoWorker::NoneAllowed })?;
+        let chosen = c.cands[decision.chosen];
+        self.policy.observe(&view, chosen.worker, now_ms);
+        let output_blocks = u64::from(expected_output_tokens.div_ceil(bs.get()));
+        // Its new prefill excludes what requests in flight there compute.
+        let shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
+        let _ = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
+        // Only `kv` looks the prompt up in the index: other modes make no
+        // prediction for the accuracy metric to judge.
+        if self.mode == Mode::Kv && input.by_load.is_none() {
+            self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
+        }
+        Ok(self.output(input, &c, &decision, hashes.len() as u32, expected_output_tokens))
+    }
+
+    /// The live workers with their overlaps and loads; those outside
+    /// `allowed` are excluded.
+    fn candidates(&mut self, hashes: &[SequenceHash], allowed: Option<&[String]>, now_ms: u64) -> Candidates {
+        let mut device: HashMap<WorkerIdx, u32> = HashMap::new();
+        let mut any: HashMap<WorkerIdx, u32> = HashMap::new();
+        if !hashes.is_empty() && self.mode == Mode::Kv {
+            self.index.find_matches(hashes, Tier::Device, &mut self.scratch);
+            device.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
+            self.index.find_matches(hashes, Tier::Host, &mut self.scratch);
+            any.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
+        }
+        let mut live: Vec<(&String, Candidate)> = Vec::with_capacity(self.workers.len());
+        for (id, w) in &self.workers {
+            if !self.live(w, now_ms) {
+                continue;
+            }
+            let d = device.get(&w.idx).copied().unwrap_or(0);
+            let h = any.get(&w.idx).copied().unwrap_or(0);
+            let inflight = if self.mode == Mode::Kv { self.tracker.inflight_prefix(w.idx, hashes) } else { 0 };
+            let excluded = allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
+            let cand = Candidate {
+                worker: w.idx,
+                overlap_blocks: d,
+                overlap_any_tier_blocks: d.max(h),
+                inflight_overlap_blocks: inflight,
+                load: self.tracker.load(w.idx),
+                excluded,
+            };
+            live.push((id, cand));
+        }
+        live.sort_by(|a, b| a.0.cmp(b.0));
+        let ids = live.iter().map(|(id, _)| (*id).clone()).collect();
+        Candidates { cands: live.into_iter().map(|(_, c)| c).collect(), ids }
+    }
+
+    /// The decision in wire terms, counted by (mode, reason).
+    fn output(
+        &self,
+        input: &PickInput<'_>,
+        c: &Candidates,
+        decision: &Decision,
+        total_blocks: u32,
+        expected_output_tokens: u32,
+    ) -> PickOutput {
+        let endpoint_of = |i: usize| self.workers.get(&c.ids[i]).and_then(|w| w.endpoint.clone()).unwrap_or_default();
+        let chosen = c.cands[decision.chosen];
+        let worker_id = c.ids[decision.chosen].clone();
+        let (mode, reason) = match input.by_load {
+            None => (self.mode.name(), reason_pb(decision.reason)),
+            Some(ByLoad::TokenizeFailed) => (self.mode.name(), pb::PickReason::Fallback),
+            Some(ByLoad::NoPrompt) => (BY_LOAD, pb::PickReason::Load),
+        };
+        let best = c.cands.iter().enumerate().max_by_key(|(i, c)| (c.overlap_blocks, std::cmp::Reverse(*i)));
+        let passed_over = match best {
+            Some((i, b)) if b.overlap_blocks > chosen.overlap_blocks => (b.overlap_blocks, c.ids[i].clone()),
+            _ => (0, String::new()),
+        };
+        PickOutput {
+            endpoint: endpoint_of(decision.chosen),
+            fallbacks: decision.fallbacks.iter().map(|i| endpoint_of(*i)).collect(),
+            worker_id: worker_id.clone(),
+            matched_blocks: chosen.overlap_blocks,
+            total_blocks,
+            reason,
+            passed_over,
+            mode,
+            inflight: pb::InflightEvent {
+                request_id: input.request_id.to_owned(),
+                worker_id,
+                phase: pb::InflightPhase::Added as i32,
+                prompt_blocks: total_blocks,
+                overlap_blocks: chosen.overlap_blocks,
+                expected_output_tokens,
+                ts_unix_nanos: 0,
+            },
+        }
+    }
+}

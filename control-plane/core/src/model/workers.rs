@@ -1,0 +1,281 @@
+//! The worker registry of one model: who is routable (liveness, engine
+//! health, suspects of failed connections), heartbeats, expiry, and the
+//! admin view.
+//!
+//! | operation | cost |
+//! |---|---|
+//! | [`ModelState::on_heartbeat`] | O(1) |
+//! | [`ModelState::reap`] | O(workers + requests in flight) |
+//! | [`ModelState::worker_views`] | O(workers) |
+
+use kvgate_index::{Tier, WorkerIdx};
+use kvgate_protocol::pb;
+use kvgate_scheduler::Measured;
+
+use super::sync::StreamSync;
+use super::{ModelState, Need};
+
+/// Registry entry of one worker.
+#[derive(Debug)]
+pub(super) struct Worker {
+    pub(super) idx: WorkerIdx,
+    pub(super) endpoint: Option<String>,
+    last_seen_ms: u64,
+    last_heartbeat_ms: Option<u64>,
+    interval_ms: u32,
+    engine_ok: bool,
+    health: pb::EngineHealth,
+    block_size: u32,
+    pub(super) sync: StreamSync,
+    /// Times of the recent connection failures reported by the filter.
+    failures: Vec<u64>,
+    /// No Pick before this time (a suspect).
+    suspect_until_ms: u64,
+}
+
+impl Worker {
+    pub(super) fn new(idx: WorkerIdx, endpoint: Option<String>, sync: StreamSync, block_size: u32) -> Self {
+        Self {
+            idx,
+            endpoint,
+            last_seen_ms: 0,
+            last_heartbeat_ms: None,
+            interval_ms: 0,
+            engine_ok: sync.is_static(),
+            health: pb::EngineHealth::Unspecified,
+            block_size,
+            sync,
+            failures: Vec::new(),
+            suspect_until_ms: 0,
+        }
+    }
+}
+
+/// One worker as the admin endpoint shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WorkerView {
+    /// Worker id.
+    pub id: String,
+    /// `ip:port`.
+    pub endpoint: Option<String>,
+    /// Routable now.
+    pub live: bool,
+    /// Sync state.
+    pub sync: String,
+    /// Device blocks indexed.
+    pub device_blocks: usize,
+    /// Host-tier blocks indexed.
+    pub host_blocks: usize,
+    /// Requests in flight (all replicas).
+    pub inflight: u32,
+    /// Last measured running / waiting.
+    pub running: Option<u32>,
+    /// Last measured waiting.
+    pub waiting: Option<u32>,
+    /// Milliseconds since the last heartbeat.
+    pub heartbeat_age_ms: Option<u64>,
+    /// Whether the relay could read the engine's metrics.
+    pub engine_ok: bool,
+    /// The engine's health as its relay probes it.
+    pub engine_health: &'static str,
+    /// Out of routing for failed connections (milliseconds left).
+    pub suspect_ms_left: u64,
+    /// Block size the worker announced.
+    pub block_size: u32,
+}
+
+impl ModelState {
+    pub(super) fn worker_entry(&mut self, id: &str, now_ms: u64) -> &mut Worker {
+        let index = &mut self.index;
+        let names = &mut self.names;
+        let w = self.workers.entry(id.to_owned()).or_insert_with(|| {
+            let idx = index.add_worker(id);
+            names.insert(idx, id.to_owned());
+            Worker::new(idx, None, StreamSync::Unknown, 0)
+        });
+        w.last_seen_ms = now_ms;
+        w
+    }
+
+    fn timeout_ms(&self, w: &Worker) -> u64 {
+        if self.config.heartbeat_timeout_ms > 0 {
+            self.config.heartbeat_timeout_ms
+        } else {
+            (3 * u64::from(w.interval_ms)).max(1000)
+        }
+    }
+
+    /// Routable now: heard from recently, its engine not reported unhealthy,
+    /// and not a suspect of failed connections.
+    pub(super) fn live(&self, w: &Worker, now_ms: u64) -> bool {
+        if now_ms < w.suspect_until_ms {
+            return false;
+        }
+        if w.sync.is_static() {
+            return true;
+        }
+        let engine_up = matches!(w.health, pb::EngineHealth::Unspecified | pb::EngineHealth::Healthy);
+        let judged_at = self.frozen_at.map_or(now_ms, |f| f.min(now_ms));
+        engine_up
+            && w.endpoint.is_some()
+            && w.last_heartbeat_ms.is_some_and(|t| judged_at.saturating_sub(t) <= self.timeout_ms(w))
+    }
+
+    /// The filter could not reach `worker_id` (Envoy retried on a fallback,
+    /// or no upstream answered): enough of those within `suspect_ms` make
+    /// it a suspect, with no Pick for `suspect_ms`, before its relay's next
+    /// heartbeat says anything.
+    pub(super) fn connection_failed(&mut self, worker_id: &str, now_ms: u64) {
+        let (n, window) = (self.config.suspect_after_failures, self.config.suspect_ms);
+        let Some(w) = self.workers.get_mut(worker_id) else { return };
+        self.counters.connection_failures += 1;
+        if n == 0 {
+            return;
+        }
+        w.failures.retain(|t| now_ms.saturating_sub(*t) <= window);
+        w.failures.push(now_ms);
+        if w.failures.len() >= n as usize {
+            if now_ms >= w.suspect_until_ms {
+                self.counters.suspects += 1;
+            }
+            w.suspect_until_ms = now_ms + window;
+            w.failures.clear();
+        }
+    }
+
+    /// NATS went down at `now_ms`: liveness is judged as of then until
+    /// [`ModelState::thaw`] (heartbeats cannot arrive; routing goes on on
+    /// the last index).
+    pub fn freeze(&mut self, now_ms: u64) {
+        self.frozen_at.get_or_insert(now_ms);
+    }
+
+    /// NATS is back after `outage_ms`: the time without heartbeats does not
+    /// count against any worker.
+    pub fn thaw(&mut self, outage_ms: u64) {
+        self.frozen_at = None;
+        for w in self.workers.values_mut() {
+            if let Some(t) = w.last_heartbeat_ms.as_mut() {
+                *t = t.saturating_add(outage_ms);
+            }
+            w.last_seen_ms = w.last_seen_ms.saturating_add(outage_ms);
+        }
+    }
+
+    /// A heartbeat from a worker's relay.
+    pub fn on_heartbeat(&mut self, hb: &pb::WorkerHeartbeat, now_ms: u64) -> Option<Need> {
+        if !crate::endpoints::allowed(&self.config.allowed_endpoints, &hb.endpoint) {
+            self.counters.refused_endpoints += 1;
+            return None;
+        }
+        if hb.block_size != 0 && hb.block_size != self.config.block_size.get() {
+            self.counters.heartbeats_block_size_mismatch += 1;
+        }
+        let w = self.worker_entry(&hb.worker_id, now_ms);
+        let idx = w.idx;
+        w.last_heartbeat_ms = Some(now_ms);
+        w.interval_ms = hb.interval_ms;
+        w.engine_ok = hb.engine_ok;
+        let health = pb::EngineHealth::try_from(hb.engine_health).unwrap_or(pb::EngineHealth::Unspecified);
+        let health_changed = health != w.health;
+        w.health = health;
+        w.block_size = hb.block_size;
+        if !hb.endpoint.is_empty() {
+            w.endpoint = Some(hb.endpoint.clone());
+        }
+        let resync = w.sync.heartbeat(hb.relay_epoch, hb.relay_seq);
+        self.counters.heartbeats += 1;
+        self.counters.health_changes += u64::from(health_changed);
+        let m = Measured {
+            running: hb.running,
+            waiting: hb.waiting,
+            kv_usage: hb.kv_usage,
+            capacity_blocks: hb.capacity_blocks,
+            max_num_seqs: hb.max_num_seqs,
+        };
+        if self.tracker.measured(idx, m) {
+            if hb.capacity_blocks > 0 {
+                self.index.set_capacity(idx, usize::try_from(hb.capacity_blocks).ok());
+            }
+        } else {
+            self.counters.heartbeats_invalid += 1;
+        }
+        let cause = resync?;
+        self.count_resync(cause);
+        self.start_snapshot(&hb.worker_id, now_ms, None)
+    }
+
+    /// Removes workers whose heartbeats stopped (and those never heard from
+    /// again after a first event), and forgets requests whose end was
+    /// never reported. Returns the removed workers' ids.
+    pub fn reap(&mut self, now_ms: u64) -> Vec<String> {
+        let dead: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                !w.sync.is_static()
+                    && now_ms.saturating_sub(w.last_heartbeat_ms.unwrap_or(w.last_seen_ms)) > self.timeout_ms(w)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in &dead {
+            if let Some(w) = self.workers.remove(id) {
+                self.index.remove_worker(w.idx);
+                self.tracker.remove_worker(w.idx);
+                self.policy.forget_worker(w.idx);
+                self.names.remove(&w.idx);
+                self.counters.workers_expired += 1;
+            }
+        }
+        let expired = self.tracker.expire(now_ms, self.config.inflight_ttl_ms);
+        self.counters.inflight_expired += expired as u64;
+        let ttl = self.config.inflight_ttl_ms;
+        self.predicted.retain(|_, (_, t)| now_ms.saturating_sub(*t) <= ttl);
+        dead
+    }
+
+    /// Every worker, for the admin endpoint and metrics.
+    pub fn worker_views(&self, now_ms: u64) -> Vec<WorkerView> {
+        let mut v: Vec<WorkerView> = self.workers.iter().map(|(id, w)| self.view(id, w, now_ms)).collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    fn view(&self, id: &str, w: &Worker, now_ms: u64) -> WorkerView {
+        let load = self.tracker.load(w.idx);
+        WorkerView {
+            id: id.to_owned(),
+            endpoint: w.endpoint.clone(),
+            live: self.live(w, now_ms),
+            sync: w.sync.describe(),
+            device_blocks: self.index.worker_blocks(w.idx, Tier::Device),
+            host_blocks: self.index.worker_blocks(w.idx, Tier::Host),
+            inflight: load.inflight,
+            running: load.measured_running,
+            waiting: load.measured_waiting,
+            heartbeat_age_ms: w.last_heartbeat_ms.map(|t| now_ms.saturating_sub(t)),
+            engine_ok: w.engine_ok,
+            engine_health: match w.health {
+                pb::EngineHealth::Unspecified => "unknown",
+                pb::EngineHealth::Healthy => "healthy",
+                pb::EngineHealth::Unhealthy => "unhealthy",
+                pb::EngineHealth::Down => "down",
+            },
+            suspect_ms_left: w.suspect_until_ms.saturating_sub(now_ms),
+            block_size: w.block_size,
+        }
+    }
+}
+
+/// Whether a report says the chosen endpoint could not be reached: Envoy
+/// served the request from another endpoint (a retry on a fallback), or no
+/// upstream answered at all.
+pub fn reached_another(r: &pb::CompletionReport) -> bool {
+    if r.endpoint.is_empty() {
+        return false;
+    }
+    if r.served_endpoint.is_empty() {
+        return r.status_code == 0 || r.status_code == 503;
+    }
+    r.served_endpoint != r.endpoint
+}

@@ -1,0 +1,61 @@
+//! The admin views (JSON) and the run-time mode switch.
+
+use crate::app::App;
+
+impl App {
+    /// The admin view of workers (all models, or one).
+    pub fn workers_json(&self, model: Option<&str>) -> serde_json::Value {
+        let now = self.now_ms();
+        let mut out = serde_json::Map::new();
+        for (name, m) in &self.models {
+            if model.is_some_and(|x| x != name) {
+                continue;
+            }
+            let views = m.state.lock().worker_views(now);
+            out.insert(name.clone(), serde_json::to_value(views).unwrap_or_default());
+        }
+        serde_json::Value::Object(out)
+    }
+
+    /// The admin view of the indexes and tokenizers.
+    pub fn index_json(&self) -> serde_json::Value {
+        let mut out = serde_json::Map::new();
+        for (name, m) in &self.models {
+            let st = m.state.lock();
+            let c = st.index().counters();
+            let mut v = serde_json::json!({
+                "mode": st.mode().name(),
+                "block_size": st.config().block_size.get(),
+                "workers": st.index().worker_count(),
+                "device_blocks": st.index().distinct_blocks(kvgate_index::Tier::Device),
+                "host_blocks": st.index().distinct_blocks(kvgate_index::Tier::Host),
+                "heap_bytes": st.index().approx_heap_bytes(),
+                "events_applied": c.events_applied,
+                "inflight": st.inflight(),
+            });
+            drop(st);
+            if let Some(tk) = &m.tokenizer {
+                let (tokens, entries) = tk.cache_size();
+                v["tokenizer"] = serde_json::json!({
+                    "segmented": tk.segmented(),
+                    "fast_encoder": tk.inner().uses_fast_encoder(),
+                    "paragraphs": tk.inner().encodes_by_paragraph(),
+                    "self_test": tk.self_test_result(),
+                    "cache_tokens": tokens,
+                    "cache_entries": entries,
+                });
+            }
+            out.insert(name.clone(), v);
+        }
+        serde_json::Value::Object(out)
+    }
+
+    /// Switches a model's routing mode.
+    pub fn set_mode(&self, model: &str, mode: &str) -> Result<(), String> {
+        let m = self.models.get(model).ok_or_else(|| format!("unknown model {model:?}"))?;
+        let mode: kvgate_scheduler::Mode = mode.parse()?;
+        m.state.lock().set_mode(mode);
+        tracing::info!(model, mode = mode.name(), "routing mode switched");
+        Ok(())
+    }
+}

@@ -1,0 +1,263 @@
+//! Who gets a Pick, on the synchronous model state with no network: engine
+//! health from heartbeats, suspects from the filter's connection-failure
+//! reports, and liveness frozen across a NATS outage.
+
+use kvgate_core::model::{ModelConfig, ModelState, NoWorker, PickInput, reached_another};
+use kvgate_protocol::{BlockSeed, BlockSize, pb};
+use kvgate_scheduler::{KvConfig, Mode};
+
+fn state() -> ModelState {
+    ModelState::new(
+        ModelConfig {
+            name: "m".into(),
+            block_size: BlockSize::new(16).unwrap(),
+            mode: Mode::LeastLoad,
+            kv: KvConfig::default(),
+            default_output_tokens: 16,
+            static_workers: Vec::new(),
+            heartbeat_timeout_ms: 1000,
+            inflight_ttl_ms: 600_000,
+            suspect_after_failures: 2,
+            suspect_ms: 3000,
+            allowed_endpoints: Vec::new(),
+        },
+        1,
+    )
+}
+
+fn hb(id: &str, health: pb::EngineHealth) -> pb::WorkerHeartbeat {
+    pb::WorkerHeartbeat {
+        worker_id: id.into(),
+        model: "m".into(),
+        endpoint: format!("10.0.0.{}:8000", &id[1..]),
+        relay_epoch: 1,
+        block_size: 16,
+        interval_ms: 100,
+        engine_ok: true,
+        engine_health: health as i32,
+        ..Default::default()
+    }
+}
+
+/// Workers a hundred picks at `now` land on.
+fn picked(st: &mut ModelState, now: u64) -> Vec<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..100 {
+        let id = format!("r{now}-{i}");
+        let input = PickInput {
+            request_id: &id,
+            token_ids: &[],
+            seed: BlockSeed::default(),
+            text_prefix: &[],
+            max_tokens: Some(1),
+            by_load: None,
+            allowed: None,
+        };
+        match st.pick(&input, now) {
+            Ok(o) => {
+                seen.insert(o.worker_id);
+            }
+            Err(NoWorker::NoneLive | NoWorker::NoneAllowed) => {}
+        }
+        st.on_report(
+            &pb::CompletionReport { request_id: id, model: "m".into(), total_us: 1, ..Default::default() },
+            now,
+        );
+    }
+    seen.into_iter().collect()
+}
+
+#[test]
+fn an_unhealthy_or_down_engine_gets_no_pick_and_comes_back_when_healthy() {
+    use pb::EngineHealth as H;
+    for (health, routed) in [(H::Unspecified, true), (H::Healthy, true), (H::Unhealthy, false), (H::Down, false)] {
+        let mut st = state();
+        st.on_heartbeat(&hb("w0", H::Healthy), 0);
+        st.on_heartbeat(&hb("w1", health), 0);
+        let got = picked(&mut st, 10);
+        assert_eq!(got.contains(&"w1".to_owned()), routed, "{health:?}: {got:?}");
+        assert!(got.contains(&"w0".to_owned()));
+        st.on_heartbeat(&hb("w1", H::Healthy), 20);
+        assert_eq!(picked(&mut st, 30), vec!["w0", "w1"], "{health:?} then healthy");
+        let views = st.worker_views(30);
+        assert_eq!(views[1].engine_health, "healthy");
+    }
+}
+
+fn report(worker: &str, endpoint: &str, served: &str, status: u32) -> pb::CompletionReport {
+    pb::CompletionReport {
+        request_id: "x".into(),
+        model: "m".into(),
+        worker_id: worker.into(),
+        endpoint: endpoint.into(),
+        served_endpoint: served.into(),
+        status_code: status,
+        total_us: 10,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn what_counts_as_a_connection_failure() {
+    // (endpoint, served, status) → failure
+    for (endpoint, served, status, failed) in [
+        ("10.0.0.1:8000", "10.0.0.1:8000", 200, false),
+        ("10.0.0.1:8000", "10.0.0.2:8000", 200, true),
+        ("10.0.0.1:8000", "", 200, false),
+        ("10.0.0.1:8000", "", 0, true),
+        ("10.0.0.1:8000", "", 503, true),
+        ("10.0.0.1:8000", "10.0.0.1:8000", 503, false),
+        ("", "10.0.0.2:8000", 200, false),
+    ] {
+        assert_eq!(reached_another(&report("w1", endpoint, served, status)), failed, "{endpoint} {served} {status}");
+    }
+}
+
+/// Two reports within the window that Envoy served w1's requests elsewhere
+/// make w1 a suspect: no Pick for `suspect_ms`, then back.
+#[test]
+fn a_burst_of_connection_failures_makes_a_suspect_for_a_while() {
+    use pb::EngineHealth as H;
+    let mut st = state();
+    for w in ["w0", "w1"] {
+        st.on_heartbeat(&hb(w, H::Healthy), 0);
+    }
+    st.on_report(&report("w1", "10.0.0.1:8000", "10.0.0.0:8000", 200), 100);
+    assert_eq!(picked(&mut st, 150), vec!["w0", "w1"], "one failure is not a burst");
+    st.on_report(&report("w1", "10.0.0.1:8000", "10.0.0.0:8000", 200), 200);
+    for t in [250, 400] {
+        st.on_heartbeat(&hb("w0", H::Healthy), t);
+        st.on_heartbeat(&hb("w1", H::Healthy), t);
+    }
+    assert_eq!(picked(&mut st, 450), vec!["w0"]);
+    assert!(st.worker_views(450)[1].suspect_ms_left > 0);
+    assert_eq!(st.counters().suspects, 1);
+    assert_eq!(st.counters().connection_failures, 2);
+    for t in (500..=3300).step_by(100) {
+        st.on_heartbeat(&hb("w0", H::Healthy), t);
+        st.on_heartbeat(&hb("w1", H::Healthy), t);
+    }
+    assert_eq!(picked(&mut st, 3300), vec!["w0", "w1"], "suspicion lapses");
+}
+
+/// During a NATS outage no heartbeat arrives; the outage does not count
+/// against the workers once it is thawed, so they are not reaped.
+#[test]
+fn thawing_after_an_outage_keeps_the_workers() {
+    use pb::EngineHealth as H;
+    let mut st = state();
+    st.on_heartbeat(&hb("w0", H::Healthy), 0);
+    st.on_heartbeat(&hb("w1", H::Healthy), 0);
+    // 10 s without heartbeats (NATS down): routed all along; then thawed.
+    st.freeze(50);
+    assert_eq!(picked(&mut st, 9_000), vec!["w0", "w1"], "frozen: still routable");
+    st.thaw(10_000);
+    assert!(st.reap(10_500).is_empty());
+    assert_eq!(picked(&mut st, 10_500), vec!["w0", "w1"]);
+    // Without the thaw, both would be gone.
+    let mut st = state();
+    st.on_heartbeat(&hb("w0", H::Healthy), 0);
+    assert_eq!(st.reap(10_500), vec!["w0"]);
+}
+
+/// Only `kv` predicts cached tokens; a report of a request routed in
+/// another mode is not judged (it used to count every hit as a miss).
+#[test]
+fn prediction_accuracy_judges_only_predictions_that_were_made() {
+    use pb::EngineHealth as H;
+    for (mode, judged) in [(Mode::RoundRobin, 0), (Mode::LeastLoad, 0), (Mode::Kv, 1)] {
+        let mut st = state();
+        st.set_mode(mode);
+        st.on_heartbeat(&hb("w0", H::Healthy), 0);
+        let input = PickInput {
+            request_id: "a",
+            token_ids: &[7; 64],
+            seed: BlockSeed::default(),
+            text_prefix: &[],
+            max_tokens: Some(1),
+            by_load: None,
+            allowed: None,
+        };
+        let out = st.pick(&input, 1).unwrap();
+        let report = pb::CompletionReport {
+            request_id: "a".into(),
+            model: "m".into(),
+            worker_id: out.worker_id,
+            total_us: 10,
+            cached_tokens: Some(48),
+            ..Default::default()
+        };
+        st.on_report(&report, 2);
+        assert_eq!(st.counters().reports_with_cached, judged, "{mode:?}");
+    }
+}
+
+/// When `kv` moves a request away from the worker holding more of its
+/// prompt (for load), the answer names what it passed over and where.
+#[test]
+fn a_move_for_load_names_the_overlap_it_passed_over() {
+    use pb::EngineHealth as H;
+    let mut st = state();
+    st.set_mode(Mode::Kv);
+    let tokens: Vec<u32> = (0..16 * 8).map(|t| 1000 + t).collect();
+    for w in ["w0", "w1"] {
+        st.on_heartbeat(&hb(w, H::Healthy), 0);
+    }
+    let stored = pb::KvEventBatch {
+        worker_id: "w0".into(),
+        model: "m".into(),
+        relay_epoch: 1,
+        relay_seq: 1,
+        events: vec![pb::KvEvent {
+            event: Some(pb::kv_event::Event::Stored(pb::BlockStored {
+                engine_hashes: (1..=4).collect(),
+                token_ids: tokens[..64].to_vec(),
+                block_size: 16,
+                ..Default::default()
+            })),
+        }],
+        ..Default::default()
+    };
+    st.on_batch(stored, 1);
+    let pick = |st: &mut ModelState, id: &str| {
+        let input = PickInput {
+            request_id: id,
+            token_ids: &tokens,
+            seed: BlockSeed::default(),
+            text_prefix: &[],
+            max_tokens: Some(16),
+            by_load: None,
+            allowed: None,
+        };
+        st.pick(&input, 2).unwrap()
+    };
+    let calm = pick(&mut st, "a");
+    assert_eq!((calm.worker_id.as_str(), calm.matched_blocks, calm.passed_over.0), ("w0", 4, 0));
+    // w0 saturated: its queue costs more than recomputing 4 blocks.
+    let busy = pb::WorkerHeartbeat { running: 64, waiting: 400, max_num_seqs: 64, ..hb("w0", H::Healthy) };
+    st.on_heartbeat(&busy, 3);
+    let moved = pick(&mut st, "b");
+    assert_eq!(moved.worker_id, "w1", "{moved:?}");
+    assert_eq!(moved.passed_over, (4, "w0".to_owned()));
+    assert_eq!(moved.reason, pb::PickReason::Load);
+}
+
+/// With `allowed_endpoints`, a relay claiming another endpoint registers
+/// no worker: its heartbeats and batches are refused and counted.
+#[test]
+fn an_endpoint_outside_the_worker_set_is_refused() {
+    use pb::EngineHealth as H;
+    let mut st = ModelState::new(
+        ModelConfig {
+            allowed_endpoints: vec![kvgate_core::endpoints::EndpointRule::parse("10.0.0.0/30").unwrap()],
+            ..state().config().clone()
+        },
+        1,
+    );
+    st.on_heartbeat(&hb("w1", H::Healthy), 0); // 10.0.0.1:8000: inside
+    st.on_heartbeat(&hb("w9", H::Healthy), 0); // 10.0.0.9:8000: outside
+    st.on_batch(pb::KvEventBatch { worker_id: "w9".into(), model: "m".into(), relay_seq: 1, ..Default::default() }, 1);
+    assert_eq!(picked(&mut st, 10), vec!["w1"]);
+    assert_eq!(st.worker_views(10).len(), 1);
+    assert_eq!(st.counters().refused_endpoints, 2);
+}

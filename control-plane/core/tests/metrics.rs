@@ -1,0 +1,80 @@
+//! Every counter the control plane keeps is exported: a failing sampled
+//! verification of cached tokenization, a hash mismatch or a failed
+//! replica-sync publish must show on `/metrics`, not only in memory. The
+//! walk checks every registered family has its help and at least one
+//! sample; the named series are the ones that were once counted and never
+//! exported.
+
+use std::collections::BTreeMap;
+
+use kvgate_core::config::{RawConfig, RawModel, RawWorker};
+use kvgate_core::{App, Config};
+
+fn app() -> std::sync::Arc<App> {
+    let raw = RawConfig {
+        listen_admin: Some("off".into()),
+        models: vec![RawModel {
+            name: "m".into(),
+            block_size: Some(16),
+            tokenizer_dir: Some(kvgate_e2e::repo_root().join(".tools/models/deepseek-v3")),
+            workers: vec![RawWorker { id: "w0".into(), endpoint: "10.0.0.1:8000".into() }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    App::new(Config::validate(raw).unwrap()).unwrap()
+}
+
+/// `# TYPE` families with their help and sample count.
+fn families(text: &str) -> BTreeMap<String, (String, String, usize)> {
+    let mut out: BTreeMap<String, (String, String, usize)> = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            out.entry(name.to_owned()).or_default().0 = help.to_owned();
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            out.entry(name.to_owned()).or_default().1 = kind.to_owned();
+        }
+    }
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let name = line.split(['{', ' ']).next().unwrap();
+        let family = out.keys().filter(|f| name.starts_with(f.as_str())).max_by_key(|f| f.len()).cloned();
+        let family = family.unwrap_or_else(|| panic!("sample {line:?} belongs to no family"));
+        out.get_mut(&family).unwrap().2 += 1;
+    }
+    out
+}
+
+#[test]
+fn every_registered_family_has_help_a_type_and_samples() {
+    let a = app();
+    // One pick, so that the request paths' families have samples too.
+    let req = kvgate_core::chat_pick_request("m", "r1", &[serde_json::json!({"role": "user", "content": "hi"})], None);
+    a.pick(&req).unwrap();
+    let text = a.render_metrics();
+    assert!(text.ends_with("# EOF\n"), "OpenMetrics text ends with # EOF");
+    let fams = families(&text);
+    assert!(fams.len() > 30, "{} families", fams.len());
+    for (name, (help, kind, samples)) in &fams {
+        assert!(!help.trim().is_empty(), "{name} has no help");
+        assert!(["counter", "gauge", "histogram"].contains(&kind.as_str()), "{name}: type {kind:?}");
+        assert!(*samples > 0, "{name} has no sample");
+    }
+}
+
+#[test]
+fn counters_once_kept_but_not_exported_are_exported() {
+    let m = app().render_metrics();
+    for series in [
+        "kvgate_tokenize_verify_failures_total{model=\"m\"} 0\n",
+        "kvgate_tokenize_hash_mismatches_total{model=\"m\"} 0\n",
+        "kvgate_tokenize_prefix_unstable_total{model=\"m\"} 0\n",
+        "kvgate_tokenize_unsafe_boundaries_total{model=\"m\"} 0\n",
+        "kvgate_inflight_publish_errors_total 0\n",
+        "kvgate_index_events_total{model=\"m\",kind=\"hash_conflict\"} 0\n",
+        "kvgate_index_events_total{model=\"m\",kind=\"capacity_eviction\"} 0\n",
+    ] {
+        assert!(m.contains(series), "missing {series:?} in\n{m}");
+    }
+}

@@ -1,0 +1,167 @@
+//! The NATS adapter: one subscription on `<prefix>.>` fed to the core's
+//! [`App::on_nats`], snapshot requests for the workers it names, and the
+//! replica-sync publisher (this replica's decisions for the others).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use kvgate_core::{App, Model, ReplicaSink};
+use kvgate_protocol::pb;
+use prost::Message as _;
+
+/// The sending end of the replica-sync queue.
+#[derive(Debug)]
+pub(crate) struct Outbox(pub(crate) tokio::sync::mpsc::UnboundedSender<(String, pb::InflightEvent)>);
+
+/// The receiving end of the replica-sync queue.
+pub(crate) type Inbox = tokio::sync::mpsc::UnboundedReceiver<(String, pb::InflightEvent)>;
+
+impl ReplicaSink for Outbox {
+    fn share(&self, model: &str, event: pb::InflightEvent) {
+        let _ = self.0.send((model.to_owned(), event));
+    }
+}
+
+pub(crate) async fn nats_task(
+    app: Arc<App>,
+    url: String,
+    mut inflight_rx: Inbox,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    // Connect with retries: the control plane serves (by load) meanwhile.
+    let client = loop {
+        let nurl = kvgate_protocol::nats_url::split_nats_url(&url);
+        let opts = nurl
+            .auth
+            .connect_options(async_nats::ConnectOptions::new())
+            .name(format!("kvgate-control-plane {}", app.config.replica_id))
+            .retry_on_initial_connect()
+            .max_reconnects(None);
+        match opts.connect(nurl.servers.as_str()).await {
+            Ok(c) => break c,
+            Err(e) => {
+                tracing::warn!(error = %e, "NATS connect failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {},
+                    _ = stop.changed() => return,
+                }
+            }
+        }
+    };
+    let mut sub = match client.subscribe(format!("{}.>", app.subjects.prefix())).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "NATS subscribe failed");
+            return;
+        }
+    };
+    let mut state_poll = tokio::time::interval(Duration::from_millis(100));
+    let mut was_connected = false;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            msg = sub.next() => {
+                let Some(msg) = msg else { break };
+                for (model, worker) in app.on_nats(msg.subject.as_str(), &msg.payload) {
+                    tokio::spawn(snapshot_task(app.clone(), client.clone(), model, worker));
+                }
+            }
+            ev = inflight_rx.recv() => {
+                let Some(first) = ev else { continue };
+                let mut by_model: std::collections::HashMap<String, Vec<pb::InflightEvent>> = Default::default();
+                by_model.entry(first.0).or_default().push(first.1);
+                while let Ok((m, e)) = inflight_rx.try_recv() {
+                    let v = by_model.entry(m).or_default();
+                    v.push(e);
+                    if v.len() >= 512 { break; }
+                }
+                for (model, events) in by_model {
+                    let batch = pb::InflightBatch { replica_id: app.config.replica_id.clone(), model: model.clone(), events };
+                    match client.publish(app.subjects.inflight(&model), batch.encode_to_vec().into()).await {
+                        Ok(()) => app.metrics.global.inflight_published.inc(),
+                        Err(_) => app.metrics.global.inflight_publish_errors.inc(),
+                    };
+                }
+            }
+            _ = state_poll.tick() => {
+                let up = client.connection_state() == async_nats::connection::State::Connected;
+                app.set_nats_connected(up);
+                if up && !was_connected {
+                    tracing::info!("NATS connected");
+                } else if !up && was_connected {
+                    tracing::warn!("NATS disconnected; reconnecting");
+                }
+                was_connected = up;
+            }
+        }
+    }
+    app.set_nats_connected(false);
+}
+
+/// Asks a relay for a snapshot and applies it; retries (bounded) while the
+/// result leaves the worker needing another one.
+async fn snapshot_task(app: Arc<App>, client: async_nats::Client, model: Arc<Model>, worker: String) {
+    let timeout = Duration::from_millis(app.config.snapshot_timeout_ms);
+    for attempt in 0..4u32 {
+        app.metrics.global.snapshot_requests.inc();
+        let subject = app.subjects.snapshot(&model.name, &worker);
+        match fetch_snapshot(&client, subject, &app.config.replica_id, timeout).await {
+            Ok(chunks) => {
+                let now = app.now_ms();
+                let again = model.state.lock().on_snapshot(&worker, &chunks, now);
+                tracing::debug!(model = %model.name, %worker, chunks = chunks.len(), "snapshot applied");
+                if again.is_none() {
+                    return;
+                }
+            }
+            Err(e) => {
+                app.metrics.global.snapshot_failures.inc();
+                tracing::warn!(model = %model.name, %worker, error = %e, "snapshot failed");
+                model.state.lock().snapshot_failed(&worker);
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+    }
+}
+
+/// Sends a `SnapshotRequest` and collects every chunk of the reply.
+pub async fn fetch_snapshot(
+    client: &async_nats::Client,
+    subject: String,
+    requester: &str,
+    timeout: Duration,
+) -> Result<Vec<pb::SnapshotChunk>, String> {
+    let inbox = client.new_inbox();
+    let mut sub = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
+    let req = pb::SnapshotRequest { requester: requester.to_owned(), max_chunk_bytes: 0 };
+    client.publish_with_reply(subject, inbox, req.encode_to_vec().into()).await.map_err(|e| e.to_string())?;
+    client.flush().await.map_err(|e| e.to_string())?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut chunks: Vec<Option<pb::SnapshotChunk>> = Vec::new();
+    let mut got = 0usize;
+    loop {
+        let msg = tokio::time::timeout_at(deadline, sub.next())
+            .await
+            .map_err(|_| format!("timed out after {} of {} chunks", got, chunks.len().max(1)))?
+            .ok_or("subscription closed")?;
+        let c = pb::SnapshotChunk::decode(msg.payload.as_ref()).map_err(|e| format!("malformed chunk: {e}"))?;
+        let n = c.chunk_count.max(1) as usize;
+        if chunks.is_empty() {
+            chunks.resize_with(n, || None);
+        }
+        if n != chunks.len() || c.chunk_index as usize >= n {
+            return Err("inconsistent chunk numbering".into());
+        }
+        let i = c.chunk_index as usize;
+        if chunks[i].is_none() {
+            got += 1;
+        }
+        chunks[i] = Some(c);
+        if got == n {
+            let _ = sub.unsubscribe().await;
+            return Ok(chunks.into_iter().flatten().collect());
+        }
+    }
+}
