@@ -16,27 +16,14 @@ use std::time::Instant;
 use kvgate_protocol::BlockSeed;
 use kvgate_protocol::pb;
 use kvgate_protocol::subject::Subjects;
-use kvgate_tokenize::prompt::{Outcome, PromptError, PromptTokenizer, SegmentRef, TokenCacheConfig, Tokenized};
+use kvgate_tokenize::prompt::{Outcome, PromptError, SegmentRef, Tokenized};
 use parking_lot::Mutex;
-use prometheus_client::metrics::histogram::Histogram;
 
 use crate::config::Config;
 use crate::error::{PickError, StartError};
-use crate::metrics::{DecisionLabels, Metrics, ModelLabel, PickErrorCause};
-use crate::model::{ByLoad, ModelState, PickInput, reason_label};
-
-/// One served model.
-#[derive(Debug)]
-pub struct Model {
-    /// Its name.
-    pub name: String,
-    /// Routing state.
-    pub state: Mutex<ModelState>,
-    /// Tokenizer, when configured.
-    pub tokenizer: Option<PromptTokenizer>,
-    pick_seconds: Histogram,
-    overlap_ratio: Histogram,
-}
+use crate::metrics::{DecisionLabels, Metrics, PickErrorCause};
+use crate::model::{ByLoad, PickInput, reason_label};
+pub use crate::served::Model;
 
 /// Where the in-flight events of this replica's decisions go (the NATS
 /// adapter publishes them for the other replicas).
@@ -87,37 +74,6 @@ pub fn prompt_bytes(req: &pb::PickRequest) -> usize {
         }
 }
 
-fn load_model(config: &Config, i: usize, metrics: &Metrics) -> Result<Model, StartError> {
-    let m = &config.models[i];
-    let tokenizer = match &m.tokenizer_dir {
-        Some(dir) => {
-            let cache = TokenCacheConfig {
-                budget_tokens: config.token_cache_tokens,
-                verify_every: config.tokenize_verify_every,
-            };
-            let t = PromptTokenizer::from_dir(dir, cache)
-                .map_err(|source| StartError::Tokenizer { model: m.routing.name.clone(), source })?;
-            tracing::info!(
-                model = %m.routing.name,
-                self_test = t.self_test_result(),
-                fast_encoder = t.inner().uses_fast_encoder(),
-                paragraphs = t.inner().encodes_by_paragraph(),
-                "tokenizer loaded"
-            );
-            Some(t)
-        }
-        None => None,
-    };
-    let label = ModelLabel { model: m.routing.name.clone() };
-    Ok(Model {
-        name: m.routing.name.clone(),
-        state: Mutex::new(ModelState::new(m.routing.clone(), 0x6b76_6761_7465 ^ i as u64)),
-        tokenizer,
-        pick_seconds: metrics.global.pick_seconds.get_or_create_owned(&label),
-        overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),
-    })
-}
-
 impl App {
     /// Loads every model (tokenizers, self-tests); decisions are not shared
     /// with other replicas.
@@ -134,8 +90,8 @@ impl App {
     fn build(config: Config, sink: Option<Box<dyn ReplicaSink>>) -> Result<Arc<Self>, StartError> {
         let metrics = Metrics::default();
         let mut models = HashMap::new();
-        for i in 0..config.models.len() {
-            let m = load_model(&config, i, &metrics)?;
+        for (i, settings) in config.models.iter().enumerate() {
+            let m = Model::load(&config, settings, i, &metrics)?;
             models.insert(m.name.clone(), Arc::new(m));
         }
         let start = Instant::now();

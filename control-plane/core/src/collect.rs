@@ -15,8 +15,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
-use crate::app::Model;
 use crate::model::counters::{Family as CounterFamily, ModelCounters};
+use crate::served::Model;
 
 type Labels = Vec<(&'static str, String)>;
 

@@ -17,6 +17,7 @@ pub mod error;
 pub mod ingest;
 pub mod metrics;
 pub mod model;
+pub mod served;
 pub mod views;
 
 pub use app::{App, Model, ReplicaSink};

@@ -1,0 +1,58 @@
+//! One served model: its routing state, tokenizer and per-model
+//! histograms.
+
+use kvgate_tokenize::prompt::{PromptTokenizer, TokenCacheConfig};
+use parking_lot::Mutex;
+use prometheus_client::metrics::histogram::Histogram;
+
+use crate::config::{Config, ModelSettings};
+use crate::error::StartError;
+use crate::metrics::{Metrics, ModelLabel};
+use crate::model::ModelState;
+
+/// One served model.
+#[derive(Debug)]
+pub struct Model {
+    /// Its name.
+    pub name: String,
+    /// Routing state.
+    pub state: Mutex<ModelState>,
+    /// Tokenizer, when configured.
+    pub tokenizer: Option<PromptTokenizer>,
+    pub(crate) pick_seconds: Histogram,
+    pub(crate) overlap_ratio: Histogram,
+}
+
+impl Model {
+    /// Loads model `m` (its tokenizer and self-test), the `i`-th of
+    /// `config` (for its random seed).
+    pub(crate) fn load(config: &Config, m: &ModelSettings, i: usize, metrics: &Metrics) -> Result<Model, StartError> {
+        let tokenizer = match &m.tokenizer_dir {
+            Some(dir) => {
+                let cache = TokenCacheConfig {
+                    budget_tokens: config.token_cache_tokens,
+                    verify_every: config.tokenize_verify_every,
+                };
+                let t = PromptTokenizer::from_dir(dir, cache)
+                    .map_err(|source| StartError::Tokenizer { model: m.routing.name.clone(), source })?;
+                tracing::info!(
+                    model = %m.routing.name,
+                    self_test = t.self_test_result(),
+                    fast_encoder = t.inner().uses_fast_encoder(),
+                    paragraphs = t.inner().encodes_by_paragraph(),
+                    "tokenizer loaded"
+                );
+                Some(t)
+            }
+            None => None,
+        };
+        let label = ModelLabel { model: m.routing.name.clone() };
+        Ok(Model {
+            name: m.routing.name.clone(),
+            state: Mutex::new(ModelState::new(m.routing.clone(), 0x6b76_6761_7465 ^ i as u64)),
+            tokenizer,
+            pick_seconds: metrics.global.pick_seconds.get_or_create_owned(&label),
+            overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),
+        })
+    }
+}
