@@ -1,0 +1,197 @@
+//! The task that owns one [`Engine`]: admits submitted requests, steps
+//! the engine, paces each step in simulated time (`speedup` × faster than
+//! the wall clock), records what `/metrics` shows, hands tokens to their
+//! requests and publishes the step's KV events (with the fault suite's
+//! injected stream faults).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvgate_vllm_wire::encode::{Encoding, encode_batch};
+use kvgate_vllm_wire::{Batch, BlockRemoved, BlockStored, Event};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+use zeromq::SocketSend as _;
+
+use super::{Delta, ReplayBuffer, Shared, StreamFault, Submit, word_ids};
+use crate::engine::{Engine, Output, Step};
+use crate::pool::CacheEvent;
+
+/// A request in the engine: its channel, arrival and last token time.
+type Live = (mpsc::UnboundedSender<Delta>, Instant, Option<Instant>);
+
+/// The engine and what the task keeps around it.
+pub(super) struct EngineTask {
+    sh: Arc<Shared>,
+    engine: Engine,
+    live: HashMap<u64, Live>,
+    seq: u64,
+    speed: f64,
+    clock: tokio::time::Instant,
+    buf: Arc<Mutex<ReplayBuffer>>,
+    publisher: Option<zeromq::PubSocket>,
+}
+
+impl EngineTask {
+    pub(super) fn new(sh: Arc<Shared>, buf: Arc<Mutex<ReplayBuffer>>, publisher: Option<zeromq::PubSocket>) -> Self {
+        let mut engine = Engine::new(sh.opts.engine);
+        engine.set_output_vocab(word_ids(&sh.opts.tokenizer));
+        let speed = sh.opts.speedup.max(1e-3);
+        Self { sh, engine, live: HashMap::new(), seq: 0, speed, clock: tokio::time::Instant::now(), buf, publisher }
+    }
+
+    /// Runs until every submitter is gone.
+    pub(super) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Submit>) {
+        loop {
+            if self.engine.is_idle() {
+                let Some(s) = rx.recv().await else { break };
+                self.clock = tokio::time::Instant::now();
+                self.admit(s);
+            }
+            while let Ok(s) = rx.try_recv() {
+                self.admit(s);
+            }
+            // Abandoned requests (client gone) are aborted, as vLLM does.
+            let gone: Vec<u64> = self.live.iter().filter(|(_, (tx, _, _))| tx.is_closed()).map(|(id, _)| *id).collect();
+            for id in gone {
+                self.engine.abort(id);
+                self.live.remove(&id);
+            }
+            let step = self.engine.step();
+            if !self.pace(&step).await {
+                continue;
+            }
+            self.record(&step);
+            if !step.events.is_empty() {
+                self.publish(&step.events).await;
+            }
+        }
+    }
+
+    fn admit(&mut self, s: Submit) {
+        self.live.insert(s.req.id, (s.tx, s.at, None));
+        self.engine.submit(s.req);
+    }
+
+    /// Waits the step's simulated time; false when there was nothing to do.
+    async fn pace(&mut self, step: &Step) -> bool {
+        if step.ms > 0.0 {
+            self.clock += Duration::from_secs_f64(step.ms / 1000.0 / self.speed);
+            tokio::time::sleep_until(self.clock).await;
+        } else if self.engine.is_idle() {
+            return false;
+        } else {
+            // Nothing could run (out of blocks with nothing to preempt):
+            // wait for a change rather than spin.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            self.clock = tokio::time::Instant::now();
+        }
+        true
+    }
+
+    /// Latencies, tokens to their requests, and the engine's gauges.
+    fn record(&mut self, step: &Step) {
+        let now = Instant::now();
+        let speed = self.speed;
+        let mut st = self.sh.stats.lock();
+        for id in &step.admitted {
+            if let Some((_, at, _)) = self.live.get(id) {
+                st.queue.observe(now.duration_since(*at).as_secs_f64() * speed);
+            }
+        }
+        for out in &step.outputs {
+            match *out {
+                Output::Token { id, index, cached_tokens, .. } => {
+                    if let Some((tx, at, last)) = self.live.get_mut(&id) {
+                        if index == 0 {
+                            st.ttft.observe(now.duration_since(*at).as_secs_f64() * speed);
+                        } else if let Some(l) = last {
+                            st.itl.observe(now.duration_since(*l).as_secs_f64() * speed);
+                        }
+                        *last = Some(now);
+                        st.generation_tokens += 1;
+                        let _ = tx.send(Delta::Token { index, cached: cached_tokens });
+                    }
+                }
+                Output::Finished { id } => {
+                    if let Some((tx, _, _)) = self.live.remove(&id) {
+                        st.success += 1;
+                        let _ = tx.send(Delta::Done);
+                    }
+                }
+            }
+        }
+        let e = &self.engine;
+        st.running = e.num_running();
+        st.waiting = e.num_waiting();
+        st.kv_usage = e.pool().usage();
+        st.queries = e.pool().queries_tokens;
+        st.hits = e.pool().hits_tokens;
+        st.steps += 1;
+        st.cached_blocks = e.pool().cached_copies().count();
+    }
+
+    /// One batch on the PUB socket and in the replay buffer, with the
+    /// faults queued for it.
+    async fn publish(&mut self, events: &[CacheEvent]) {
+        let opts = &self.sh.opts;
+        let payload = encode_events(events, opts.engine.block_size as u32, opts.encoding);
+        {
+            let mut b = self.buf.lock();
+            b.push_back((self.seq, payload.clone()));
+            while b.len() > opts.replay_buffer {
+                b.pop_front();
+            }
+        }
+        let faults = std::mem::take(&mut *self.sh.faults.lock());
+        if faults.contains(&StreamFault::Gap) {
+            // The engine's buffer moved on: what it held is gone.
+            self.seq += opts.replay_buffer as u64 + 10;
+            let mut b = self.buf.lock();
+            b.clear();
+            b.push_back((self.seq, payload.clone()));
+        }
+        if let Some(p) = self.publisher.as_mut() {
+            if faults.contains(&StreamFault::Garbage) {
+                let one = zeromq::ZmqMessage::from(opts.topic.as_bytes().to_vec());
+                let _ = p.send(one).await;
+                let mut bad = zeromq::ZmqMessage::from(opts.topic.as_bytes().to_vec());
+                bad.push_back(b"bad".to_vec().into());
+                bad.push_back(vec![0xc1].into());
+                let _ = p.send(bad).await;
+            }
+            let mut m = zeromq::ZmqMessage::from(opts.topic.as_bytes().to_vec());
+            m.push_back(self.seq.to_be_bytes().to_vec().into());
+            m.push_back(payload.into());
+            if faults.contains(&StreamFault::Duplicate) {
+                let _ = p.send(m.clone()).await;
+            }
+            let _ = p.send(m).await;
+        }
+        self.seq += 1;
+        self.sh.stats.lock().events_published += 1;
+    }
+}
+
+/// One engine step's cache events as a vLLM msgpack batch.
+fn encode_events(events: &[CacheEvent], block_size: u32, encoding: Encoding) -> Vec<u8> {
+    let events: Vec<Event<'_>> = events
+        .iter()
+        .map(|e| match e {
+            CacheEvent::Stored { hashes, parent, tokens } => Event::Stored(BlockStored {
+                block_hashes: hashes.clone(),
+                parent_block_hash: *parent,
+                token_ids: tokens.clone(),
+                block_size,
+                medium: Some("GPU"),
+                ..Default::default()
+            }),
+            CacheEvent::Removed { hashes } => {
+                Event::Removed(BlockRemoved { block_hashes: hashes.clone(), medium: Some("GPU"), ..Default::default() })
+            }
+        })
+        .collect();
+    let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    encode_batch(&Batch { ts, dp_rank: Some(0), array_len: 3, events }, encoding)
+}

@@ -1,0 +1,171 @@
+//! The OpenAI handlers (parse, tokenize with the shared prompt
+//! tokenizer, validate as vLLM does) and the simulator's own endpoints.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvgate_tokenize::prompt::{SegmentRef, chain_hashes};
+use serde_json::{Value, json};
+
+use super::generate::generate;
+use super::{Shared, StreamFault};
+
+/// Tokenization off the async scheduler's hands on a multi-thread runtime
+/// (inline on a current-thread one, where `block_in_place` is not allowed).
+fn heavy<T>(f: impl FnOnce() -> T) -> T {
+    if tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+    {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
+}
+
+pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let body = json!({
+        "object": "error",
+        "message": message.into(),
+        "type": if status == StatusCode::NOT_FOUND { "NotFoundError" } else { "BadRequestError" },
+        "param": null,
+        "code": status.as_u16(),
+    });
+    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
+
+pub(super) struct Parsed {
+    pub(super) prompt: Vec<u32>,
+    pub(super) max_tokens: usize,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+}
+
+fn common(sh: &Shared, body: &Value, prompt: Vec<u32>) -> Result<Parsed, Box<Response>> {
+    let model = body.get("model").and_then(Value::as_str).unwrap_or_default();
+    if model != sh.opts.model {
+        return Err(Box::new(error(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist."))));
+    }
+    let max_tokens = match body.get("max_completion_tokens").or_else(|| body.get("max_tokens")) {
+        None | Some(Value::Null) => sh.opts.default_max_tokens,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => n as usize,
+            _ => return Err(Box::new(error(StatusCode::BAD_REQUEST, "max_tokens must be an integer ≥ 1"))),
+        },
+    };
+    if prompt.len() + max_tokens > sh.opts.max_model_len {
+        return Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {} in the completion).",
+                sh.opts.max_model_len,
+                prompt.len() + max_tokens,
+                prompt.len(),
+                max_tokens
+            ),
+        )));
+    }
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
+    Ok(Parsed { prompt, max_tokens, stream, include_usage })
+}
+
+pub(super) async fn chat(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let arrived = Instant::now();
+    let Ok(body) = serde_json::from_slice::<Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
+    };
+    let Some(messages) = body.get("messages").and_then(Value::as_array).filter(|m| !m.is_empty()) else {
+        return error(StatusCode::BAD_REQUEST, "messages must be a non-empty array");
+    };
+    let bytes: Vec<Vec<u8>> = messages.iter().map(|m| serde_json::to_vec(m).unwrap_or_default()).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let mut ctx = serde_json::Map::new();
+    for k in ["tools", "documents", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"] {
+        if let Some(v) = body.get(k) {
+            ctx.insert(k.into(), v.clone());
+        }
+    }
+    let ctx = if ctx.is_empty() { Vec::new() } else { serde_json::to_vec(&ctx).unwrap_or_default() };
+    let hashes = chain_hashes(&ctx, &refs);
+    let segs: Vec<SegmentRef<'_>> =
+        bytes.iter().zip(&hashes).map(|(b, h)| SegmentRef { chain_hash: *h, message_json: b, elided: false }).collect();
+    let tk = sh.opts.tokenizer.clone();
+    let prompt = match heavy(|| tk.chat(&ctx, &segs)) {
+        Ok(t) => t.ids,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    match common(&sh, &body, prompt) {
+        Ok(p) => generate(sh, p, true, arrived).await,
+        Err(r) => *r,
+    }
+}
+
+pub(super) async fn completions(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let arrived = Instant::now();
+    let Ok(body) = serde_json::from_slice::<Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
+    };
+    let prompt = match body.get("prompt") {
+        Some(Value::String(s)) => match sh.opts.tokenizer.completion(s) {
+            Ok(t) => t.ids,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+        },
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
+            a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect()
+        }
+        _ => return error(StatusCode::BAD_REQUEST, "prompt must be a string or an array of token ids"),
+    };
+    match common(&sh, &body, prompt) {
+        Ok(p) => generate(sh, p, false, arrived).await,
+        Err(r) => *r,
+    }
+}
+
+pub(super) async fn models(State(sh): State<Arc<Shared>>) -> impl IntoResponse {
+    let m = &sh.opts.model;
+    let body = json!({
+        "object": "list",
+        "data": [{
+            "id": m, "object": "model", "created": sh.created, "owned_by": "vllm", "root": m, "parent": null,
+            "max_model_len": sh.opts.max_model_len,
+            "permission": [{"id": "modelperm-kvgate-sim", "object": "model_permission", "created": sh.created,
+                "allow_create_engine": false, "allow_sampling": true, "allow_logprobs": true,
+                "allow_search_indices": false, "allow_view": true, "allow_fine_tuning": false,
+                "organization": "*", "group": null, "is_blocking": false}],
+        }],
+    });
+    ([(header::CONTENT_TYPE, "application/json")], body.to_string())
+}
+
+/// Simulator-only: the engine's cache, for tests that compare it with what
+/// the KV events describe.
+/// `POST /kvgate/sim/fault?kind=duplicate|garbage|gap`: the next published
+/// batch carries that event-stream fault.
+pub(super) async fn inject_fault(
+    State(sh): State<Arc<Shared>>,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> impl IntoResponse {
+    match q.get("kind").and_then(|k| StreamFault::parse(k)) {
+        Some(f) => {
+            sh.faults.lock().push(f);
+            (StatusCode::OK, "queued\n")
+        }
+        None => (StatusCode::BAD_REQUEST, "expected ?kind=duplicate|garbage|gap\n"),
+    }
+}
+
+pub(super) async fn cache_info(State(sh): State<Arc<Shared>>) -> impl IntoResponse {
+    let st = sh.stats.lock().clone();
+    let body = json!({
+        "cached_blocks": st.cached_blocks,
+        "capacity_blocks": sh.opts.engine.num_blocks,
+        "kv_usage": st.kv_usage,
+        "steps": st.steps,
+        "event_batches": st.events_published,
+    });
+    ([(header::CONTENT_TYPE, "application/json")], body.to_string())
+}
