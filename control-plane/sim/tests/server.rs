@@ -234,7 +234,15 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
                 assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
             }
         });
-        let mut batches = 0;
+        // Received until every batch the worker published is in: the load
+        // is over and the count equals the worker's own (not "quiet for a
+        // while", which a loaded machine breaks).
+        let published = || {
+            let sim: Value = serde_json::from_slice(&get(http, "/kvgate/sim/cache").body).unwrap();
+            sim["event_batches"].as_u64().unwrap()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        let mut batches = 0u64;
         loop {
             tokio::select! {
                 m = sub.recv() => {
@@ -243,8 +251,9 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
                     let _ = core.on_live(&frames);
                     batches += 1;
                 }
-                _ = tokio::time::sleep(Duration::from_millis(800)) => {
-                    if load.is_finished() { break; }
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    if load.is_finished() && batches == published() { break; }
+                    assert!(std::time::Instant::now() < deadline, "{batches} of {} batches", published());
                 }
             }
         }
