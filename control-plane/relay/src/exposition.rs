@@ -1,6 +1,10 @@
-//! The relay's own Prometheus metrics (text exposition format 0.0.4).
+//! The relay's own metrics, through `prometheus-client` (OpenMetrics text).
 
-use std::fmt::Write;
+use std::borrow::Cow;
+
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
 
 use crate::core::RelayCounters;
 
@@ -32,63 +36,86 @@ pub struct RelayGauges {
     pub publish_queued: usize,
 }
 
-/// Renders every counter and gauge, labelled with the worker and model.
+/// Renders every counter and gauge, labelled with the worker and model,
+/// through `prometheus-client` (OpenMetrics text). Both structs are
+/// destructured without `..`: a field added to either does not compile
+/// until it is exported here.
 pub fn render(c: &RelayCounters, g: &RelayGauges, worker: &str, model: &str) -> String {
-    let mut out = String::with_capacity(4096);
-    let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
-    let labels = format!("worker=\"{}\",model=\"{}\"", esc(worker), esc(model));
-    let mut counter = |name: &str, help: &str, extra: &str, v: u64| {
-        let _ = writeln!(out, "# HELP kvgate_relay_{name} {help}\n# TYPE kvgate_relay_{name} counter");
-        let _ = writeln!(out, "kvgate_relay_{name}{{{labels}{extra}}} {v}");
-    };
-    counter("messages_total", "Live ZMQ messages received.", "", c.messages);
-    counter("batches_published_total", "Batches published on NATS.", "", c.published);
-    counter("blocks_stored_total", "Stored blocks published.", "", c.blocks_stored);
-    counter("blocks_removed_total", "Removed blocks published.", "", c.blocks_removed);
-    counter("decode_errors_msgpack_total", "Messages that were not valid msgpack.", "", c.decode_errors_msgpack);
-    counter("decode_errors_shape_total", "Messages that were msgpack but not a vLLM batch.", "", c.decode_errors_shape);
-    counter("decode_errors_frames_total", "Messages without the three expected frames.", "", c.decode_errors_frames);
-    counter("gaps_total", "Gaps in the engine sequence.", "", c.gaps);
-    counter("restarts_total", "Engine restarts (sequence back to 0).", "", c.restarts);
-    counter(
-        "duplicates_total",
-        "Batches received twice (replayed and live, or the same bytes again), dropped.",
-        "",
-        c.duplicates,
-    );
-    counter("engine_downs_total", "Times the engine was confirmed down (mirror cleared).", "", c.engine_downs);
-    counter("split_batches_total", "Extra batches from splitting batches over the size limit.", "", c.split_batches);
-    counter("health_failures_total", "Failed health probes of the engine.", "", g.health_failures);
-    counter("publish_errors_total", "NATS publishes that failed after retries (dropped).", "", g.publish_errors);
-    counter("publish_dropped_total", "Messages dropped because the outgoing queue was full.", "", g.publish_dropped);
-    counter("replays_total", "Replays requested from the engine.", "", c.replays);
-    counter("resyncs_total", "Clear-and-resyncs of the worker.", "", c.resyncs);
-    counter("orphan_stores_total", "Stored chains whose parent was unknown (not published).", "", c.orphan_stores);
-    counter("unknown_removals_total", "Removals of unknown blocks (not published).", "", c.unknown_removals);
-    counter("non_indexable_total", "Stores of sliding-window or mamba groups skipped.", "", c.non_indexable);
-    counter("unknown_events_total", "Events of unknown types skipped.", "", c.unknown_events);
-    counter(
-        "malformed_stores_total",
-        "Stores with a token count that is not blocks x block size.",
-        "",
-        c.malformed_stores,
-    );
-    counter("scrape_failures_total", "Failed scrapes of the engine's /metrics.", "", g.scrape_failures);
-    let mut gauge = |name: &str, help: &str, v: f64| {
-        let _ = writeln!(out, "# HELP kvgate_relay_{name} {help}\n# TYPE kvgate_relay_{name} gauge");
-        let _ = writeln!(out, "kvgate_relay_{name}{{{labels}}} {v}");
-    };
-    gauge("mirror_blocks", "Blocks in the mirror of the engine's cache.", g.mirror_blocks as f64);
-    gauge("relay_seq", "Sequence number of the last published batch.", g.relay_seq as f64);
-    gauge("engine_generation", "Engine restarts seen by this relay.", f64::from(g.engine_generation));
-    gauge("lag_seconds", "Engine timestamp to publication, last batch.", g.lag_seconds);
-    gauge("nats_connected", "1 when the NATS connection is up.", if g.nats_connected { 1.0 } else { 0.0 });
-    gauge(
-        "engine_health",
-        "The engine's health: 0 unknown, 1 healthy, 2 unhealthy, 3 down.",
-        f64::from(g.engine_health),
-    );
-    gauge("publish_queued", "Messages waiting to be published on NATS.", g.publish_queued as f64);
+    let labels = [("worker", worker.to_owned()), ("model", model.to_owned())]
+        .into_iter()
+        .map(|(k, v)| (Cow::Borrowed(k), Cow::Owned(v)));
+    let mut r = Registry::with_prefix_and_labels("kvgate_relay", labels);
+    let RelayCounters {
+        messages,
+        published,
+        blocks_stored,
+        blocks_removed,
+        decode_errors_msgpack,
+        decode_errors_shape,
+        decode_errors_frames,
+        gaps,
+        restarts,
+        duplicates,
+        replays,
+        resyncs,
+        orphan_stores,
+        unknown_removals,
+        non_indexable,
+        unknown_events,
+        malformed_stores,
+        engine_downs,
+        split_batches,
+    } = *c;
+    let RelayGauges {
+        mirror_blocks,
+        relay_seq,
+        engine_generation,
+        lag_seconds,
+        nats_connected,
+        scrape_failures,
+        health_failures,
+        engine_health,
+        publish_errors,
+        publish_dropped,
+        publish_queued,
+    } = *g;
+    let mut counter = |name: &str, help: &str, v: u64| r.register(name, help, ConstCounter::new(v));
+    counter("messages", "Live ZMQ messages received.", messages);
+    counter("batches_published", "Batches published on NATS.", published);
+    counter("blocks_stored", "Stored blocks published.", blocks_stored);
+    counter("blocks_removed", "Removed blocks published.", blocks_removed);
+    counter("decode_errors_msgpack", "Messages that were not valid msgpack.", decode_errors_msgpack);
+    counter("decode_errors_shape", "Messages that were msgpack but not a vLLM batch.", decode_errors_shape);
+    counter("decode_errors_frames", "Messages without the three expected frames.", decode_errors_frames);
+    counter("gaps", "Gaps in the engine sequence.", gaps);
+    counter("restarts", "Engine restarts (sequence back to 0).", restarts);
+    counter("duplicates", "Batches received twice (replayed and live, or the same bytes again), dropped.", duplicates);
+    counter("engine_downs", "Times the engine was confirmed down (mirror cleared).", engine_downs);
+    counter("split_batches", "Extra batches from splitting batches over the size limit.", split_batches);
+    counter("health_failures", "Failed health probes of the engine.", health_failures);
+    counter("publish_errors", "NATS publishes that failed after retries (dropped).", publish_errors);
+    counter("publish_dropped", "Messages dropped because the outgoing queue was full.", publish_dropped);
+    counter("replays", "Replays requested from the engine.", replays);
+    counter("resyncs", "Clear-and-resyncs of the worker.", resyncs);
+    counter("orphan_stores", "Stored chains whose parent was unknown (not published).", orphan_stores);
+    counter("unknown_removals", "Removals of unknown blocks (not published).", unknown_removals);
+    counter("non_indexable", "Stores of sliding-window or mamba groups skipped.", non_indexable);
+    counter("unknown_events", "Events of unknown types skipped.", unknown_events);
+    counter("malformed_stores", "Stores with a token count that is not blocks x block size.", malformed_stores);
+    counter("scrape_failures", "Failed scrapes of the engine's /metrics.", scrape_failures);
+    let mut gauge = |name: &str, help: &str, v: i64| r.register(name, help, ConstGauge::new(v));
+    let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    gauge("mirror_blocks", "Blocks in the mirror of the engine's cache.", int(mirror_blocks as u64));
+    gauge("relay_seq", "Sequence number of the last published batch.", int(relay_seq));
+    gauge("engine_generation", "Engine restarts seen by this relay.", i64::from(engine_generation));
+    gauge("nats_connected", "1 when the NATS connection is up.", i64::from(nats_connected));
+    gauge("engine_health", "The engine's health: 0 unknown, 1 healthy, 2 unhealthy, 3 down.", i64::from(engine_health));
+    gauge("publish_queued", "Messages waiting to be published on NATS.", int(publish_queued as u64));
+    r.register("lag_seconds", "Engine timestamp to publication, last batch.", ConstGauge::new(lag_seconds));
+    let mut out = String::with_capacity(8192);
+    if prometheus_client::encoding::text::encode(&mut out, &r).is_err() {
+        out = "# metrics could not be encoded\n".into();
+    }
     out
 }
 
@@ -109,6 +136,7 @@ mod tests {
         assert!(
             text.contains("kvgate_relay_nats_connected{worker=\"10.0.0.7:8000\",model=\"meta-llama/\\\"x\\\"\"} 1")
         );
+        assert!(text.ends_with("# EOF\n"));
         // Every sample line is "name{labels} value".
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             assert!(l.split_once("} ").is_some_and(|(_, v)| v.parse::<f64>().is_ok()), "{l}");

@@ -391,7 +391,7 @@ fn serve_metrics(mut stream: tokio::net::TcpStream, body: String) {
         let mut buf = [0u8; 1024];
         let _ = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut buf)).await;
         let head = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
             body.len()
         );
         let _ = stream.write_all(head.as_bytes()).await;
