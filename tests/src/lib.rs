@@ -21,7 +21,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 
+pub mod http;
+pub mod nats;
 pub mod vllm;
+
+pub use http::{HttpResponse, http_request};
+pub use nats::{NatsClient, NatsMsg};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -315,134 +320,6 @@ impl NatsServer {
         proc.ensure_running()?;
         Ok(Self { proc, port })
     }
-}
-
-/// A message received by [`NatsClient`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NatsMsg {
-    /// The subject it was published on.
-    pub subject: String,
-    /// The subscription id it arrived for.
-    pub sid: String,
-    /// Reply subject, if any.
-    pub reply: Option<String>,
-    /// Payload bytes.
-    pub payload: Vec<u8>,
-}
-
-/// A minimal blocking client of the NATS text protocol (CONNECT, PUB, SUB,
-/// PING/PONG, MSG), enough to check subjects and payloads against a real
-/// server in tests.
-pub struct NatsClient {
-    writer: TcpStream,
-    reader: BufReader<TcpStream>,
-}
-
-impl NatsClient {
-    /// Connects and completes the handshake.
-    pub fn connect(port: u16) -> Result<Self> {
-        let stream = TcpStream::connect(("127.0.0.1", port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        let mut reader = BufReader::new(stream.try_clone()?);
-        let mut line = String::new();
-        reader.read_line(&mut line)?;
-        ensure!(line.starts_with("INFO "), "expected INFO, got {line:?}");
-        let mut c = Self { writer: stream, reader };
-        c.writer
-            .write_all(b"CONNECT {\"verbose\":false,\"pedantic\":true,\"protocol\":1,\"name\":\"kvgate-e2e\"}\r\n")?;
-        c.flush()?;
-        Ok(c)
-    }
-
-    /// Subscribes `sid` to `subject` (wildcards allowed).
-    pub fn subscribe(&mut self, subject: &str, sid: &str) -> Result<()> {
-        write!(self.writer, "SUB {subject} {sid}\r\n")?;
-        Ok(())
-    }
-
-    /// Publishes `payload` on `subject`.
-    pub fn publish(&mut self, subject: &str, payload: &[u8]) -> Result<()> {
-        write!(self.writer, "PUB {subject} {}\r\n", payload.len())?;
-        self.writer.write_all(payload)?;
-        self.writer.write_all(b"\r\n")?;
-        Ok(())
-    }
-
-    /// Publishes `payload` on `subject` with a reply subject (request-reply).
-    pub fn request(&mut self, subject: &str, reply: &str, payload: &[u8]) -> Result<()> {
-        write!(self.writer, "PUB {subject} {reply} {}\r\n", payload.len())?;
-        self.writer.write_all(payload)?;
-        self.writer.write_all(b"\r\n")?;
-        Ok(())
-    }
-
-    /// Round trip to the server: everything sent before is processed, and
-    /// any protocol error (`-ERR`) is returned.
-    pub fn flush(&mut self) -> Result<()> {
-        self.writer.write_all(b"PING\r\n")?;
-        match self.read_op()? {
-            Op::Pong => Ok(()),
-            Op::Msg(m) => bail!("unexpected message during flush: {m:?}"),
-        }
-    }
-
-    /// The next message, or `None` when none arrives within `timeout`.
-    pub fn next_msg(&mut self, timeout: Duration) -> Result<Option<NatsMsg>> {
-        self.reader.get_ref().set_read_timeout(Some(timeout))?;
-        let r = match self.read_op() {
-            Ok(Op::Msg(m)) => Ok(Some(m)),
-            Ok(Op::Pong) => Ok(None),
-            Err(e) => match e.downcast_ref::<std::io::Error>() {
-                Some(io) if matches!(io.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                    Ok(None)
-                }
-                _ => Err(e),
-            },
-        };
-        self.reader.get_ref().set_read_timeout(Some(Duration::from_secs(5)))?;
-        r
-    }
-
-    fn read_op(&mut self) -> Result<Op> {
-        loop {
-            let mut line = String::new();
-            let n = self.reader.read_line(&mut line)?;
-            ensure!(n > 0, "NATS connection closed");
-            let line = line.trim_end();
-            if line == "PONG" {
-                return Ok(Op::Pong);
-            }
-            if line == "PING" {
-                self.writer.write_all(b"PONG\r\n")?;
-                continue;
-            }
-            if line == "+OK" || line.starts_with("INFO ") {
-                continue;
-            }
-            if let Some(err) = line.strip_prefix("-ERR") {
-                bail!("NATS error:{err}");
-            }
-            if let Some(rest) = line.strip_prefix("MSG ") {
-                let parts: Vec<&str> = rest.split(' ').collect();
-                let (subject, sid, reply, len) = match parts.as_slice() {
-                    [s, i, n] => (*s, *i, None, *n),
-                    [s, i, r, n] => (*s, *i, Some((*r).to_owned()), *n),
-                    _ => bail!("bad MSG line {line:?}"),
-                };
-                let len: usize = len.parse()?;
-                let mut payload = vec![0; len + 2];
-                self.reader.read_exact(&mut payload)?;
-                payload.truncate(len);
-                return Ok(Op::Msg(NatsMsg { subject: subject.to_owned(), sid: sid.to_owned(), reply, payload }));
-            }
-            bail!("unexpected NATS line {line:?}");
-        }
-    }
-}
-
-enum Op {
-    Pong,
-    Msg(NatsMsg),
 }
 
 /// Fills `${NAME}` placeholders; every placeholder must have a value.
@@ -744,81 +621,6 @@ fn first_listener(admin: SocketAddr) -> Result<SocketAddr> {
     Ok(SocketAddr::new(ip, port.context("no bound listener port")?))
 }
 
-/// An HTTP/1.1 response.
-#[derive(Debug, Clone)]
-pub struct HttpResponse {
-    /// Status code.
-    pub status: u16,
-    /// Headers, names lower-cased.
-    pub headers: Vec<(String, String)>,
-    /// Body (the whole stream read until close).
-    pub body: Vec<u8>,
-}
-
-impl HttpResponse {
-    /// First value of header `name` (lower-case).
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
-    }
-}
-
-/// One HTTP/1.1 request with `Connection: close`; reads the response to EOF.
-pub fn http_request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-) -> Result<HttpResponse> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut req =
-        format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n", body.len());
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes())?;
-    s.write_all(body)?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    parse_response(&raw)
-}
-
-/// Parses a raw HTTP/1.1 response (chunked bodies are decoded).
-pub fn parse_response(raw: &[u8]) -> Result<HttpResponse> {
-    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| anyhow!("no header end in response"))?;
-    let head = std::str::from_utf8(&raw[..end])?;
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let status: u16 =
-        status_line.split(' ').nth(1).ok_or_else(|| anyhow!("bad status line {status_line:?}"))?.parse()?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    let mut body = raw[end + 4..].to_vec();
-    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked")) {
-        body = dechunk(&body)?;
-    }
-    Ok(HttpResponse { status, headers, body })
-}
-
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let nl = b.windows(2).position(|w| w == b"\r\n").ok_or_else(|| anyhow!("bad chunk"))?;
-        let size = usize::from_str_radix(std::str::from_utf8(&b[..nl])?.split(';').next().unwrap_or("").trim(), 16)?;
-        b = &b[nl + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        ensure!(b.len() >= size + 2, "truncated chunk");
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
-}
-
 /// An HTTP server on 127.0.0.1 that answers every request with 200 and a
 /// fixed body (e.g. a fake `/metrics`); stops when dropped.
 pub struct StaticHttp {
@@ -1013,13 +815,5 @@ mod tests {
         assert_eq!(render_template("x${A}y", &vars).unwrap(), "x1y");
         assert!(render_template("${B}", &vars).is_err());
         assert!(render_template("${A", &vars).is_err());
-    }
-
-    #[test]
-    fn chunked_bodies() {
-        let raw = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
-        let r = parse_response(raw).unwrap();
-        assert_eq!(r.status, 200);
-        assert_eq!(r.body, b"abcde");
     }
 }

@@ -96,33 +96,45 @@ fn per_model_wildcards_are_isolated() {
     assert_eq!(n, MODELS.len() * workers.len());
 }
 
-/// Raw names are not usable subject tokens. Through a real server they
-/// either lose a model's own messages (a `.` in a worker id adds tokens, so
-/// `<model>.*` no longer matches) or leak another model's (a space ends the
-/// subject, so `Qwen/Qwen3 8B` and `Qwen/Qwen3 32B` collide). Encoded subjects
-/// deliver exactly the subscribed model's messages.
+/// Raw names are not usable subject tokens. A `.` in a worker id adds
+/// tokens, so `<model>.*` no longer matches and a real server loses the
+/// model's own messages; a space is refused by the client library before it
+/// reaches the server (on the wire it would end the subject, and `Qwen/Qwen3
+/// 8B` and `Qwen/Qwen3 32B` would collide). Encoded subjects deliver exactly
+/// the subscribed model's messages.
 #[test]
-fn raw_names_misroute_encoded_names_do_not() {
+fn raw_names_misroute_or_are_refused_encoded_names_do_not() {
     let dir = scratch_dir("nats-raw").unwrap();
     let server = NatsServer::start(&dir).unwrap();
     let s = Subjects::default();
-    for (sub_model, pub_model, worker) in [("m", "m", "10.0.0.7:8000"), ("Qwen/Qwen3 8B", "Qwen/Qwen3 32B", "w")] {
-        let mut sub = NatsClient::connect(server.port).unwrap();
-        sub.subscribe(&format!("kvgate.v1.kv.{sub_model}.*"), "raw").unwrap();
-        sub.subscribe(&s.model(SubjectKind::KvEvents, sub_model), "enc").unwrap();
-        sub.flush().unwrap();
-        let mut publisher = NatsClient::connect(server.port).unwrap();
-        publisher.publish(&format!("kvgate.v1.kv.{pub_model}.{worker}"), b"raw").unwrap();
-        publisher.publish(&s.kv_events(pub_model, worker), b"encoded").unwrap();
-        publisher.flush().unwrap();
-        let mut got = Vec::new();
-        while let Some(m) = sub.next_msg(Duration::from_millis(300)).unwrap() {
-            got.push((m.sid, m.payload));
-        }
-        let should_arrive = sub_model == pub_model;
-        let raw_arrived = got.iter().any(|(_, p)| p == b"raw");
-        let encoded_arrived = got.contains(&("enc".to_owned(), b"encoded".to_vec()));
-        assert_ne!(raw_arrived, should_arrive, "raw subject routed right for {pub_model} / {worker}: {got:?}");
-        assert_eq!(encoded_arrived, should_arrive, "encoded subject misrouted for {pub_model} / {worker}: {got:?}");
+    // A dot in the worker id: the raw subject has more tokens than `*` matches.
+    let mut sub = NatsClient::connect(server.port).unwrap();
+    sub.subscribe("kvgate.v1.kv.m.*", "raw").unwrap();
+    sub.subscribe(&s.model(SubjectKind::KvEvents, "m"), "enc").unwrap();
+    sub.flush().unwrap();
+    let mut publisher = NatsClient::connect(server.port).unwrap();
+    publisher.publish("kvgate.v1.kv.m.10.0.0.7:8000", b"raw").unwrap();
+    publisher.publish(&s.kv_events("m", "10.0.0.7:8000"), b"encoded").unwrap();
+    publisher.flush().unwrap();
+    let mut got = Vec::new();
+    while let Some(m) = sub.next_msg(Duration::from_millis(300)).unwrap() {
+        got.push((m.sid, m.payload));
     }
+    assert!(!got.iter().any(|(_, p)| p == b"raw"), "the raw subject has too many tokens: lost ({got:?})");
+    assert!(got.contains(&("enc".to_owned(), b"encoded".to_vec())), "the encoded one arrives ({got:?})");
+    // A space: refused by the client; the encoded names are isolated.
+    let mut sub = NatsClient::connect(server.port).unwrap();
+    assert!(sub.subscribe("kvgate.v1.kv.Qwen/Qwen3 8B.*", "raw").is_err(), "a space in a subject is refused");
+    sub.subscribe(&s.model(SubjectKind::KvEvents, "Qwen/Qwen3 8B"), "enc").unwrap();
+    sub.flush().unwrap();
+    let mut publisher = NatsClient::connect(server.port).unwrap();
+    assert!(publisher.publish("kvgate.v1.kv.Qwen/Qwen3 32B.w", b"raw").is_err());
+    publisher.publish(&s.kv_events("Qwen/Qwen3 32B", "w"), b"other model").unwrap();
+    publisher.publish(&s.kv_events("Qwen/Qwen3 8B", "w"), b"own model").unwrap();
+    publisher.flush().unwrap();
+    let mut got = Vec::new();
+    while let Some(m) = sub.next_msg(Duration::from_millis(300)).unwrap() {
+        got.push(m.payload);
+    }
+    assert_eq!(got, [b"own model".to_vec()]);
 }

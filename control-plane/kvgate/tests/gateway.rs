@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{BLOCK, Fleet, MODEL, prom, until};
 use kvgate_e2e::{
@@ -416,31 +416,30 @@ fn fail_closed_answers_locally() {
 
 /// Sends a streaming request over raw HTTP/1.1 and returns (time to the
 /// first SSE event, time to the end, the raw response).
-fn stream(addr: SocketAddr, body: &[u8]) -> (Duration, Duration, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let t = Instant::now();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    let mut first = None;
-    let mut buf = [0u8; 4096];
+/// Posts a streaming chat request and reads its SSE body; `at_first_event`
+/// runs when the first `data:` event has arrived, before the rest is read.
+/// Returns the worker header and the whole body.
+fn stream(addr: SocketAddr, body: &[u8], at_first_event: impl FnOnce(&str)) -> (String, String) {
+    use std::io::Read as _;
+    let mut r =
+        kvgate_e2e::http::send(addr, "POST", "/v1/chat/completions", &[("content-type", "application/json")], body)
+            .unwrap();
+    assert_eq!(r.status(), 200);
+    let worker = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let (mut raw, mut buf, mut first) = (Vec::new(), [0u8; 4096], Some(at_first_event));
     loop {
-        let n = s.read(&mut buf).unwrap();
+        let n = r.read(&mut buf).unwrap();
         if n == 0 {
             break;
         }
         raw.extend_from_slice(&buf[..n]);
-        if first.is_none() && raw.windows(6).any(|w| w == b"data: ") {
-            first = Some(t.elapsed());
+        if raw.windows(6).any(|w| w == b"data: ")
+            && let Some(f) = first.take()
+        {
+            f(&worker);
         }
     }
-    (first.unwrap(), t.elapsed(), String::from_utf8(raw).unwrap())
+    (worker, String::from_utf8(raw).unwrap())
 }
 
 #[test]
@@ -490,18 +489,33 @@ fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
         messages.as_array_mut().unwrap().push(json!({"role": "user", "content": format!("And then {turn}?")}));
     }
 
-    // A stream passes through as it is produced: the first event arrives
-    // long before the last. 160 tokens take about 2 s to decode here, so a
-    // stall of the loaded CI machine (the simulator catches up on its clock
-    // in a burst) cannot close the gap; 40 tokens left only ~0.55 s of it.
+    // A stream passes through as it is produced: when the first event
+    // arrives, the engine is still generating the request (160 tokens, about
+    // 2 s here). Causal, not a comparison of two clocks.
     let body = json!({"model": MODEL, "messages": messages, "max_tokens": 160, "stream": true,
                       "stream_options": {"include_usage": true}})
     .to_string();
-    let (first, total, raw) = stream(gw.listen, body.as_bytes());
-    assert!(raw.contains("data: [DONE]"), "{raw}");
-    assert!(raw.contains("x-kvgate-worker: "), "{raw}");
-    assert!(first + Duration::from_millis(1000) < total, "first event {first:?}, end {total:?}");
-    let body = String::from_utf8(kvgate_e2e::parse_response(raw.as_bytes()).unwrap().body).unwrap();
+    // Requests the workers finished, read from their /metrics.
+    let finished = || -> f64 {
+        fleet
+            .http
+            .iter()
+            .map(|w| {
+                let m = String::from_utf8(http_request(*w, "GET", "/metrics", &[], b"").unwrap().body).unwrap();
+                m.lines()
+                    .find(|l| l.starts_with("vllm:request_success_total{"))
+                    .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            })
+            .sum()
+    };
+    let before = finished();
+    let mut at_first = None;
+    let (worker, body) = stream(gw.listen, body.as_bytes(), |_| at_first = Some(finished()));
+    assert!(body.contains("data: [DONE]"), "{body}");
+    assert!(worker.starts_with('w'), "x-kvgate-worker: {worker:?}");
+    assert_eq!(at_first, Some(before), "the first event arrived before the engine finished the request");
+    until(10, "the request finished", || finished() == before + 1.0);
     let usage_line = body.lines().rev().find(|l| l.contains("\"usage\":{")).unwrap();
     let usage: Value = serde_json::from_str(usage_line.trim_start_matches("data: ")).unwrap();
     client_cached += usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();

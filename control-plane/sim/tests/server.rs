@@ -100,6 +100,12 @@ fn get(addr: SocketAddr, path: &str) -> kvgate_e2e::HttpResponse {
     kvgate_e2e::http_request(addr, "GET", path, &[], b"").unwrap()
 }
 
+/// [`get`] from inside an async context (the blocking client must not run
+/// on a runtime's thread).
+fn get_from_async(addr: SocketAddr, path: &'static str) -> kvgate_e2e::HttpResponse {
+    std::thread::scope(|s| s.spawn(|| get(addr, path)).join().unwrap())
+}
+
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
@@ -238,7 +244,7 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
         // is over and the count equals the worker's own (not "quiet for a
         // while", which a loaded machine breaks).
         let published = || {
-            let sim: Value = serde_json::from_slice(&get(http, "/kvgate/sim/cache").body).unwrap();
+            let sim: Value = serde_json::from_slice(&get_from_async(http, "/kvgate/sim/cache").body).unwrap();
             sim["event_batches"].as_u64().unwrap()
         };
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -265,7 +271,7 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
         assert!(c.blocks_removed > 0, "the cache overflowed, so blocks were evicted: {c:?}");
         assert_eq!(c.orphan_stores + c.unknown_removals, 0, "every event continues the stream: {c:?}");
         // The relay's mirror holds exactly the blocks the engine caches.
-        let sim: Value = serde_json::from_slice(&get(w.http, "/kvgate/sim/cache").body).unwrap();
+        let sim: Value = serde_json::from_slice(&get_from_async(w.http, "/kvgate/sim/cache").body).unwrap();
         assert_eq!(core.mirror().len() as u64, sim["cached_blocks"].as_u64().unwrap(), "{sim}");
 
         // Replay from the start over the ROUTER socket (a DEALER client, as
