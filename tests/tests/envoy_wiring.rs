@@ -7,7 +7,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
-use kvgate_e2e::{EchoUpstream, Envoy, HttpResponse, envoy_validate, http_request, render_local_envoy, scratch_dir};
+use kvgate_testkit::{
+    EchoUpstream, Envoy, HttpResponse, envoy_validate, http_request, render_local_envoy, scratch_dir,
+};
 
 struct Stack {
     envoy: Envoy,

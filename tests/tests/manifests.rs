@@ -21,7 +21,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kvgate_e2e::{envoy_validate, filter_wasm, repo_root, scratch_dir, tool};
+use kvgate_testkit::{envoy_validate, filter_wasm, repo_root, scratch_dir, tool};
 use serde_json::{Value, json};
 
 /// Every folder with a kustomization.yaml under deploy/ and gateway-api/.
@@ -244,7 +244,7 @@ fn configurations_inside_the_manifests_are_accepted_by_their_readers() {
     let socket = &tls_epp["spec"]["jsonPatches"][0]["operation"]["value"]["transport_socket"];
     let mount = "/etc/kvgate-tls";
     let (ca, crt, key) = (format!("{mount}/ca.crt"), format!("{mount}/tls.crt"), format!("{mount}/tls.key"));
-    let fragment = kvgate_e2e::render_template(
+    let fragment = kvgate_testkit::render_template(
         &std::fs::read_to_string(repo_root().join("envoy/control-plane-tls.yaml")).unwrap(),
         &std::collections::BTreeMap::from([
             ("CA_FILE", ca),

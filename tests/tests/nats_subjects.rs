@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use kvgate_e2e::{NatsClient, NatsServer, scratch_dir};
 use kvgate_protocol::pb::{self, kv_event};
 use kvgate_protocol::subject::{SubjectKind, Subjects};
+use kvgate_testkit::{NatsClient, NatsServer, scratch_dir};
 use prost::Message;
 
 const MODELS: &[&str] = &[

@@ -226,13 +226,6 @@ fn build_trace(a: &Args) -> Result<Trace> {
     Ok(Trace { ops, lookups, stored_blocks: stored, removed_blocks: removed, requests: n })
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
 
 /// Replays the trace into a fresh kvgate index: (index, workers, wall s,
 /// CPU s, bytes allocated and still live).
@@ -377,8 +370,8 @@ fn main() -> Result<()> {
             "ingest_s": ingest_s,
             "ingest_cpu_s": cpu,
             "ingest_block_ops_per_cpu_s": (block_ops as f64 / cpu.max(0.01)).round(),
-            "lookup_p50_us": percentile(ns, 0.50) / 1e3,
-            "lookup_p99_us": percentile(ns, 0.99) / 1e3,
+            "lookup_p50_us": kvgate_bench_support::quantile(ns, 0.50) / 1e3,
+            "lookup_p99_us": kvgate_bench_support::quantile(ns, 0.99) / 1e3,
             "live_bytes_after_ingest": bytes,
             "bytes_per_block_worker": bytes / resident.max(1) as f64,
         })

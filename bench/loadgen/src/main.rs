@@ -164,14 +164,14 @@ impl Sweep {
             bail!("--speedup must be > 0 and --stream-interval at least 1");
         }
         let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
-        let root = kvgate_e2e::repo_root();
+        let root = kvgate_testkit::repo_root();
         let out = if out.is_absolute() { out } else { root.join(out) };
         let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
         let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / speedup);
         let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(measure_s), drain: wall(drain_s) };
         let mut fleet = FleetSpec::doks(speedup, a.stream_interval);
         fleet.kv_settings = kv_lines(&a.kv_settings)?;
-        let (commit, machine) = kvgate_e2e::bench_provenance();
+        let (commit, machine) = kvgate_bench_support::provenance();
         let stamp =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         Ok(Self {
@@ -388,7 +388,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
             Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
             Kind::Mooncake => {
-                let path = kvgate_e2e::shared_dir()?.join("traces/mooncake/conversation_trace.jsonl");
+                let path = kvgate_testkit::shared_dir()?.join("traces/mooncake/conversation_trace.jsonl");
                 let compress = level.max(1) as f64 / 100.0;
                 (
                     Requests::Trace(Trace::mooncake(&path, horizon * 1000.0 * compress, compress, 2_000)?),
@@ -450,7 +450,7 @@ fn dashboard(a: DashArgs) -> Result<()> {
         bail!("--speedup and --window-s must be > 0 and --stream-interval at least 1");
     }
     let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
-    let root = kvgate_e2e::repo_root();
+    let root = kvgate_testkit::repo_root();
     let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let mut fleet = FleetSpec::doks(a.speedup, a.stream_interval);

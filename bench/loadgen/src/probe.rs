@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use kvgate_e2e::http_request;
+use kvgate_testkit::http_request;
 
 /// Busy and total jiffies of the whole host.
 #[derive(Debug, Clone, Copy, Default)]
@@ -34,7 +34,7 @@ impl HostCpu {
 
 /// CPU seconds (user + system) a process has used so far.
 pub fn process_cpu_s(pid: u32) -> f64 {
-    kvgate_e2e::process_cpu_ns(pid) as f64 / 1e9
+    kvgate_bench_support::process_cpu_ns(pid) as f64 / 1e9
 }
 
 /// The counters and gauges of one worker's `/metrics` that the report uses.
@@ -58,14 +58,9 @@ pub struct WorkerMetrics {
 /// Parses the series the report uses from Prometheus text.
 pub fn parse_metrics(text: &str) -> WorkerMetrics {
     let mut m = WorkerMetrics::default();
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let Some((series, value)) = line.rsplit_once(' ') else { continue };
-        let Ok(v) = value.parse::<f64>() else { continue };
-        let name = series.split('{').next().unwrap_or(series);
-        match name {
+    for s in kvgate_testkit::prom::samples(text) {
+        let v = s.value;
+        match s.name {
             "vllm:prefix_cache_queries_total" => m.queries += v,
             "vllm:prefix_cache_hits_total" => m.hits += v,
             "vllm:num_requests_running" => m.running += v,

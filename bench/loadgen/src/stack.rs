@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvgate_e2e::{
+use kvgate_testkit::{
     Envoy, NatsServer, Proc, RelaySpec, free_port, http_request, render_kvgate_envoy, repo_root, wait_for_tcp,
 };
 
@@ -178,7 +178,7 @@ impl Stack {
         let mut workers = Vec::new();
         let mut zmq = Vec::new();
         for w in 0..fleet.workers {
-            let (hp, zp) = (free_port()?, kvgate_e2e::port_pair()?);
+            let (hp, zp) = (free_port()?, kvgate_testkit::port_pair()?);
             let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
             let sim = kvgate(
                 bin,

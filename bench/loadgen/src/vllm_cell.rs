@@ -2,7 +2,7 @@
 //!
 //! Two vLLM 0.32 engines (CPU build, the locally built tiny Llama, block
 //! size 32, 8,192 tokens of KV cache each so that conversations evict each
-//! other; `kvgate_e2e::vllm`), one fleet for every mode. Before each mode
+//! other; `kvgate_testkit::vllm`), one fleet for every mode. Before each mode
 //! the engines' prefix caches are reset (`/reset_prefix_cache`, which
 //! publishes `AllBlocksCleared`), then the same conversations (the OpenAI
 //! SDK, `tests/tools/openai_conversations.py`, same seed) run through the
@@ -21,8 +21,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use kvgate_e2e::vllm::{Fleet, MODEL, conversations};
-use kvgate_e2e::{Envoy, Proc, free_port, http_request, render_kvgate_envoy, repo_root};
+use kvgate_testkit::vllm::{Fleet, MODEL, conversations};
+use kvgate_testkit::{Envoy, Proc, free_port, http_request, render_kvgate_envoy, repo_root};
 use serde_json::{Value, json};
 
 use crate::stack::{kvgate_bin, spawn_sglang, tokenizer_dir, wait_until};
@@ -64,7 +64,7 @@ fn start_kvgate(fleet: &Fleet, dir: &Path) -> Result<Kvgate> {
     serve.args(["--replica-id", "cp-bench-vllm"]);
     let serve = Proc::spawn("serve", serve, dir)?;
     let admin: SocketAddr = ([127, 0, 0, 1], ap).into();
-    kvgate_e2e::wait_for_tcp(admin, Duration::from_secs(60))?;
+    kvgate_testkit::wait_for_tcp(admin, Duration::from_secs(60))?;
     let filter = json!({"control_plane": {"timeout_ms": 1000}, "debug_headers": true, "reports": {"interval_ms": 100}});
     let config = dir.join("envoy.yaml");
     let grpc: SocketAddr = ([127, 0, 0, 1], gp).into();
@@ -188,10 +188,10 @@ pub fn run(a: &VllmArgs) -> Result<()> {
         println!("vllm {mode:<20} {row}");
         rows.push(row);
     }
-    let (commit, machine) = kvgate_e2e::bench_provenance();
+    let (commit, machine) = kvgate_bench_support::provenance();
     let result = json!({
         "rows": rows,
-        "vllm_version": kvgate_e2e::vllm::version(),
+        "vllm_version": kvgate_testkit::vllm::version(),
         "commit": commit,
         "machine": machine,
         "settings": {

@@ -8,7 +8,7 @@
 //! published ~830 with 555–1,008 seen). Conversation `n` is the same text in
 //! every mode, so modes are compared on one workload.
 
-use kvgate_e2e::bench_words;
+use kvgate_bench_support::words as bench_words;
 
 /// Mixes a seed and a number into a well-spread 64-bit value (splitmix64).
 pub fn mix(seed: u64, n: u64) -> u64 {

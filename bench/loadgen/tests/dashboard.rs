@@ -16,7 +16,7 @@ use kvgate_bench::workload::Doks;
 /// Runs headless Chromium on `url` with `extra` flags; returns its stdout.
 /// Bounded: killed after 90 s.
 fn chromium(dir: &Path, url: &str, extra: &[&str]) -> String {
-    let bin = kvgate_e2e::tool("KVGATE_CHROMIUM", "chromium").unwrap();
+    let bin = kvgate_testkit::tool("KVGATE_CHROMIUM", "chromium").unwrap();
     let profile = dir.join(format!("profile-{}", extra.len()));
     let out_file = dir.join(format!("chromium-{}.out", extra.len()));
     let mut cmd = Command::new(bin);
@@ -59,10 +59,10 @@ fn chromium(dir: &Path, url: &str, extra: &[&str]) -> String {
 
 #[test]
 fn the_dashboard_renders_every_mode_and_its_slider_sets_the_load() {
-    let dir = kvgate_e2e::scratch_dir("dashboard").unwrap();
+    let dir = kvgate_testkit::scratch_dir("dashboard").unwrap();
     let mut fleet = FleetSpec { num_blocks: 4_000, ..FleetSpec::doks(25.0, 8) };
     if std::env::var_os("KVGATE_BIN").is_none() {
-        fleet.kvgate = kvgate_e2e::repo_root().join("target/debug/kvgate");
+        fleet.kvgate = kvgate_testkit::repo_root().join("target/debug/kvgate");
     }
     let modes = ["kv", "round_robin"];
     let stacks: Vec<Stack> =
@@ -99,7 +99,7 @@ fn the_dashboard_renders_every_mode_and_its_slider_sets_the_load() {
     }
 
     // The API: a bad body is a precise 400 and changes nothing.
-    let r = kvgate_e2e::http_request(addr, "POST", "/api/concurrency", &[], b"{\"users\": 3}").unwrap();
+    let r = kvgate_testkit::http_request(addr, "POST", "/api/concurrency", &[], b"{\"users\": 3}").unwrap();
     assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(live.concurrency(), 2);
 

@@ -12,11 +12,11 @@ use kvgate_bench::stats::summarize;
 use kvgate_bench::workload::Doks;
 
 fn cell(front: Frontend) -> kvgate_bench::stats::Row {
-    let dir = kvgate_e2e::scratch_dir(&format!("bench-{}", front.name())).unwrap();
+    let dir = kvgate_testkit::scratch_dir(&format!("bench-{}", front.name())).unwrap();
     // Fast simulated time, few users, short windows: a smoke cell.
     let mut fleet = FleetSpec { num_blocks: 4_000, ..FleetSpec::doks(25.0, 8) };
     if std::env::var_os("KVGATE_BIN").is_none() {
-        fleet.kvgate = kvgate_e2e::repo_root().join("target/debug/kvgate");
+        fleet.kvgate = kvgate_testkit::repo_root().join("target/debug/kvgate");
     }
     assert!(fleet.kvgate.exists(), "{} not built: cargo build -p kvgate", fleet.kvgate.display());
     let mut stack = Stack::start(&dir, &fleet, &front).unwrap();

@@ -16,7 +16,7 @@ fn app() -> std::sync::Arc<App> {
         models: vec![RawModel {
             name: "m".into(),
             block_size: Some(16),
-            tokenizer_dir: Some(kvgate_e2e::repo_root().join(".tools/models/deepseek-v3")),
+            tokenizer_dir: Some(kvgate_testkit::repo_root().join(".tools/models/deepseek-v3")),
             workers: vec![RawWorker { id: "w0".into(), endpoint: "10.0.0.1:8000".into() }],
             ..Default::default()
         }],

@@ -35,11 +35,12 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::{
-    EchoUpstream, Envoy, Proc, bench_provenance, bench_words, envoy_validate, free_port, process_cpu_ns,
-    render_kvgate_envoy, render_local_envoy, render_picker_envoy, scratch_dir, wait_for_tcp,
-};
+use kvgate_bench_support::{process_cpu_ns, provenance, quantile, words};
 use kvgate_server::router_client::RouterClient;
+use kvgate_testkit::{
+    EchoUpstream, Envoy, Proc, envoy_validate, free_port, render_kvgate_envoy, render_local_envoy, render_picker_envoy,
+    scratch_dir, wait_for_tcp,
+};
 use serde_json::{Value, json};
 
 const MODEL: &str = "bench";
@@ -108,11 +109,6 @@ impl Client {
     }
 }
 
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 fn body(system: &str, i: usize) -> Vec<u8> {
     json!({"model": MODEL, "max_tokens": 16, "messages": [
         {"role": "system", "content": system},
@@ -136,8 +132,9 @@ fn prompt_tokens(rt: &tokio::runtime::Runtime, grpc: SocketAddr, b: &[u8]) -> u6
 /// The cumulative p50 of the filter's callout round-trip histogram
 /// (`wasmcustom.kvgate.pick_latency_us`), when Envoy has computed it.
 fn pick_rtt_p50(envoy: &Envoy) -> Option<f64> {
-    let r = kvgate_e2e::http_request(envoy.admin, "GET", "/stats?filter=wasmcustom.kvgate.pick_latency_us", &[], b"")
-        .ok()?;
+    let r =
+        kvgate_testkit::http_request(envoy.admin, "GET", "/stats?filter=wasmcustom.kvgate.pick_latency_us", &[], b"")
+            .ok()?;
     let text = String::from_utf8_lossy(&r.body).into_owned();
     // "... P50(interval,cumulative) ..."
     let p50 = text.split_whitespace().find(|w| w.starts_with("P50("))?;
@@ -164,7 +161,7 @@ struct Arm {
 
 /// A counter of the control plane's `/metrics`.
 fn cp_counter(admin: SocketAddr, series: &str) -> f64 {
-    let r = kvgate_e2e::http_request(admin, "GET", "/metrics", &[], b"").unwrap();
+    let r = kvgate_testkit::http_request(admin, "GET", "/metrics", &[], b"").unwrap();
     let text = String::from_utf8_lossy(&r.body).into_owned();
     text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
 }
@@ -208,7 +205,7 @@ fn main() {
     // (it decodes and answers by load: the callout without tokenization).
     let tk = std::env::var_os("KVGATE_TOKENIZER_DIR")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"));
+        .unwrap_or_else(|| kvgate_testkit::repo_root().join(".tools/models/deepseek-v3"));
     let (serve, grpc, serve_admin) = start_serve(&dir, "serve", Some(&tk), &addrs);
     let (serve_lo, grpc_lo, _) = start_serve(&dir, "serve-load-only", None, &addrs);
     // The endpoint picker's own control plane, so that each path's control
@@ -224,9 +221,9 @@ fn main() {
         let pairs = if quick { pairs / 10 } else { pairs };
         // Size the system prompt to the target token count.
         let probe_words = 2000;
-        let probe = prompt_tokens(&rt, grpc, &body(&bench_words(7, probe_words), 0));
-        let words = (target_tokens as f64 * probe_words as f64 / probe as f64) as usize;
-        let system = bench_words(7, words);
+        let probe = prompt_tokens(&rt, grpc, &body(&words(7, probe_words), 0));
+        let n_words = (target_tokens as f64 * probe_words as f64 / probe as f64) as usize;
+        let system = words(7, n_words);
         let tokens = prompt_tokens(&rt, grpc, &body(&system, 0));
         let bodies: Vec<Vec<u8>> = (0..pairs + 20).map(|i| body(&system, i)).collect();
 
@@ -304,7 +301,7 @@ fn main() {
                     let lat = &arms.iter().find(|a| a.name == arm).unwrap().lat;
                     let mut v = lat[t * lat.len() / 3..(t + 1) * lat.len() / 3].to_vec();
                     v.sort_by(f64::total_cmp);
-                    (pct(&v, 0.5), pct(&v, 0.99))
+                    (quantile(&v, 0.5), quantile(&v, 0.99))
                 };
                 let ((b50, b99), (k50, k99)) = (third("baseline"), third("kvgate"));
                 json!({"added_p50_us": r(k50 - b50), "added_p99_us": r(k99 - b99)})
@@ -329,7 +326,7 @@ fn main() {
             let cp_rq = arm.envoy.stat("cluster.kvgate_control_plane.upstream_rq_total").unwrap_or(0);
             stats.insert(
                 arm.name.into(),
-                json!({"p50_us": r(pct(&arm.lat, 0.5)), "p99_us": r(pct(&arm.lat, 0.99)), "envoy_cpu_us_per_req": cpu,
+                json!({"p50_us": r(quantile(&arm.lat, 0.5)), "p99_us": r(quantile(&arm.lat, 0.99)), "envoy_cpu_us_per_req": cpu,
                        "control_plane_connections": cp_cx, "control_plane_requests": cp_rq,
                        "filter_pick_rtt_p50_us": pick_rtt_p50(&arm.envoy)}),
             );
@@ -400,7 +397,7 @@ fn main() {
         ));
         rows.insert(label.into(), row);
     }
-    let (commit, machine) = bench_provenance();
+    let (commit, machine) = provenance();
     let mut result = Value::Object(rows);
     result["what"] = json!(
         "client latency through Envoy 1.40 with the kvgate filter + real control plane vs the same Envoy without the filter (and vs the ext_proc endpoint-picker path), arms interleaved request by request, sequential keep-alive requests, 1 Envoy worker thread each"
@@ -408,7 +405,7 @@ fn main() {
     result["commit"] = json!(commit);
     result["machine"] = json!(machine);
     result["quick"] = json!(quick);
-    let out = kvgate_e2e::repo_root().join("bench/results/gateway-overhead.json");
+    let out = kvgate_testkit::repo_root().join("bench/results/gateway-overhead.json");
     std::fs::write(&out, serde_json::to_string_pretty(&result).unwrap() + "\n").unwrap();
     for l in &table {
         println!("{l}");

@@ -11,7 +11,7 @@ mod common;
 /// required arguments were not provided: --model").
 #[test]
 fn serve_with_a_config_file_and_the_environment_starts() {
-    let dir = kvgate_e2e::scratch_dir("cli-config").unwrap();
+    let dir = kvgate_testkit::scratch_dir("cli-config").unwrap();
     let tk = common::tokenizer_dir();
     let config = dir.join("kvgate.toml");
     std::fs::write(
@@ -72,8 +72,8 @@ fn a_model_flag_without_model_is_refused_clearly() {
 /// user no longer fills envoy/kvgate.yaml's placeholders by hand).
 #[test]
 fn envoy_config_renders_a_bootstrap_envoy_accepts() {
-    let dir = kvgate_e2e::scratch_dir("cli-envoy-config").unwrap();
-    let wasm = kvgate_e2e::filter_wasm().unwrap();
+    let dir = kvgate_testkit::scratch_dir("cli-envoy-config").unwrap();
+    let wasm = kvgate_testkit::filter_wasm().unwrap();
     let out_file = dir.join("envoy.yaml");
     let out = Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .args(["envoy-config", "--listen", "127.0.0.1:0", "--admin-port", "0"])
@@ -88,7 +88,7 @@ fn envoy_config_renders_a_bootstrap_envoy_accepts() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let yaml = std::fs::read_to_string(&out_file).unwrap();
     assert!(yaml.contains("port_value: 8002") && yaml.contains("debug_headers") && !yaml.contains("${"));
-    kvgate_e2e::envoy_validate(&out_file).unwrap();
+    kvgate_testkit::envoy_validate(&out_file).unwrap();
     // A filter configuration that is not JSON is refused with the flag's name.
     let bad = Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .args(["envoy-config", "--worker", "127.0.0.1:8001", "--wasm", "/x.wasm", "--filter-config", "{nope"])

@@ -20,7 +20,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::{Fleet, MODEL, prom, until};
-use kvgate_e2e::{
+use kvgate_testkit::{
     EchoUpstream, Envoy, HttpResponse, Proc, envoy_validate, fnv1a, free_port, http_request, render_picker_envoy,
     scratch_dir, wait_for_tcp,
 };

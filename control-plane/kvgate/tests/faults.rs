@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::{Envoy, envoy_validate, render_kvgate_envoy, scratch_dir};
+use kvgate_testkit::{Envoy, envoy_validate, render_kvgate_envoy, scratch_dir};
 use serde_json::json;
 
 mod common;
@@ -198,10 +198,10 @@ fn begin(name: &str, max: usize) -> (Stack, Load, Instant) {
 /// other workers, and the router has no reason to send them to a
 /// restarted engine.
 fn store_on_engine(fleet: &Fleet, w: usize) {
-    kvgate_e2e::wait_for_tcp(fleet.http[w], Duration::from_secs(30)).unwrap();
+    kvgate_testkit::wait_for_tcp(fleet.http[w], Duration::from_secs(30)).unwrap();
     let text = "A fresh prompt for the restarted engine. ".repeat(20);
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}).to_string();
-    let r = kvgate_e2e::http_request(
+    let r = kvgate_testkit::http_request(
         fleet.http[w],
         "POST",
         "/v1/chat/completions",
@@ -232,7 +232,7 @@ fn converged(fleet: &Fleet, workers: &[usize], since: Instant) -> u64 {
             let relays: Vec<String> = workers
                 .iter()
                 .map(|&w| {
-                    kvgate_e2e::http_request(fleet.relay_metrics[w], "GET", "/metrics", &[], b"")
+                    kvgate_testkit::http_request(fleet.relay_metrics[w], "GET", "/metrics", &[], b"")
                         .map(|r| {
                             String::from_utf8_lossy(&r.body)
                                 .lines()
@@ -329,7 +329,7 @@ fn nats_down_for_10_s() {
     let steered = || s.envoy.stat("wasmcustom.kvgate.steered").unwrap_or(0) - steered_before;
     until(120, "ten requests steered during the outage", || steered() >= 10);
     let steered_during = steered();
-    s.fleet.nats = kvgate_e2e::NatsServer::start_on(&s.dir, port).unwrap();
+    s.fleet.nats = kvgate_testkit::NatsServer::start_on(&s.dir, port).unwrap();
     load.flowing(30);
     let streaming = settle(
         load,
@@ -486,7 +486,7 @@ fn chaos_soak() {
                 let port = s.fleet.nats.port;
                 s.fleet.nats.proc.kill();
                 std::thread::sleep(Duration::from_secs(5 + next(6)));
-                s.fleet.nats = kvgate_e2e::NatsServer::start_on(&s.dir, port).unwrap();
+                s.fleet.nats = kvgate_testkit::NatsServer::start_on(&s.dir, port).unwrap();
                 "nats_down"
             }
             4 => {
@@ -518,7 +518,7 @@ fn chaos_soak() {
     // unknown (their children are counted as orphan stores) until evicted.
     let t_conv = Instant::now();
     let mirror = |w: usize| -> Option<u64> {
-        let body = kvgate_e2e::http_request(s.fleet.relay_metrics[w], "GET", "/metrics", &[], b"").ok()?.body;
+        let body = kvgate_testkit::http_request(s.fleet.relay_metrics[w], "GET", "/metrics", &[], b"").ok()?.body;
         common::prom(
             &String::from_utf8_lossy(&body),
             &format!("kvgate_relay_mirror_blocks{{worker=\"w{w}\",model=\"{MODEL}\"}}"),
@@ -530,7 +530,7 @@ fn chaos_soak() {
     let gap: Vec<serde_json::Value> = (0..WORKERS)
         .map(|w| json!({"worker": w, "engine_blocks": s.fleet.engine_blocks(w), "index_blocks": s.fleet.blocks(w)}))
         .collect();
-    let (commit, machine) = kvgate_e2e::bench_provenance();
+    let (commit, machine) = kvgate_bench_support::provenance();
     let result = json!({
         "seconds": secs,
         "seed": seed,
@@ -545,7 +545,7 @@ fn chaos_soak() {
         "commit": commit,
         "machine": machine,
     });
-    let path = kvgate_e2e::repo_root().join("bench/results/chaos-soak.json");
+    let path = kvgate_testkit::repo_root().join("bench/results/chaos-soak.json");
     std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap() + "\n").unwrap();
     println!("soak: {}", serde_json::to_string(&result).unwrap());
     assert_no_failure_before_headers("soak", before, &at);
@@ -558,8 +558,8 @@ fn chaos_soak() {
 /// next batch, and waits until its relay counted it.
 fn inject(s: &Stack, w: usize, kind: &str, relay_metric: &str) {
     let before = relay_count(&s.fleet, w, relay_metric);
-    let r =
-        kvgate_e2e::http_request(s.fleet.http[w], "POST", &format!("/kvgate/sim/fault?kind={kind}"), &[], b"").unwrap();
+    let r = kvgate_testkit::http_request(s.fleet.http[w], "POST", &format!("/kvgate/sim/fault?kind={kind}"), &[], b"")
+        .unwrap();
     assert_eq!(r.status, 200);
     // The fault rides on the worker's next batch: give it one.
     store_on_engine(&s.fleet, w);
@@ -567,7 +567,7 @@ fn inject(s: &Stack, w: usize, kind: &str, relay_metric: &str) {
 }
 
 fn relay_count(fleet: &Fleet, w: usize, name: &str) -> f64 {
-    let Ok(r) = kvgate_e2e::http_request(fleet.relay_metrics[w], "GET", "/metrics", &[], b"") else { return 0.0 };
+    let Ok(r) = kvgate_testkit::http_request(fleet.relay_metrics[w], "GET", "/metrics", &[], b"") else { return 0.0 };
     common::prom(
         &String::from_utf8_lossy(&r.body),
         &format!("kvgate_relay_{name}{{worker=\"w{w}\",model=\"{MODEL}\"}}"),
@@ -631,7 +631,7 @@ fn an_oversized_batch_under_load() {
     let ids: Vec<u32> = (0..45_000u32 * 16).map(|i| 1_000 + i % 90_000).collect();
     let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 1}).to_string();
     assert!(body.len() > 2_000_000);
-    let r = kvgate_e2e::http_request(
+    let r = kvgate_testkit::http_request(
         s.fleet.http[1],
         "POST",
         "/v1/completions",

@@ -22,11 +22,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{BLOCK, Fleet, MODEL, prom, until};
-use kvgate_e2e::{
-    EchoUpstream, Envoy, HttpResponse, envoy_validate, fnv1a, free_port, http_request, render_kvgate_envoy, scratch_dir,
-};
 use kvgate_protocol::pb;
 use kvgate_server::router_server::{Router, RouterServer};
+use kvgate_testkit::{
+    EchoUpstream, Envoy, HttpResponse, envoy_validate, fnv1a, free_port, http_request, render_kvgate_envoy, scratch_dir,
+};
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
@@ -422,7 +422,7 @@ fn fail_closed_answers_locally() {
 fn stream(addr: SocketAddr, body: &[u8], at_first_event: impl FnOnce(&str)) -> (String, String) {
     use std::io::Read as _;
     let mut r =
-        kvgate_e2e::http::send(addr, "POST", "/v1/chat/completions", &[("content-type", "application/json")], body)
+        kvgate_testkit::http::send(addr, "POST", "/v1/chat/completions", &[("content-type", "application/json")], body)
             .unwrap();
     assert_eq!(r.status(), 200);
     let worker = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
@@ -542,10 +542,7 @@ fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
 
 /// Metric names in a Prometheus text exposition (`name{...} v` or `name v`).
 fn metric_names(text: &str) -> BTreeSet<String> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .filter_map(|l| l.split(['{', ' ']).next().map(str::to_owned))
-        .collect()
+    kvgate_testkit::prom::names(text)
 }
 
 /// Every metric name a Grafana expression uses: the identifiers with the
@@ -618,7 +615,7 @@ fn nats_credentials_work_and_the_grafana_dashboard_uses_only_exported_metrics() 
     exported.extend(metric_names(&get(envoy_admin, "/stats/prometheus")));
 
     let dashboard: Value = serde_json::from_slice(
-        &std::fs::read(kvgate_e2e::repo_root().join("deploy/monitoring/kvgate-dashboard.json")).unwrap(),
+        &std::fs::read(kvgate_testkit::repo_root().join("deploy/monitoring/kvgate-dashboard.json")).unwrap(),
     )
     .unwrap();
     let panels = dashboard["panels"].as_array().unwrap();
@@ -711,13 +708,13 @@ fn mutual_tls_between_filter_and_control_plane() {
     for (i, a) in addrs.iter().enumerate() {
         serve.args(["--worker", &format!("w{i}={a}")]);
     }
-    let mut cp = kvgate_e2e::Proc::spawn("serve-tls", serve, &dir).unwrap();
-    kvgate_e2e::wait_for_tcp(grpc, Duration::from_secs(30)).unwrap();
+    let mut cp = kvgate_testkit::Proc::spawn("serve-tls", serve, &dir).unwrap();
+    kvgate_testkit::wait_for_tcp(grpc, Duration::from_secs(30)).unwrap();
 
     let filter = json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}).to_string();
-    let gateway = |name: &str, tls: Option<kvgate_e2e::ControlPlaneTls<'_>>| {
+    let gateway = |name: &str, tls: Option<kvgate_testkit::ControlPlaneTls<'_>>| {
         let config = dir.join(format!("envoy-{name}.yaml"));
-        let text = kvgate_e2e::render_kvgate_envoy_tls(0, 0, &addrs, &[grpc], &filter, tls.as_ref()).unwrap();
+        let text = kvgate_testkit::render_kvgate_envoy_tls(0, 0, &addrs, &[grpc], &filter, tls.as_ref()).unwrap();
         std::fs::write(&config, text).unwrap();
         envoy_validate(&config).unwrap();
         let sub = dir.join(name);
@@ -735,7 +732,7 @@ fn mutual_tls_between_filter_and_control_plane() {
     // trusts, and it trusts the control plane's: routed.
     let good = gateway(
         "good",
-        Some(kvgate_e2e::ControlPlaneTls {
+        Some(kvgate_testkit::ControlPlaneTls {
             ca_file: &ca.ca_file,
             cert_file: &client_crt,
             key_file: &client_key,
@@ -755,7 +752,7 @@ fn mutual_tls_between_filter_and_control_plane() {
     // a client certificate of another CA (the control plane refuses it),
     let stranger = gateway(
         "stranger",
-        Some(kvgate_e2e::ControlPlaneTls {
+        Some(kvgate_testkit::ControlPlaneTls {
             ca_file: &ca.ca_file,
             cert_file: &rogue_crt,
             key_file: &rogue_key,
@@ -765,7 +762,7 @@ fn mutual_tls_between_filter_and_control_plane() {
     // a control plane Envoy cannot verify (it trusts only the rogue CA),
     let distrustful = gateway(
         "distrustful",
-        Some(kvgate_e2e::ControlPlaneTls {
+        Some(kvgate_testkit::ControlPlaneTls {
             ca_file: &rogue.ca_file,
             cert_file: &client_crt,
             key_file: &client_key,
@@ -775,7 +772,7 @@ fn mutual_tls_between_filter_and_control_plane() {
     // a certificate name that is not the one Envoy asks for,
     let misnamed = gateway(
         "misnamed",
-        Some(kvgate_e2e::ControlPlaneTls {
+        Some(kvgate_testkit::ControlPlaneTls {
             ca_file: &ca.ca_file,
             cert_file: &client_crt,
             key_file: &client_key,

@@ -7,9 +7,9 @@
 
 use std::net::SocketAddr;
 
-use kvgate_e2e::http_request;
 use kvgate_protocol::pb;
 use kvgate_server::router_client::RouterClient;
+use kvgate_testkit::http_request;
 use serde_json::{Value, json};
 
 mod common;
@@ -31,7 +31,7 @@ fn pick_request(id: &str, messages: &Value) -> pb::PickRequest {
 
 #[test]
 fn sim_relay_nats_and_control_plane_agree_on_the_cache() {
-    let dir = kvgate_e2e::scratch_dir("pipeline").unwrap();
+    let dir = kvgate_testkit::scratch_dir("pipeline").unwrap();
     let mut fleet = Fleet::start(&dir, 2, "20");
     let (http, grpc) = (fleet.http.clone(), fleet.grpc);
     // A conversation served by w1.

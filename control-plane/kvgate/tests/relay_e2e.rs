@@ -8,17 +8,17 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::{NatsClient, NatsServer, Proc, StaticHttp, free_port, repo_root, scratch_dir, tool, wait_for_tcp};
 use kvgate_protocol::pb;
 use kvgate_protocol::subject::Subjects;
 use kvgate_relay::{Action, RelayConfig, RelayCore};
+use kvgate_testkit::{NatsClient, NatsServer, Proc, StaticHttp, free_port, repo_root, scratch_dir, tool, wait_for_tcp};
 use prost::Message;
 
 const MODEL: &str = "tiny-llama";
 const ENDPOINT: &str = "127.0.0.1:8101";
 
 fn capture_named(name: &str) -> std::path::PathBuf {
-    kvgate_e2e::capture_path(name).unwrap()
+    kvgate_testkit::capture_path(name).unwrap()
 }
 
 fn capture_path() -> std::path::PathBuf {
@@ -26,7 +26,7 @@ fn capture_path() -> std::path::PathBuf {
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    kvgate_e2e::unhex(s).unwrap()
+    kvgate_testkit::unhex(s).unwrap()
 }
 
 /// What the relay core publishes for the inst1 capture, offline.
@@ -200,17 +200,15 @@ fn run_capture_file(
         }
     }
     relay.ensure_running().unwrap();
-    let metrics = kvgate_e2e::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
+    let metrics =
+        kvgate_testkit::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
     assert_eq!(metrics.status, 200);
     relay.kill();
     (got, String::from_utf8(metrics.body).unwrap())
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(&format!("kvgate_relay_{name}{{")))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+    kvgate_testkit::prom::value(text, &format!("kvgate_relay_{name}{{"))
         .unwrap_or_else(|| panic!("metric {name} not found in:\n{text}"))
 }
 
@@ -282,7 +280,8 @@ fn relay_survives_a_nats_restart_without_losing_state() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     };
     let metrics = || {
-        let r = kvgate_e2e::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
+        let r =
+            kvgate_testkit::http_request(([127, 0, 0, 1], metrics_port).into(), "GET", "/metrics", &[], b"").unwrap();
         String::from_utf8(r.body).unwrap()
     };
     let collect = |client: &mut NatsClient, n: usize| {
@@ -416,7 +415,7 @@ fn frames(seq: u64, payload: Vec<u8>) -> Vec<Vec<u8>> {
 /// under the limit; nothing is lost and the relay goes on.
 #[test]
 fn relay_fault_oversized_batch() {
-    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let real = kvgate_testkit::capture_frames("inst1").unwrap();
     let n = 40_000usize;
     let stored = kvgate_vllm_wire::BlockStored {
         block_hashes: (1..=n as u64).map(|h| h << 20).collect(),
@@ -455,7 +454,7 @@ fn relay_fault_oversized_batch() {
 /// blocks are not wiped (it used to be taken for an engine restart).
 #[test]
 fn relay_fault_duplicated_batch() {
-    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let real = kvgate_testkit::capture_frames("inst1").unwrap();
     let mut msgs = real[..6].to_vec();
     msgs.insert(4, real[3].clone());
     let (want, _) = offline(&msgs);
@@ -471,7 +470,7 @@ fn relay_fault_duplicated_batch() {
 /// shape) are counted and skipped; the valid batches around them all pass.
 #[test]
 fn relay_fault_garbage_frames() {
-    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let real = kvgate_testkit::capture_frames("inst1").unwrap();
     let mut msgs = real[..3].to_vec();
     msgs.push(frames(3, vec![0xc1, 0xff, 0x00]));
     msgs.push(vec![b"kv-events".to_vec()]);
@@ -515,7 +514,7 @@ fn relay_starts_without_nats_and_delivers_when_it_comes() {
     let dir = scratch_dir("relay-no-nats").unwrap();
     let nats_port = free_port().unwrap();
     let zmq_port = free_port().unwrap();
-    let real = kvgate_e2e::capture_frames("inst1").unwrap();
+    let real = kvgate_testkit::capture_frames("inst1").unwrap();
     let msgs = real[..8].to_vec();
     let path = write_capture(&dir, "early", &msgs);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));

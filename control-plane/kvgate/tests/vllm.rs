@@ -22,8 +22,8 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::vllm::{Fleet, MODEL, conversations};
-use kvgate_e2e::{Envoy, Proc, envoy_validate, free_port, http_request, render_kvgate_envoy, repo_root};
+use kvgate_testkit::vllm::{Fleet, MODEL, conversations};
+use kvgate_testkit::{Envoy, Proc, envoy_validate, free_port, http_request, render_kvgate_envoy, repo_root};
 use serde_json::{Value, json};
 
 mod common;
@@ -61,7 +61,7 @@ impl Stack {
 }
 
 fn start(name: &str) -> Stack {
-    let dir = kvgate_e2e::scratch_dir(name).unwrap();
+    let dir = kvgate_testkit::scratch_dir(name).unwrap();
     let fleet = Fleet::start(&dir, std::path::Path::new(env!("CARGO_BIN_EXE_kvgate")), 2).unwrap();
     let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
     let tk = repo_root().join(".tools/models/deepseek-v3");
@@ -88,7 +88,7 @@ fn start(name: &str) -> Stack {
     let serve = Proc::spawn("serve", serve, &dir).unwrap();
     let admin: SocketAddr = ([127, 0, 0, 1], ap).into();
     let grpc: SocketAddr = ([127, 0, 0, 1], gp).into();
-    kvgate_e2e::wait_for_tcp(admin, Duration::from_secs(60)).unwrap();
+    kvgate_testkit::wait_for_tcp(admin, Duration::from_secs(60)).unwrap();
     let filter = json!({"control_plane": {"timeout_ms": 1000}, "debug_headers": true, "reports": {"interval_ms": 100}});
     let config = dir.join("envoy.yaml");
     std::fs::write(&config, render_kvgate_envoy(0, 0, &fleet.http(), &[grpc], &filter.to_string()).unwrap()).unwrap();

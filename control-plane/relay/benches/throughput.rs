@@ -18,7 +18,7 @@ use kvgate_vllm_wire::{Batch, BlockRemoved, BlockStored, Event};
 use prost::Message;
 
 fn real_messages() -> Vec<Vec<Vec<u8>>> {
-    ["inst0", "inst1", "inst2"].iter().flat_map(|n| kvgate_e2e::capture_frames(n).unwrap()).collect()
+    ["inst0", "inst1", "inst2"].iter().flat_map(|n| kvgate_testkit::capture_frames(n).unwrap()).collect()
 }
 
 fn long_prompt() -> Vec<Vec<Vec<u8>>> {
@@ -84,8 +84,8 @@ fn main() {
         eprintln!("{name}: {:.0} blocks/s (cpu path)", blocks as f64 / s);
     }
     // With a real nats-server, if the tools are installed.
-    if let Ok(dir) = kvgate_e2e::scratch_dir("relay-bench")
-        && let Ok(server) = kvgate_e2e::NatsServer::start(&dir)
+    if let Ok(dir) = kvgate_testkit::scratch_dir("relay-bench")
+        && let Ok(server) = kvgate_testkit::NatsServer::start(&dir)
     {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let client = rt.block_on(async_nats::connect(format!("nats://127.0.0.1:{}", server.port))).unwrap();
@@ -120,7 +120,7 @@ fn main() {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let (commit, machine) = kvgate_e2e::bench_provenance();
+    let (commit, machine) = kvgate_bench_support::provenance();
     let result = serde_json::json!({
         "rows": rows,
         "goal_blocks_per_s": 1_000_000,

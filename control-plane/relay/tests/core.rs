@@ -13,16 +13,16 @@ use kvgate_relay::{Action, RelayConfig, RelayCore};
 use serde_json::Value as Json;
 
 fn vectors() -> PathBuf {
-    kvgate_e2e::shared_dir().unwrap().join("vectors")
+    kvgate_testkit::shared_dir().unwrap().join("vectors")
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    kvgate_e2e::unhex(s).unwrap()
+    kvgate_testkit::unhex(s).unwrap()
 }
 
 /// The frames of every message of a real capture file.
 fn capture(name: &str) -> Vec<Vec<Vec<u8>>> {
-    kvgate_e2e::capture_frames(name).unwrap()
+    kvgate_testkit::capture_frames(name).unwrap()
 }
 
 fn relay(replay: bool) -> RelayCore {

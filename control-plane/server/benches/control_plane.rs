@@ -26,6 +26,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvgate_bench_support::quantile;
 use kvgate_protocol::pb;
 use kvgate_server::config::{RawConfig, RawModel, RawWorker};
 use kvgate_server::router_client::RouterClient;
@@ -40,7 +41,7 @@ const BS: u32 = 16;
 const BLOCKS_PER_WORKER: usize = 25_000;
 
 fn words(seed: u64, n: usize) -> String {
-    kvgate_e2e::bench_words(seed, n)
+    kvgate_bench_support::words(seed, n)
 }
 
 struct Conversation {
@@ -94,11 +95,6 @@ fn make_request(base: &[Value], cache: &str, i: u64, workers: usize) -> pb::Pick
         "warm" => Conversation { messages: base.to_vec() }.request(&id),
         _ => Conversation { messages: base.to_vec() }.with_turn(i).request(&id),
     }
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
 }
 
 fn populate(app: &kvgate_server::App, workers: usize, shared: &[u32]) {
@@ -237,7 +233,7 @@ fn main() {
                         0,
                     );
                 }
-                let (p50, p99) = (pct(&mut lat, 0.50), pct(&mut lat, 0.99));
+                let (p50, p99) = (quantile(&lat, 0.50), quantile(&lat, 0.99));
 
                 // gRPC, sequential and concurrent.
                 let reqs2: Vec<pb::PickRequest> = (iters as u64..iters as u64 + iters.min(300) as u64)
@@ -251,7 +247,7 @@ fn main() {
                         let _ = c.pick(r.clone()).await.unwrap();
                         glat.push(t.elapsed().as_secs_f64() * 1e6);
                     }
-                    let (g50, g99) = (pct(&mut glat, 0.5), pct(&mut glat, 0.99));
+                    let (g50, g99) = (quantile(&glat, 0.5), quantile(&glat, 0.99));
                     let start = Instant::now();
                     let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
                     let mut js = tokio::task::JoinSet::new();
@@ -295,7 +291,7 @@ fn main() {
         rt.block_on(handle.stop()).unwrap();
     }
 
-    let (commit, machine) = kvgate_e2e::bench_provenance();
+    let (commit, machine) = kvgate_bench_support::provenance();
     let goal = rows
         .iter()
         .find(|r| r["tokens"] == 8192 && r["workers"] == 100 && r["cache"] == "warm")

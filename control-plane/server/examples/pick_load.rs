@@ -11,7 +11,7 @@ async fn main() {
     let (addr, model) = (&a[1], &a[2]);
     let words: usize = a[3].parse().unwrap();
     let n: usize = a[4].parse().unwrap();
-    let system = kvgate_e2e::bench_words(7, words);
+    let system = kvgate_bench_support::words(7, words);
     let mut c = RouterClient::connect(format!("http://{addr}")).await.unwrap();
     let t = std::time::Instant::now();
     for i in 0..n {

@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use kvgate_e2e::NatsServer;
 use kvgate_protocol::pb;
 use kvgate_protocol::subject::Subjects;
 use kvgate_relay::core::{Action, RelayConfig, RelayCore};
 use kvgate_server::config::{RawConfig, RawModel};
 use kvgate_server::router_client::RouterClient;
 use kvgate_server::{App, Config};
+use kvgate_testkit::NatsServer;
 use kvgate_vllm_wire::encode::{Encoding, encode_batch};
 use kvgate_vllm_wire::{Batch, BlockStored, Event};
 use prost::Message as _;
@@ -164,7 +164,7 @@ fn config(nats_port: u16, mode: &str, replica: &str) -> Config {
             block_size: Some(BS),
             mode: Some(mode.into()),
             heartbeat_timeout_ms: Some(700),
-            tokenizer_dir: Some(kvgate_e2e::repo_root().join(".tools/models/deepseek-v3")),
+            tokenizer_dir: Some(kvgate_testkit::repo_root().join(".tools/models/deepseek-v3")),
             ..Default::default()
         }],
         ..Default::default()
@@ -245,21 +245,19 @@ fn worker_live(app: &App, id: &str) -> bool {
     app.workers_json(Some(MODEL))[MODEL].as_array().unwrap().iter().any(|w| w["id"] == id && w["live"] == true)
 }
 
-async fn http(addr: std::net::SocketAddr, method: &'static str, path: &'static str) -> kvgate_e2e::HttpResponse {
-    tokio::task::spawn_blocking(move || kvgate_e2e::http_request(addr, method, path, &[], b"").unwrap()).await.unwrap()
+async fn http(addr: std::net::SocketAddr, method: &'static str, path: &'static str) -> kvgate_testkit::HttpResponse {
+    tokio::task::spawn_blocking(move || kvgate_testkit::http_request(addr, method, path, &[], b"").unwrap())
+        .await
+        .unwrap()
 }
 
-fn metric(text: &str, line_prefix: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(line_prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no metric {line_prefix} in\n{text}"))
+fn metric(text: &str, series_prefix: &str) -> f64 {
+    kvgate_testkit::prom::value(text, series_prefix).unwrap_or_else(|| panic!("no metric {series_prefix} in\n{text}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_change_the_pick_and_cleared_or_dead_workers_lose_overlap() {
-    let dir = kvgate_e2e::scratch_dir("cp-events").unwrap();
+    let dir = kvgate_testkit::scratch_dir("cp-events").unwrap();
     let nats = NatsServer::start(&dir).unwrap();
     let (bound, app, handle) = kvgate_server::spawn(config(nats.port, "kv", "cp-a")).await.unwrap();
     let mut c = client(bound.grpc).await;
@@ -321,7 +319,7 @@ async fn events_change_the_pick_and_cleared_or_dead_workers_lose_overlap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_replica_converges_through_snapshots_then_follows_live_events() {
-    let dir = kvgate_e2e::scratch_dir("cp-late").unwrap();
+    let dir = kvgate_testkit::scratch_dir("cp-late").unwrap();
     let nats = NatsServer::start(&dir).unwrap();
     let w0 = Arc::new(Mutex::new(TestRelay::start(nats.port, "w0", "127.0.0.1:9000", 20).await));
     let w1 = Arc::new(Mutex::new(TestRelay::start(nats.port, "w1", "127.0.0.1:9001", 21).await));
@@ -352,7 +350,7 @@ async fn a_late_replica_converges_through_snapshots_then_follows_live_events() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_restart_mid_run_is_survived_and_the_lost_batches_are_recovered() {
-    let dir = kvgate_e2e::scratch_dir("cp-nats-restart").unwrap();
+    let dir = kvgate_testkit::scratch_dir("cp-nats-restart").unwrap();
     let mut nats = NatsServer::start(&dir).unwrap();
     let port = nats.port;
     let (bound, app, handle) = kvgate_server::spawn(config(port, "kv", "cp-r")).await.unwrap();
@@ -390,7 +388,7 @@ async fn a_nats_restart_mid_run_is_survived_and_the_lost_batches_are_recovered()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_in_flight_load() {
-    let dir = kvgate_e2e::scratch_dir("cp-replicas").unwrap();
+    let dir = kvgate_testkit::scratch_dir("cp-replicas").unwrap();
     let nats = NatsServer::start(&dir).unwrap();
     let (ba, app_a, ha) = kvgate_server::spawn(config(nats.port, "least_load", "cp-a")).await.unwrap();
     let (bb, app_b, hbh) = kvgate_server::spawn(config(nats.port, "least_load", "cp-b")).await.unwrap();
@@ -471,7 +469,7 @@ impl tonic::codec::Decoder for RawCodec {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_protobuf_on_nats_and_grpc_is_counted_and_rejected() {
-    let dir = kvgate_e2e::scratch_dir("cp-malformed").unwrap();
+    let dir = kvgate_testkit::scratch_dir("cp-malformed").unwrap();
     let nats = NatsServer::start(&dir).unwrap();
     let (bound, app, handle) = kvgate_server::spawn(config(nats.port, "kv", "cp-m")).await.unwrap();
     let w0 = Arc::new(Mutex::new(TestRelay::start(nats.port, "w0", "127.0.0.1:9000", 50).await));
@@ -554,7 +552,7 @@ async fn malformed_protobuf_on_nats_and_grpc_is_counted_and_rejected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_requests_match_blocks_stored_from_the_same_tokens_and_mode_switches_at_run_time() {
-    let dir = kvgate_e2e::scratch_dir("cp-chat").unwrap();
+    let dir = kvgate_testkit::scratch_dir("cp-chat").unwrap();
     let nats = NatsServer::start(&dir).unwrap();
     let (bound, app, handle) = kvgate_server::spawn(config(nats.port, "kv", "cp-c")).await.unwrap();
     let w0 = Arc::new(Mutex::new(TestRelay::start(nats.port, "w0", "127.0.0.1:9000", 60).await));
@@ -581,8 +579,8 @@ async fn chat_requests_match_blocks_stored_from_the_same_tokens_and_mode_switche
         ..Default::default()
     };
     // What vLLM would compute, via the same tokenizer files.
-    let tk =
-        kvgate_tokenize::ChatTokenizer::from_dir(&kvgate_e2e::repo_root().join(".tools/models/deepseek-v3")).unwrap();
+    let tk = kvgate_tokenize::ChatTokenizer::from_dir(&kvgate_testkit::repo_root().join(".tools/models/deepseek-v3"))
+        .unwrap();
     let ids = tk.encode_chat(&messages, true).unwrap();
     let full = (ids.len() / BS as usize) as u32;
     w1.lock().await.store(&ids).await;

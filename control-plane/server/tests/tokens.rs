@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 fn model_dir() -> PathBuf {
     let dir = std::env::var_os("KVGATE_TOKENIZER_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"));
+        .unwrap_or_else(|| kvgate_testkit::repo_root().join(".tools/models/deepseek-v3"));
     assert!(dir.join("tokenizer.json").exists(), "no tokenizer at {} (run scripts/setup.sh)", dir.display());
     dir
 }
@@ -282,7 +282,7 @@ proptest! {
 fn ids_equal_python_tokenizers_reference() {
     let python = std::env::var("KVGATE_PYTHON")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| kvgate_e2e::repo_root().join(".tools/venv/bin/python"));
+        .unwrap_or_else(|_| kvgate_testkit::repo_root().join(".tools/venv/bin/python"));
     let tk = tokenizer(TokenCacheConfig::default());
     let mut cases = Vec::new();
     let mut msgs = vec![json!({"role": "system", "content": "You review code. Be brief.\n\n"})];
@@ -294,7 +294,7 @@ fn ids_equal_python_tokenizers_reference() {
         cases.push(json!({"text": text, "ids": ids}));
         msgs.push(json!({"role": "assistant", "content": format!("Looks fine; f{i} scales by {i}.")}));
     }
-    let dir = kvgate_e2e::scratch_dir("tokens-ref").unwrap();
+    let dir = kvgate_testkit::scratch_dir("tokens-ref").unwrap();
     let input = dir.join("cases.json");
     std::fs::write(&input, serde_json::to_vec(&cases).unwrap()).unwrap();
     let script = r#"
@@ -324,8 +324,10 @@ print(json.dumps({"checked": len(cases), "mismatched": bad}))
 fn ids_equal_real_vllm_prompts() {
     let tk = tokenizer(TokenCacheConfig::default());
     let v: Value = serde_json::from_str(
-        &std::fs::read_to_string(kvgate_e2e::shared_dir().unwrap().join("vectors/block-hash/vllm-sha256-cbor.json"))
-            .unwrap(),
+        &std::fs::read_to_string(
+            kvgate_testkit::shared_dir().unwrap().join("vectors/block-hash/vllm-sha256-cbor.json"),
+        )
+        .unwrap(),
     )
     .unwrap();
     let mut n = 0;

@@ -185,7 +185,7 @@ fn main() {
     let p = |q: f64| gaps.get(((gaps.len() as f64 - 1.0) * q) as usize).copied().unwrap_or(f64::NAN) * 1e3;
     let reqs = done_requests.load(Ordering::Relaxed);
     let toks = done_tokens.load(Ordering::Relaxed);
-    let (commit, machine) = kvgate_e2e::bench_provenance();
+    let (commit, machine) = kvgate_bench_support::provenance();
     let result = serde_json::json!({
         "workers": WORKERS,
         "streams_per_worker": STREAMS,

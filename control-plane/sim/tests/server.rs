@@ -17,7 +17,7 @@ use serde_json::Value;
 fn tokenizer() -> Arc<PromptTokenizer> {
     let dir = std::env::var_os("KVGATE_TOKENIZER_DIR")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"));
+        .unwrap_or_else(|| kvgate_testkit::repo_root().join(".tools/models/deepseek-v3"));
     Arc::new(PromptTokenizer::from_dir(&dir, TokenCacheConfig::default()).unwrap())
 }
 
@@ -42,8 +42,8 @@ fn start(speedup: f64, num_blocks: usize) -> Worker {
 }
 
 fn start_with(speedup: f64, num_blocks: usize, stream_interval: usize) -> Worker {
-    let zport = kvgate_e2e::free_port().unwrap();
-    let rport = kvgate_e2e::free_port().unwrap();
+    let zport = kvgate_testkit::free_port().unwrap();
+    let rport = kvgate_testkit::free_port().unwrap();
     let zmq = format!("tcp://127.0.0.1:{zport}");
     let replay = format!("tcp://127.0.0.1:{rport}");
     let opts = WorkerOptions {
@@ -93,24 +93,23 @@ fn start_with(speedup: f64, num_blocks: usize, stream_interval: usize) -> Worker
 fn python() -> std::path::PathBuf {
     std::env::var("KVGATE_PYTHON")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| kvgate_e2e::repo_root().join(".tools/venv/bin/python"))
+        .unwrap_or_else(|_| kvgate_testkit::repo_root().join(".tools/venv/bin/python"))
 }
 
-fn get(addr: SocketAddr, path: &str) -> kvgate_e2e::HttpResponse {
-    kvgate_e2e::http_request(addr, "GET", path, &[], b"").unwrap()
+fn get(addr: SocketAddr, path: &str) -> kvgate_testkit::HttpResponse {
+    kvgate_testkit::http_request(addr, "GET", path, &[], b"").unwrap()
 }
 
 /// [`get`] from inside an async context (the blocking client must not run
 /// on a runtime's thread).
-fn get_from_async(addr: SocketAddr, path: &'static str) -> kvgate_e2e::HttpResponse {
+fn get_from_async(addr: SocketAddr, path: &'static str) -> kvgate_testkit::HttpResponse {
     std::thread::scope(|s| s.spawn(|| get(addr, path)).join().unwrap())
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+    kvgate_testkit::prom::samples(text)
+        .find(|s| s.name == name)
+        .map(|s| s.value)
         .unwrap_or_else(|| panic!("no {name} in\n{text}"))
 }
 
@@ -229,7 +228,7 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
                     r#"{{"model":"deepseek-v3","prompt":"request number {i}: {}","max_tokens":8}}"#,
                     "lorem ipsum dolor sit amet ".repeat(30)
                 );
-                let r = kvgate_e2e::http_request(
+                let r = kvgate_testkit::http_request(
                     http,
                     "POST",
                     "/v1/completions",
@@ -312,9 +311,14 @@ fn kv_events_through_the_relay_core_mirror_the_engine_cache() {
 fn stream_interval_sends_the_first_token_alone_then_chunks() {
     let w = start_with(50.0, 1024, 4);
     let body = br#"{"model":"deepseek-v3","messages":[{"role":"user","content":"count"}],"max_tokens":10,"stream":true,"stream_options":{"include_usage":true}}"#;
-    let r =
-        kvgate_e2e::http_request(w.http, "POST", "/v1/chat/completions", &[("content-type", "application/json")], body)
-            .unwrap();
+    let r = kvgate_testkit::http_request(
+        w.http,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        body,
+    )
+    .unwrap();
     assert_eq!(r.status, 200);
     let text = String::from_utf8(r.body).unwrap();
     let chunks: Vec<Value> = text
@@ -341,7 +345,7 @@ fn a_next_turn_that_sends_the_reply_back_hits_the_blocks_decoded() {
     // generated, so the whole previous turn (prompt and output) is cached.
     let w = start(50.0, 1024);
     let post = |body: Value| {
-        let r = kvgate_e2e::http_request(
+        let r = kvgate_testkit::http_request(
             w.http,
             "POST",
             "/v1/chat/completions",
@@ -352,7 +356,7 @@ fn a_next_turn_that_sends_the_reply_back_hits_the_blocks_decoded() {
         assert_eq!(r.status, 200);
         serde_json::from_slice::<Value>(&r.body).unwrap()
     };
-    let first = serde_json::json!({"role": "user", "content": kvgate_e2e::bench_words(3, 300)});
+    let first = serde_json::json!({"role": "user", "content": kvgate_bench_support::words(3, 300)});
     let a = post(serde_json::json!({"model": "deepseek-v3", "messages": [first], "max_tokens": 100}));
     let reply = a["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
     let (p1, c1) = (a["usage"]["prompt_tokens"].as_u64().unwrap(), a["usage"]["completion_tokens"].as_u64().unwrap());

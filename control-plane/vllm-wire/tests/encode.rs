@@ -8,12 +8,12 @@ use kvgate_vllm_wire::{Batch, BlockRemoved, BlockStored, Event, decode_batch};
 use proptest::prelude::*;
 
 fn unhex(s: &str) -> Vec<u8> {
-    kvgate_e2e::unhex(s).unwrap()
+    kvgate_testkit::unhex(s).unwrap()
 }
 
 #[test]
 fn real_payloads_reencode_byte_for_byte() {
-    let dir = kvgate_e2e::shared_dir().unwrap().join("vectors/vllm-kv-events/real-0.32-cpu");
+    let dir = kvgate_testkit::shared_dir().unwrap().join("vectors/vllm-kv-events/real-0.32-cpu");
     let mut n = 0;
     for name in ["inst0", "inst1", "inst2", "relay0", "relay1", "relay2"] {
         for line in std::fs::read_to_string(dir.join(format!("{name}.raw.jsonl"))).unwrap().lines() {

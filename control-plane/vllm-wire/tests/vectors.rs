@@ -12,11 +12,11 @@ use kvgate_vllm_wire::{
 use serde_json::{Value as Json, json};
 
 fn vectors() -> PathBuf {
-    kvgate_e2e::shared_dir().unwrap().join("vectors/vllm-kv-events")
+    kvgate_testkit::shared_dir().unwrap().join("vectors/vllm-kv-events")
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    kvgate_e2e::unhex(s).unwrap()
+    kvgate_testkit::unhex(s).unwrap()
 }
 
 fn to_json(v: &Value<'_>) -> Json {

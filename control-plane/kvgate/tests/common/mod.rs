@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvgate_e2e::{NatsServer, Proc, RelaySpec, free_port, http_request, wait_for_tcp};
+use kvgate_testkit::{NatsServer, Proc, RelaySpec, free_port, http_request, wait_for_tcp};
 use serde_json::Value;
 
 /// The served model name.
@@ -19,7 +19,7 @@ pub const BLOCK: u64 = 16;
 pub fn tokenizer_dir() -> PathBuf {
     std::env::var_os("KVGATE_TOKENIZER_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| kvgate_e2e::repo_root().join(".tools/models/deepseek-v3"))
+        .unwrap_or_else(|| kvgate_testkit::repo_root().join(".tools/models/deepseek-v3"))
 }
 
 pub fn kvgate(args: &[&str]) -> Command {
@@ -37,7 +37,7 @@ pub fn kvgate_args(args: &[String]) -> Command {
 
 /// Two consecutive free ports (ZMQ PUB and replay).
 pub fn port_pair() -> u16 {
-    kvgate_e2e::port_pair().unwrap()
+    kvgate_testkit::port_pair().unwrap()
 }
 
 pub fn until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
@@ -318,5 +318,5 @@ impl Fleet {
 
 /// The value of one Prometheus sample line `name{labels} value`.
 pub fn prom(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+    kvgate_testkit::prom::value(text, series)
 }

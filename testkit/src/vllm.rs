@@ -133,11 +133,7 @@ impl Engine {
     /// One counter or gauge of the engine's `/metrics`, summed over labels.
     pub fn metric(&self, name: &str) -> f64 {
         let Ok(r) = http_request(self.http, "GET", "/metrics", &[], b"") else { return 0.0 };
-        String::from_utf8_lossy(&r.body)
-            .lines()
-            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        crate::prom::sum(&String::from_utf8_lossy(&r.body), name)
     }
 }
 

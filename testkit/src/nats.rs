@@ -43,10 +43,10 @@ impl NatsClient {
     pub fn connect(port: u16) -> Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
         let client = rt
-            .block_on(async_nats::ConnectOptions::new().name("kvgate-e2e").connect(format!("127.0.0.1:{port}")))
+            .block_on(async_nats::ConnectOptions::new().name("kvgate-testkit").connect(format!("127.0.0.1:{port}")))
             .with_context(|| format!("connecting to NATS on port {port}"))?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let ping = format!("_kvgate_e2e.ping.{}", client.new_inbox().replace('.', "_"));
+        let ping = format!("_kvgate_testkit.ping.{}", client.new_inbox().replace('.', "_"));
         let mut c = Self { rt, client, tx, rx, pending: Default::default(), ping: ping.clone(), pings: 0 };
         c.subscribe(&ping, PING_SID)?;
         Ok(c)

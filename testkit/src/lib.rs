@@ -23,6 +23,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 
 pub mod http;
 pub mod nats;
+pub mod prom;
 pub mod vllm;
 
 pub use http::{HttpResponse, http_request};
@@ -419,122 +420,6 @@ pub fn render_picker_envoy(
 /// test can tell a body arrived byte for byte.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
-
-/// On-CPU nanoseconds (user + system) a process has used so far, threads
-/// that have exited included (`/proc/<pid>/stat`, clock ticks of
-/// `getconf CLK_TCK`, 100 if unknown); 0 when it cannot be read.
-pub fn process_cpu_ns(pid: u32) -> u64 {
-    static TICK_NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let tick_ns = *TICK_NS.get_or_init(|| {
-        std::process::Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8(o.stdout).ok())
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .filter(|&hz| hz > 0)
-            .map_or(10_000_000, |hz| 1_000_000_000 / hz)
-    });
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
-    // Fields after the command name, which may itself hold spaces or ')':
-    // the rest starts at field 3 (state); utime is field 14, stime field 15.
-    let Some((_, rest)) = stat.rsplit_once(')') else { return 0 };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    (ticks(11) + ticks(12)) * tick_ns
-}
-
-/// Provenance of a benchmark result: the short commit of `HEAD` (with
-/// `-dirty` when tracked code has changes) and the machine (arch, cores, CPU).
-pub fn bench_provenance() -> (String, String) {
-    let git = |args: &[&str]| {
-        Command::new("git")
-            .args(args)
-            .current_dir(repo_root())
-            .output()
-            .ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-            .unwrap_or_default()
-    };
-    let mut commit = git(&["rev-parse", "--short", "HEAD"]);
-    // Results of earlier runs (bench/results/) do not make the code dirty.
-    if !git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"]).is_empty() {
-        commit.push_str("-dirty");
-    }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("")
-        .trim()
-        .to_owned();
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    (commit, format!("{} {} cores, {}", std::env::consts::ARCH, cores, cpu))
-}
-
-/// Deterministic English-like text of `n` words (benchmark prompts).
-pub fn bench_words(seed: u64, n: usize) -> String {
-    const W: &[&str] = &[
-        "the",
-        "kv",
-        "cache",
-        "router",
-        "prefix",
-        "token",
-        "block",
-        "worker",
-        "latency",
-        "throughput",
-        "envoy",
-        "filter",
-        "model",
-        "request",
-        "stream",
-        "prompt",
-        "system",
-        "user",
-        "assistant",
-        "tool",
-        "answer",
-        "question",
-        "gateway",
-        "cluster",
-        "endpoint",
-        "header",
-        "hash",
-        "index",
-        "radix",
-        "tree",
-        "load",
-        "decode",
-        "prefill",
-        "batch",
-        "memory",
-        "gpu",
-        "h200",
-        "vllm",
-        "nats",
-        "event",
-        "relay",
-        "snapshot",
-    ];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = String::with_capacity(n * 7);
-    for i in 0..n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        if i > 0 {
-            out.push(if i % 17 == 0 { '.' } else { ' ' });
-            if i % 17 == 0 {
-                out.push(' ');
-            }
-        }
-        out.push_str(W[(x % W.len() as u64) as usize]);
-    }
-    out
 }
 
 /// Runs `envoy --mode validate -c <config>`; the error carries Envoy's output.
