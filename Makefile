@@ -43,7 +43,7 @@ bench-vllm: setup
 # random times under load; requests, failures and RSS in bench/results/chaos-soak.json.
 soak: setup
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
-	set -a; . .tools/env; set +a; cargo nextest run -p kvgate --test faults --run-ignored only --no-capture chaos_soak
+	set -a; . .tools/env; set +a; cargo nextest run -p kvgate-e2e --test faults --run-ignored only --no-capture chaos_soak
 
 demo: setup
 	@scripts/demo.sh $(ARGS)

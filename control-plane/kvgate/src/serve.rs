@@ -1,0 +1,137 @@
+//! `kvgate serve`: the control plane from flags, environment and a file.
+
+use anyhow::{Context, Result};
+
+/// `kvgate serve`: a configuration file, overridden by environment variables
+/// and flags. Without a file, one model can be given with the `--model`
+/// flags.
+#[derive(clap::Args)]
+pub(crate) struct ServeArgs {
+    /// TOML configuration file (see control-plane/server/README.md).
+    #[arg(long, env = "KVGATE_CONFIG")]
+    config: Option<std::path::PathBuf>,
+    /// gRPC listen address (default 127.0.0.1:50051).
+    #[arg(long, env = "KVGATE_LISTEN_GRPC")]
+    listen_grpc: Option<String>,
+    /// Admin/metrics listen address (default 127.0.0.1:9091; "off" disables).
+    #[arg(long, env = "KVGATE_LISTEN_ADMIN")]
+    listen_admin: Option<String>,
+    /// NATS URL ("off" = static workers only).
+    #[arg(long, env = "KVGATE_NATS_URL")]
+    nats_url: Option<String>,
+    /// NATS subject prefix.
+    #[arg(long, env = "KVGATE_SUBJECT_PREFIX")]
+    subject_prefix: Option<String>,
+    /// This replica's id (default hostname-pid).
+    #[arg(long, env = "KVGATE_REPLICA_ID")]
+    replica_id: Option<String>,
+    /// Snapshot timeout in milliseconds.
+    #[arg(long, env = "KVGATE_SNAPSHOT_TIMEOUT_MS")]
+    snapshot_timeout_ms: Option<u64>,
+    /// PEM certificate chain: the gRPC port then speaks TLS only.
+    #[arg(long, env = "KVGATE_TLS_CERT_FILE")]
+    tls_cert_file: Option<std::path::PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, env = "KVGATE_TLS_KEY_FILE")]
+    tls_key_file: Option<std::path::PathBuf>,
+    /// PEM CA bundle: gRPC clients must present a certificate it signed.
+    #[arg(long, env = "KVGATE_TLS_CLIENT_CA_FILE")]
+    tls_client_ca_file: Option<std::path::PathBuf>,
+    /// A model served without a file (or added to it).
+    #[arg(long, env = "KVGATE_MODEL")]
+    model: Option<String>,
+    /// Tokenizer directory of --model (tokenizer.json, chat_template.jinja).
+    /// The per-model flags need --model on the command line; from the
+    /// environment without a --model (a config file names the models) they
+    /// are ignored, so that a shell with `.tools/env` sourced still works.
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
+    tokenizer_dir: Option<std::path::PathBuf>,
+    /// Block size of --model.
+    #[arg(long, env = "KVGATE_BLOCK_SIZE")]
+    block_size: Option<u32>,
+    /// Routing mode of --model.
+    #[arg(long, env = "KVGATE_MODE")]
+    mode: Option<String>,
+    /// Heartbeat timeout of --model in ms (0 = 3 intervals).
+    #[arg(long, env = "KVGATE_HEARTBEAT_TIMEOUT_MS")]
+    heartbeat_timeout_ms: Option<u64>,
+    /// Static workers of --model, `id=ip:port`, repeatable.
+    #[arg(long = "worker", requires = "model")]
+    workers: Vec<String>,
+}
+
+/// The per-model flags given on the command line without `--model`.
+pub(crate) fn model_flags_without_model(m: &clap::ArgMatches) -> Vec<&'static str> {
+    use clap::parser::ValueSource;
+    if m.contains_id("model") && m.value_source("model").is_some() {
+        return Vec::new();
+    }
+    [
+        ("tokenizer_dir", "--tokenizer-dir"),
+        ("block_size", "--block-size"),
+        ("mode", "--mode"),
+        ("heartbeat_timeout_ms", "--heartbeat-timeout-ms"),
+        ("workers", "--worker"),
+    ]
+    .into_iter()
+    .filter(|(id, _)| m.value_source(id) == Some(ValueSource::CommandLine))
+    .map(|(_, flag)| flag)
+    .collect()
+}
+
+fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
+    let mut raw = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            kvgate_server::RawConfig::from_toml(&text, &path.display().to_string())?
+        }
+        None => kvgate_server::RawConfig::default(),
+    };
+    macro_rules! over {
+        ($($f:ident),*) => { $( if a.$f.is_some() { raw.$f = a.$f.clone(); } )* };
+    }
+    over!(
+        listen_grpc,
+        listen_admin,
+        nats_url,
+        subject_prefix,
+        replica_id,
+        snapshot_timeout_ms,
+        tls_cert_file,
+        tls_key_file,
+        tls_client_ca_file
+    );
+    if let Some(name) = a.model {
+        let mut workers = Vec::new();
+        for w in &a.workers {
+            let (id, endpoint) = w.split_once('=').with_context(|| format!("--worker {w:?}: expected id=ip:port"))?;
+            workers.push(kvgate_server::config::RawWorker { id: id.into(), endpoint: endpoint.into() });
+        }
+        let m = kvgate_server::config::RawModel {
+            name,
+            tokenizer_dir: a.tokenizer_dir,
+            block_size: a.block_size,
+            mode: a.mode,
+            heartbeat_timeout_ms: a.heartbeat_timeout_ms,
+            workers,
+            ..Default::default()
+        };
+        match raw.models.iter_mut().find(|x| x.name == m.name) {
+            Some(existing) => *existing = m,
+            None => raw.models.push(m),
+        }
+    }
+    Ok(kvgate_server::Config::validate(raw)?)
+}
+
+/// `kvgate serve`.
+pub(crate) fn run(a: ServeArgs) -> Result<()> {
+    let config = serve_config(a)?;
+    crate::init_logging();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(kvgate_server::run(config, kvgate_server::server::shutdown_signal(), |b, _| {
+        // One machine-readable line for launchers and tests.
+        eprintln!("kvgate serve: grpc={} admin={}", b.grpc, b.admin.map(|a| a.to_string()).unwrap_or_default());
+    }))?;
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! `kvgate sim`: simulated vLLM workers.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use kvgate_sim::server::{WorkerOptions, run_worker};
+use kvgate_tokenize::prompt::PromptTokenizer;
+
+/// `kvgate sim`: a fleet of simulated vLLM workers in one process.
+#[derive(clap::Args)]
+pub(crate) struct SimArgs {
+    /// Served model name.
+    #[arg(long, env = "KVGATE_SIM_MODEL", default_value = "deepseek-v3")]
+    model: String,
+    /// Tokenizer directory (tokenizer.json, chat_template.jinja).
+    #[arg(long, env = "KVGATE_TOKENIZER_DIR")]
+    tokenizer_dir: std::path::PathBuf,
+    /// Number of workers.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// Listen host.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// HTTP port of worker 0; worker i listens on port + i (0: ephemeral ports).
+    #[arg(long, default_value_t = 8000)]
+    http_port: u16,
+    /// ZMQ port of worker 0; worker i publishes on port + 2i and replays on
+    /// port + 2i + 1 (0: no KV events).
+    #[arg(long, default_value_t = 5557)]
+    zmq_port: u16,
+    /// KV event encoding: map (vLLM ≥ 0.24) or array (older).
+    #[arg(long, default_value = "map")]
+    encoding: String,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV blocks per worker (H200 + Llama-3.1-70B FP8 at block size 16: ~23,000).
+    #[arg(long, default_value_t = 23_000)]
+    num_blocks: usize,
+    /// vLLM's max_num_seqs.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// vLLM's max_num_batched_tokens (chunked prefill budget per step).
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Timing preset: h200-llama70b-fp8 or dynamo-mocker.
+    #[arg(long, default_value = "h200-llama70b-fp8")]
+    timing: String,
+    /// Simulated time runs this many times faster than real time.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Output tokens per streamed chunk after the first, as vLLM's
+    /// --stream-interval (fewer chunks: less CPU for the gateway under test).
+    #[arg(long, default_value_t = 1)]
+    stream_interval: usize,
+    /// Output tokens when a request has no max_tokens.
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: usize,
+    /// Longest prompt + output accepted.
+    #[arg(long, default_value_t = 131_072)]
+    max_model_len: usize,
+    /// Runtime threads (1 = everything on one core).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+/// `kvgate sim`.
+pub(crate) fn run(a: SimArgs) -> Result<()> {
+    let timing = kvgate_sim::timing::Timing::preset(&a.timing)
+        .with_context(|| format!("--timing {:?}: expected h200-llama70b-fp8 or dynamo-mocker", a.timing))?;
+    let encoding = match a.encoding.as_str() {
+        "map" => kvgate_vllm_wire::encode::Encoding::Map,
+        "array" => kvgate_vllm_wire::encode::Encoding::Array,
+        e => bail!("--encoding {e:?}: expected map or array"),
+    };
+    if a.workers == 0 || a.block_size == 0 || a.num_blocks == 0 || a.max_num_seqs == 0 || a.stream_interval == 0 {
+        bail!("--workers, --block-size, --num-blocks, --max-num-seqs and --stream-interval must be > 0");
+    }
+    if !(a.speedup.is_finite() && a.speedup > 0.0) {
+        bail!("--speedup {}: must be > 0", a.speedup);
+    }
+    let tokenizer = Arc::new(
+        PromptTokenizer::from_dir(&a.tokenizer_dir, Default::default())
+            .with_context(|| format!("--tokenizer-dir {}", a.tokenizer_dir.display()))?,
+    );
+    let workers: Vec<WorkerOptions> =
+        (0..a.workers).map(|i| worker_options(&a, i, encoding, timing, tokenizer.clone())).collect::<Result<_>>()?;
+    let rt = if a.threads <= 1 {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+    } else {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(a.threads).enable_all().build()?
+    };
+    rt.block_on(serve(workers))
+}
+
+/// Worker `i`'s settings: ports counted from the base ports (0 = any).
+fn worker_options(
+    a: &SimArgs,
+    i: usize,
+    encoding: kvgate_vllm_wire::encode::Encoding,
+    timing: kvgate_sim::timing::Timing,
+    tokenizer: Arc<PromptTokenizer>,
+) -> Result<WorkerOptions> {
+    let port = |base: u16, off: usize| -> Result<u16> {
+        if base == 0 {
+            return Ok(0);
+        }
+        u16::try_from(usize::from(base) + off).context("port out of range")
+    };
+    let http_port = port(a.http_port, i)?;
+    let zmq = if a.zmq_port == 0 { None } else { Some((port(a.zmq_port, 2 * i)?, port(a.zmq_port, 2 * i + 1)?)) };
+    Ok(WorkerOptions {
+        id: format!("w{i}"),
+        model: a.model.clone(),
+        http: std::net::SocketAddr::new(a.host, http_port),
+        zmq_pub: zmq.map(|(p, _)| format!("tcp://{}:{p}", a.host)),
+        zmq_replay: zmq.map(|(_, r)| format!("tcp://{}:{r}", a.host)),
+        topic: "kv-events".into(),
+        encoding,
+        engine: kvgate_sim::engine::EngineConfig {
+            max_num_seqs: a.max_num_seqs,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            num_blocks: a.num_blocks,
+            block_size: a.block_size,
+            timing,
+        },
+        speedup: a.speedup,
+        stream_interval: a.stream_interval,
+        tokenizer,
+        default_max_tokens: a.default_max_tokens,
+        max_model_len: a.max_model_len,
+        replay_buffer: 10_000,
+    })
+}
+
+/// Runs every worker until a signal, or until one fails.
+async fn serve(workers: Vec<WorkerOptions>) -> Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut set = tokio::task::JoinSet::new();
+    for (i, opts) in workers.into_iter().enumerate() {
+        let mut stop = stop_rx.clone();
+        let zmq_desc = opts.zmq_pub.clone().unwrap_or_else(|| "off".into());
+        let replay_desc = opts.zmq_replay.clone().unwrap_or_else(|| "off".into());
+        set.spawn(run_worker(
+            opts,
+            async move {
+                let _ = stop.changed().await;
+            },
+            move |addr| {
+                // One machine-readable line per worker for launchers.
+                eprintln!("kvgate sim: worker w{i} http={addr} zmq={zmq_desc} replay={replay_desc}");
+            },
+        ));
+    }
+    tokio::select! {
+        _ = kvgate_server::server::shutdown_signal() => {}
+        r = set.join_next() => {
+            if let Some(Ok(Err(e))) = r {
+                return Err(anyhow::anyhow!(e));
+            }
+        }
+    }
+    let _ = stop_tx.send(true);
+    while set.join_next().await.is_some() {}
+    Ok(())
+}
