@@ -8,68 +8,12 @@ fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
-/// `**bold**` spans to `<strong>`, the rest escaped.
-fn inline(s: &str) -> String {
-    let mut out = String::new();
-    for (i, part) in esc(s).split("**").enumerate() {
-        if i % 2 == 1 {
-            let _ = write!(out, "<strong>{part}</strong>");
-        } else {
-            out.push_str(part);
-        }
-    }
-    out
-}
-
-fn cells(line: &str) -> Vec<&str> {
-    let t = line.trim();
-    let t = t.strip_prefix('|').unwrap_or(t);
-    let t = t.strip_suffix('|').unwrap_or(t);
-    t.split('|').map(str::trim).collect()
-}
-
-/// The markdown this crate writes (headings, paragraphs, pipe tables) as HTML.
+/// The markdown of a result file (headings, paragraphs, pipe tables) as
+/// HTML, through `pulldown-cmark` with tables on.
 pub fn markdown(md: &str) -> String {
-    let mut out = String::new();
-    let lines: Vec<&str> = md.lines().collect();
-    let mut i = 0;
-    while i < lines.len() {
-        let l = lines[i];
-        if l.trim().is_empty() {
-            i += 1;
-        } else if let Some(h) = l.strip_prefix("# ") {
-            let _ = writeln!(out, "<h1>{}</h1>", inline(h));
-            i += 1;
-        } else if let Some(h) = l.strip_prefix("## ") {
-            let _ = writeln!(out, "<h2>{}</h2>", inline(h));
-            i += 1;
-        } else if l.trim_start().starts_with('|') {
-            out.push_str("<table>\n");
-            let head = cells(l);
-            out.push_str("<tr>");
-            for c in &head {
-                let _ = write!(out, "<th>{}</th>", inline(c));
-            }
-            out.push_str("</tr>\n");
-            i += 1;
-            // The alignment row.
-            if i < lines.len() && lines[i].contains("---") {
-                i += 1;
-            }
-            while i < lines.len() && lines[i].trim_start().starts_with('|') {
-                out.push_str("<tr>");
-                for c in cells(lines[i]) {
-                    let _ = write!(out, "<td>{}</td>", inline(c));
-                }
-                out.push_str("</tr>\n");
-                i += 1;
-            }
-            out.push_str("</table>\n");
-        } else {
-            let _ = writeln!(out, "<p>{}</p>", inline(l));
-            i += 1;
-        }
-    }
+    let parser = pulldown_cmark::Parser::new_ext(md, pulldown_cmark::Options::ENABLE_TABLES);
+    let mut out = String::with_capacity(md.len() * 2);
+    pulldown_cmark::html::push_html(&mut out, parser);
     out
 }
 
@@ -106,8 +50,8 @@ mod tests {
         let h = markdown(md);
         assert!(h.contains("<h1>Sweep &lt;1&gt;</h1>"), "{h}");
         assert!(h.contains("<p><strong>a vs b</strong> (note)</p>"), "{h}");
-        assert!(h.contains("<tr><th>conc.</th><th>TTFT</th></tr>"), "{h}");
-        assert!(h.contains("<tr><td>60</td><td>300 / 240 (−20 %)</td></tr>"), "{h}");
+        assert!(h.contains("<th style=\"text-align: right\">conc.</th><th>TTFT</th>"), "{h}");
+        assert!(h.contains("<td style=\"text-align: right\">60</td><td>300 / 240 (−20 %)</td>"), "{h}");
         assert_eq!(h.matches("<tr>").count(), 3, "the alignment row is not a row");
         let p = page("t", md, &["<svg></svg>".into()]);
         assert!(p.starts_with("<!doctype html>") && p.contains("<svg></svg>") && p.ends_with("</html>\n"));
