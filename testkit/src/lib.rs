@@ -278,6 +278,37 @@ impl Drop for Proc {
     }
 }
 
+/// The addresses a `kvgate serve` bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeAddrs {
+    /// gRPC (Router, endpoint picker).
+    pub grpc: SocketAddr,
+    /// Admin HTTP.
+    pub admin: SocketAddr,
+}
+
+/// Starts `kvgate serve` (`cmd`, whose listen flags may name port 0) and
+/// reads the addresses it bound from its one machine-readable stderr line
+/// (`kvgate serve: grpc=… admin=…`): with port 0 no other process can take
+/// the ports between choosing and binding them. The one launcher of the
+/// control plane for tests and the benchmark.
+pub fn spawn_serve(name: &str, cmd: Command, dir: &Path) -> Result<(Proc, ServeAddrs)> {
+    let mut p = Proc::spawn(name, cmd, dir)?;
+    let t = Instant::now();
+    loop {
+        p.ensure_running()?;
+        if let Some(line) = p.log().lines().find(|l| l.starts_with("kvgate serve: grpc=")) {
+            let field =
+                |k: &str| line.split_whitespace().find_map(|f| f.strip_prefix(k)).unwrap_or_default().to_owned();
+            let grpc = field("grpc=").parse().with_context(|| format!("grpc address in {line:?}"))?;
+            let admin = field("admin=").parse().with_context(|| format!("admin address in {line:?} (admin off?)"))?;
+            return Ok((p, ServeAddrs { grpc, admin }));
+        }
+        ensure!(t.elapsed() < Duration::from_secs(120), "{name} did not report its addresses:\n{}", p.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A real nats-server on 127.0.0.1.
 pub struct NatsServer {
     /// The process.

@@ -148,7 +148,10 @@ mod tests {
         assert!(svg.contains("commit abc") && svg.contains("concurrency"));
         assert_eq!(svg.matches("<circle").count(), 4, "a point per cell");
         assert_eq!(svg.matches("fill=\"none\" stroke=\"#D62728\"").count(), 1, "the invalid cell is hollow: {svg}");
-        assert!(svg.contains("kv\n</text>") && svg.contains("round_robin\n</text>") || svg.contains(">kv<"), "a legend entry per mode: {svg}");
+        assert!(
+            svg.contains("kv\n</text>") && svg.contains("round_robin\n</text>") || svg.contains(">kv<"),
+            "a legend entry per mode: {svg}"
+        );
         // Same rows, same bytes.
         assert_eq!(svg, chart(&rows, &METRICS[0], "commit abc", "conc."));
         // One level only: still a chart with its point.

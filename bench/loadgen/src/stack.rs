@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use kvgate_testkit::{
-    Envoy, NatsServer, Proc, RelaySpec, free_port, http_request, render_kvgate_envoy, repo_root, wait_for_tcp,
+    Envoy, NatsServer, Proc, RelaySpec, free_port, http_request, render_kvgate_envoy, repo_root, spawn_serve,
+    wait_for_tcp,
 };
 
 /// The served model name (the test tokenizer's).
@@ -277,51 +278,30 @@ impl Stack {
         let cp_config = self.dir.join("control-plane.toml");
         std::fs::write(&cp_config, toml)?;
         let cp_config = cp_config.to_str().context("run dir is not UTF-8")?.to_owned();
-        // Ports drawn by free_port() can be taken by another process before
-        // the control plane binds them (other tests start processes too):
-        // on "Address already in use", draw again.
-        let mut attempt = 0;
-        let (grpc, admin) = loop {
-            attempt += 1;
-            let (gp, ap) = (free_port()?, free_port()?);
-            let (grpc, admin) = (format!("127.0.0.1:{gp}"), format!("127.0.0.1:{ap}"));
-            let mut serve = kvgate(
-                &fleet.kvgate,
-                &[
-                    "serve",
-                    "--config",
-                    &cp_config,
-                    "--nats-url",
-                    &nats_url,
-                    "--listen-grpc",
-                    &grpc,
-                    "--listen-admin",
-                    &admin,
-                    "--replica-id",
-                    "bench",
-                ],
-            );
-            // KVGATE_TOKENIZER_DIR (for the simulator) is not the control
-            // plane's: the file names the model's tokenizer.
-            serve.env_remove("KVGATE_TOKENIZER_DIR");
-            let mut p = Proc::spawn("serve", serve, &self.dir)?;
-            let admin_addr: SocketAddr = admin.parse()?;
-            let up = wait_until("the control plane to listen", 60, || {
-                p.ensure_running()?;
-                Ok(std::net::TcpStream::connect(admin_addr).is_ok())
-            });
-            match up {
-                Ok(()) => {
-                    self.pids.push(("control-plane".into(), p.pid()));
-                    self.procs.push(p);
-                    break (grpc, admin_addr);
-                }
-                Err(e) if attempt < 3 && p.log().contains("Address already in use") => {
-                    eprintln!("control plane: a port was taken ({e}); drawing others");
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        // Port 0: the control plane binds and reports its addresses.
+        let mut serve = kvgate(
+            &fleet.kvgate,
+            &[
+                "serve",
+                "--config",
+                &cp_config,
+                "--nats-url",
+                &nats_url,
+                "--listen-grpc",
+                "127.0.0.1:0",
+                "--listen-admin",
+                "127.0.0.1:0",
+                "--replica-id",
+                "bench",
+            ],
+        );
+        // KVGATE_TOKENIZER_DIR (for the simulator) is not the control
+        // plane's: the file names the model's tokenizer.
+        serve.env_remove("KVGATE_TOKENIZER_DIR");
+        let (p, addrs) = spawn_serve("serve", serve, &self.dir)?;
+        self.pids.push(("control-plane".into(), p.pid()));
+        self.procs.push(p);
+        let (grpc, admin) = (addrs.grpc.to_string(), addrs.admin);
         let n = self.workers.len();
         wait_until("every worker live in the control plane", 60, || {
             let r = http_request(admin, "GET", "/admin/workers", &[], b"")?;

@@ -184,8 +184,6 @@ impl Fleet {
             procs.push(Proc::spawn(&format!("relay-{w}"), kvgate_args(&relay_a), dir).unwrap());
             args.push(relay_a);
         }
-        let (gp, ap) = (free_port().unwrap(), free_port().unwrap());
-        let (grpc, admin) = (format!("127.0.0.1:{gp}"), format!("127.0.0.1:{ap}"));
         let mut serve_a: Vec<String> = [
             "serve",
             "--model",
@@ -197,9 +195,9 @@ impl Fleet {
             "--nats-url",
             &nats_url,
             "--listen-grpc",
-            &grpc,
+            "127.0.0.1:0",
             "--listen-admin",
-            &admin,
+            "127.0.0.1:0",
             "--replica-id",
             "cp-e2e",
         ]
@@ -207,8 +205,16 @@ impl Fleet {
         .map(|a| (*a).to_owned())
         .collect();
         serve_a.extend(serve_args.iter().map(|a| (*a).to_owned()));
-        procs.push(Proc::spawn("serve", kvgate_args(&serve_a), dir).unwrap());
+        let (serve, addrs) = kvgate_testkit::spawn_serve("serve", kvgate_args(&serve_a), dir).unwrap();
+        procs.push(serve);
+        // A restart binds the same addresses (Envoy's configuration names them).
+        for (flag, addr) in [("--listen-grpc", addrs.grpc), ("--listen-admin", addrs.admin)] {
+            if let Some(i) = serve_a.iter().position(|a| a == flag) {
+                serve_a[i + 1] = addr.to_string();
+            }
+        }
         args.push(serve_a);
+        let (grpc, admin) = (addrs.grpc.to_string(), addrs.admin.to_string());
         let fleet = Fleet {
             nats,
             procs,
