@@ -11,9 +11,27 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::http::{Parsed, error};
 use super::{Delta, Shared, Submit, word};
 use crate::engine::Request;
+
+pub(super) struct Parsed {
+    pub(super) prompt: Vec<u32>,
+    pub(super) max_tokens: usize,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+}
+
+/// An OpenAI-style error answer, as vLLM writes it.
+pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let body = json!({
+        "object": "error",
+        "message": message.into(),
+        "type": if status == StatusCode::NOT_FOUND { "NotFoundError" } else { "BadRequestError" },
+        "param": null,
+        "code": status.as_u16(),
+    });
+    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
 
 /// What every chunk of one answer repeats.
 #[derive(Clone)]

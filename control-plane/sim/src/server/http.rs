@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use kvgate_tokenize::prompt::{SegmentRef, chain_hashes};
 use serde_json::{Value, json};
 
-use super::generate::generate;
+use super::generate::{Parsed, error, generate};
 use super::{Shared, StreamFault};
 
 /// Tokenization off the async scheduler's hands on a multi-thread runtime
@@ -24,24 +24,6 @@ fn heavy<T>(f: impl FnOnce() -> T) -> T {
     } else {
         f()
     }
-}
-
-pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let body = json!({
-        "object": "error",
-        "message": message.into(),
-        "type": if status == StatusCode::NOT_FOUND { "NotFoundError" } else { "BadRequestError" },
-        "param": null,
-        "code": status.as_u16(),
-    });
-    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
-}
-
-pub(super) struct Parsed {
-    pub(super) prompt: Vec<u32>,
-    pub(super) max_tokens: usize,
-    pub(super) stream: bool,
-    pub(super) include_usage: bool,
 }
 
 fn common(sh: &Shared, body: &Value, prompt: Vec<u32>) -> Result<Parsed, Box<Response>> {
