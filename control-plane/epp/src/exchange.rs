@@ -95,6 +95,11 @@ impl Exchange {
         }
     }
 
+    /// Request body bytes read so far (not yet decided on).
+    pub(crate) fn buffered_bytes(&self) -> usize {
+        self.body.len()
+    }
+
     pub(crate) fn on_message(&mut self, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
         if let Some(pc) = &msg.protocol_config {
             self.request_mode = pc.request_body_mode;

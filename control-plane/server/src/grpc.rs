@@ -77,11 +77,7 @@ impl Router for Service {
     async fn pick(&self, request: Request<pb::PickRequest>) -> Result<Response<pb::PickResponse>, Status> {
         let req = request.get_ref();
         // Tokenizing a large prompt is CPU work: off the scheduler's hands.
-        let r = if prompt_bytes(req) > HEAVY_PROMPT_BYTES && multi_thread() {
-            tokio::task::block_in_place(|| self.app.pick(req))
-        } else {
-            self.app.pick(req)
-        };
+        let r = kvgate_epp::service::off_scheduler(prompt_bytes(req) > HEAVY_PROMPT_BYTES, || self.app.pick(req));
         // Errors are counted by the response layer (they travel in headers).
         let r = r.or_else(to_grpc);
         if r.is_ok() {
@@ -94,9 +90,4 @@ impl Router for Service {
         self.metrics.count(Code::Ok);
         Ok(Response::new(self.app.report(request.get_ref())))
     }
-}
-
-fn multi_thread() -> bool {
-    tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
