@@ -280,9 +280,12 @@ impl RequestFilter {
                 }
                 Answer::Resend | Answer::Unusable => Cause::UnusableAnswer,
             },
-            // DEADLINE_EXCEEDED, or UNAVAILABLE that Envoy's own timer
-            // raised: its status message says so (see `timed_out`).
-            4 => Cause::Timeout,
+            // DEADLINE_EXCEEDED; CANCELLED, which is what a tonic server
+            // answers when the deadline Envoy sent in `grpc-timeout` runs
+            // out (it races Envoy's own timer, and wins on a busy gateway);
+            // or UNAVAILABLE that Envoy's own timer raised: its status
+            // message says so (see `timed_out`).
+            1 | 4 => Cause::Timeout,
             14 if self.timed_out(host, elapsed_us) => Cause::Timeout,
             14 => Cause::Unavailable,
             5 => Cause::UnknownModel,
@@ -593,6 +596,8 @@ mod tests {
             (14, None, None, 45_000, Cause::Timeout),
             (14, None, None, 100, Cause::Unavailable),
             (4, None, None, 10, Cause::Timeout),
+            // The server's own end of the deadline (tonic's words).
+            (1, Some("Timeout%20expired{via_upstream}"), None, 50_000, Cause::Timeout),
             (5, from_server, None, 100, Cause::UnknownModel),
             (13, from_server, None, 100, Cause::GrpcError),
             (0, None, Some(answer("")), 100, Cause::UnusableAnswer),
