@@ -150,6 +150,15 @@ fn real_vllm_end_to_end() {
         }
     }
     let kv_hit = hit_rate(&kv);
+    // The control plane learned this engine's timing from those requests.
+    let timing: Value =
+        serde_json::from_slice(&http_request(s.admin, "GET", "/admin/timing", &[], b"").unwrap().body).unwrap();
+    let learned = &timing[MODEL];
+    println!("vllm timing: {learned}");
+    let first = learned["observations"]["first_token"].as_u64().unwrap_or(0);
+    assert!(first >= 25, "first-token observations from 30 requests: {first}\n{learned}");
+    let classes = learned["classes"].as_object().map(|c| c.len()).unwrap_or(0);
+    assert!(classes >= 1, "a class learned: {learned}");
 
     // 2. round robin, the same kind of load (other conversations).
     s.set_mode("round_robin");

@@ -20,28 +20,43 @@ use crate::served::Model;
 
 type Labels = Vec<(&'static str, String)>;
 
+/// A sample's value.
+#[derive(Clone, Copy)]
+enum Value {
+    Int(i64),
+    Float(f64),
+}
+
 /// Samples of one family, gathered before encoding.
 struct Rows {
     help: &'static str,
     kind: MetricType,
-    rows: Vec<(Labels, i64)>,
+    rows: Vec<(Labels, Value)>,
 }
 
 #[derive(Default)]
 struct Sheet(BTreeMap<String, Rows>);
 
 impl Sheet {
-    fn add(&mut self, name: &str, help: &'static str, kind: MetricType, labels: Labels, v: u64) {
+    fn add(&mut self, name: &str, help: &'static str, kind: MetricType, labels: Labels, v: Value) {
         let rows = self.0.entry(name.to_owned()).or_insert_with(|| Rows { help, kind, rows: Vec::new() });
-        rows.rows.push((labels, i64::try_from(v).unwrap_or(i64::MAX)));
+        rows.rows.push((labels, v));
+    }
+
+    fn int(v: u64) -> Value {
+        Value::Int(i64::try_from(v).unwrap_or(i64::MAX))
     }
 
     fn counter(&mut self, name: &str, help: &'static str, labels: Labels, v: u64) {
-        self.add(name, help, MetricType::Counter, labels, v);
+        self.add(name, help, MetricType::Counter, labels, Self::int(v));
     }
 
     fn gauge(&mut self, name: &str, help: &'static str, labels: Labels, v: u64) {
-        self.add(name, help, MetricType::Gauge, labels, v);
+        self.add(name, help, MetricType::Gauge, labels, Self::int(v));
+    }
+
+    fn gauge_f64(&mut self, name: &str, help: &'static str, labels: Labels, v: f64) {
+        self.add(name, help, MetricType::Gauge, labels, Value::Float(if v.is_finite() { v } else { 0.0 }));
     }
 
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
@@ -49,9 +64,10 @@ impl Sheet {
             let mut me = encoder.encode_descriptor(name, f.help, None, f.kind)?;
             for (labels, v) in &f.rows {
                 let sample = me.encode_family(labels)?;
-                match f.kind {
-                    MetricType::Counter => ConstCounter::new(v.unsigned_abs()).encode(sample)?,
-                    _ => ConstGauge::new(*v).encode(sample)?,
+                match (f.kind, *v) {
+                    (MetricType::Counter, Value::Int(v)) => ConstCounter::new(v.unsigned_abs()).encode(sample)?,
+                    (_, Value::Int(v)) => ConstGauge::new(v).encode(sample)?,
+                    (_, Value::Float(v)) => ConstGauge::new(v).encode(sample)?,
                 }
             }
         }
@@ -100,6 +116,7 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
         s.counter("kvgate_index_events", "Index changes and anomalies, by kind.", l(&[("kind", kind)]), n);
     }
     counter_rows(s, st.counters(), &l);
+    timing_rows(s, st.calibration(), &l);
     for (tier, t) in [("device", kvgate_index::Tier::Device), ("host", kvgate_index::Tier::Host)] {
         let n = st.index().distinct_blocks(t) as u64;
         s.gauge("kvgate_index_blocks", "Distinct blocks in the index, by tier.", l(&[("tier", tier)]), n);
@@ -152,6 +169,42 @@ fn counter_rows(s: &mut Sheet, mc: &ModelCounters, l: LabelsOf<'_>) {
             ),
         };
         s.counter(name, help, l(&[(key, label)]), v);
+    }
+}
+
+/// The learned engine timing: each fit's coefficients with their standard
+/// errors and sample counts, and the values `kv` uses, per worker class.
+fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
+    for (kind, n) in c.counters().by_kind() {
+        let help = "Completed requests by what the engine-timing fits took from them.";
+        s.counter("kvgate_engine_timing_observations", help, l(&[("kind", kind)]), n);
+    }
+    for (class, fit) in c.classes() {
+        for (name, learned) in [("first_token", fit.first_token()), ("decode", fit.decode())] {
+            let samples = l(&[("class", class), ("fit", name)]);
+            s.counter("kvgate_engine_timing_samples", "Observations each fit learned from.", samples, learned.samples);
+            for p in learned.params {
+                let labels = l(&[("class", class), ("fit", name), ("param", p.name)]);
+                let help = "Learned engine timing coefficient (unit in its name).";
+                s.gauge_f64("kvgate_engine_timing", help, labels.clone(), p.value);
+                s.gauge_f64(
+                    "kvgate_engine_timing_stderr",
+                    "Standard error of the learned coefficient.",
+                    labels,
+                    p.stderr,
+                );
+            }
+        }
+        let t = fit.timing();
+        for (param, v) in [
+            ("prefill_ms_per_token", t.prefill_ms_per_token),
+            ("prefill_ms_per_token_per_ktok", t.prefill_ms_per_token_per_ktok),
+            ("prefill_ms_per_token_per_kctx", t.prefill_ms_per_token_per_kctx),
+            ("decode_ms_per_seq", t.decode_ms_per_seq),
+        ] {
+            let help = "Engine timing the kv policy uses for the class (learned, or the prior until trusted).";
+            s.gauge_f64("kvgate_engine_timing_used", help, l(&[("class", class), ("param", param)]), v);
+        }
     }
 }
 

@@ -18,6 +18,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod model;
 pub mod served;
+pub mod timing;
 pub mod views;
 
 pub use app::{App, Model, ReplicaSink};

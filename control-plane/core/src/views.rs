@@ -50,6 +50,48 @@ impl App {
         serde_json::Value::Object(out)
     }
 
+    /// The admin view of the engine timing learned per model and class:
+    /// each fit's coefficients with standard errors and sample counts, the
+    /// values `kv` uses, and the priors.
+    pub fn timing_json(&self) -> serde_json::Value {
+        let mut out = serde_json::Map::new();
+        for (name, m) in &self.models {
+            let st = m.state.lock();
+            let c = st.calibration();
+            let kv = &st.config().kv;
+            let classes: serde_json::Map<String, serde_json::Value> = c
+                .classes()
+                .map(|(class, fit)| {
+                    let t = fit.timing();
+                    let v = serde_json::json!({
+                        "first_token": fit.first_token(),
+                        "decode": fit.decode(),
+                        "used": {
+                            "prefill_ms_per_token": t.prefill_ms_per_token,
+                            "prefill_ms_per_token_per_ktok": t.prefill_ms_per_token_per_ktok,
+                            "prefill_ms_per_token_per_kctx": t.prefill_ms_per_token_per_kctx,
+                            "decode_ms_per_seq": t.decode_ms_per_seq,
+                        },
+                    });
+                    (class.to_owned(), v)
+                })
+                .collect();
+            let counters: serde_json::Map<String, serde_json::Value> =
+                c.counters().by_kind().iter().map(|(k, v)| ((*k).to_owned(), (*v).into())).collect();
+            out.insert(
+                name.clone(),
+                serde_json::json!({
+                    "learn": c.learns(),
+                    "prior": {"prefill_ms_per_token": kv.prefill_ms_per_token, "decode_ms_per_seq": kv.decode_ms_per_seq},
+                    "observations": counters,
+                    "open_requests": c.open_requests(),
+                    "classes": classes,
+                }),
+            );
+        }
+        serde_json::Value::Object(out)
+    }
+
     /// Switches a model's routing mode.
     pub fn set_mode(&self, model: &str, mode: &str) -> Result<(), String> {
         let m = self.models.get(model).ok_or_else(|| format!("unknown model {model:?}"))?;

@@ -13,6 +13,7 @@ fn state() -> ModelState {
             block_size: BlockSize::new(16).unwrap(),
             mode: Mode::LeastLoad,
             kv: KvConfig::default(),
+            learn_timing: true,
             default_output_tokens: 16,
             static_workers: Vec::new(),
             heartbeat_timeout_ms: 1000,

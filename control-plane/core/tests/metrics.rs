@@ -51,11 +51,37 @@ fn every_registered_family_has_help_a_type_and_samples() {
     let a = app();
     // One pick, so that the request paths' families have samples too.
     let req = kvgate_core::chat_pick_request("m", "r1", &[serde_json::json!({"role": "user", "content": "hi"})], None);
-    a.pick(&req).unwrap();
+    let picked = a.pick(&req).unwrap();
+    // Its end, so that the engine-timing families have a class.
+    let done = kvgate_protocol::pb::CompletionReport {
+        request_id: "r1".into(),
+        model: "m".into(),
+        worker_id: picked.worker_id.clone(),
+        endpoint: picked.endpoint.clone(),
+        status_code: 200,
+        ttfb_us: 20_000,
+        total_us: 90_000,
+        prompt_tokens: Some(12),
+        cached_tokens: Some(0),
+        output_tokens: Some(8),
+        stream: true,
+        ..Default::default()
+    };
+    a.report(&kvgate_protocol::pb::CompletionReportBatch { reports: vec![done], ..Default::default() });
     let text = a.render_metrics();
     assert!(text.ends_with("# EOF\n"), "OpenMetrics text ends with # EOF");
     let fams = families(&text);
     assert!(fams.len() > 30, "{} families", fams.len());
+    for family in [
+        "kvgate_engine_timing_observations",
+        "kvgate_engine_timing_samples",
+        "kvgate_engine_timing",
+        "kvgate_engine_timing_stderr",
+        "kvgate_engine_timing_used",
+    ] {
+        assert!(fams.contains_key(family), "{family} missing in\n{text}");
+    }
+    assert!(text.contains("kvgate_engine_timing_observations_total{model=\"m\",kind=\"first_token\"} 1\n"), "{text}");
     for (name, (help, kind, samples)) in &fams {
         assert!(!help.trim().is_empty(), "{name} has no help");
         assert!(["counter", "gauge", "histogram"].contains(&kind.as_str()), "{name}: type {kind:?}");

@@ -138,6 +138,7 @@ fn routing(c: &mut Criterion) {
                             overlap_any_tier_blocks: 0,
                             inflight_overlap_blocks: f.tracker.inflight_prefix(*w, &seqs),
                             load: f.tracker.load(*w),
+                            timing: None,
                             excluded: false,
                         })
                         .collect();

@@ -27,22 +27,31 @@
 //! request time it adds on that worker, for this request and for the ones
 //! already running there, as an engine with chunked prefill spends it: a
 //! step decodes one token of every running request plus a budget of prefill
-//! tokens, and takes `base + decode_ms_per_seq × running + prefill_ms_per_token
-//! × prefill_tokens`. With `p = prefill_ms_per_token`, `d = decode_ms_per_seq`,
-//! `B` tokens per block, `O` expected output tokens and `T = ttft_weight`:
+//! tokens, and takes `base + d × running + p × prefill_tokens`. The worker's
+//! timing is its class's learned engine ([`Candidate::timing`], from the
+//! control plane's online calibration), or the configured priors when it
+//! carries none: `p(new, ctx)` ms per prefill token (growing with the chunk
+//! and with the cached context, for attention), `d` ms per running request
+//! per step. With `B` tokens per block, `O` expected output tokens and
+//! `T = ttft_weight`:
 //!
 //! ```text
-//! own first token   T × p·B × prefill_w               its own prefill, weighted as first-token time
-//! stall of others   p·B × prefill_w × running_w       every running request waits for that prefill
-//! pending           p·B × pending_w                   it waits for the prefill queued before it
-//! decode            d·O × (2·running_w + 1)           it decodes among running_w, and slows each of them
-//! waiting           queue_penalty × f(ρ_w)            ρ_w = max((running_w + 1) / (max_running + 1),
-//!                                                              (active_w + added_w) / capacity_w)
-//! cost_w (in prefill-block equivalents, i.e. divided by p·B)
-//!   = overlap_weight × prefill_w × (T + running_w) + pending_weight × pending_w
-//!     + decode_weight × (d·O / p·B) × (2·running_w + 1)
-//!     + queue_penalty_blocks × (f(ρ_w) + queued_w)
+//! own_ms     = p(prefill_w·B, overlap_w·B) × prefill_w·B     its own prefill
+//! block_ms   = p × B                                          a block of someone else's prefill
+//! own first token   T × own_ms                      weighted as first-token time
+//! stall of others   own_ms × running_w              every running request waits for that prefill
+//! pending           block_ms × pending_w            it waits for the prefill queued before it
+//! decode            d·O × (2·running_w + 1)         it decodes among running_w, and slows each of them
+//! waiting           block_ms × queue_penalty × (f(ρ_w) + queued_w)
+//!                   ρ_w = max((running_w + 1) / (max_running + 1), (active_w + added_w) / capacity_w)
+//! cost_w = (overlap_weight × own_ms × (T + running_w) + pending_weight × pending
+//!           + decode_weight × decode + waiting) / (p_config × B)
 //! ```
+//!
+//! The cost's unit is a block at the configured prefill rate, so every
+//! worker's milliseconds count alike and a slow class's prefill costs more.
+//! With the configured timing (or none) this is the cost in prefill-block
+//! equivalents of earlier versions.
 //!
 //! `f(ρ) = ρ / (1 − ρ)` is the mean wait of an M/M/1 queue, continued along
 //! its tangent above ρ = 0.9, so a worker near its batch limit or its KV
@@ -95,7 +104,7 @@
 //! O(W log W) for W candidates (the sort for fallbacks); no allocation
 //! beyond the ranking vector.
 
-use crate::policy::{Candidate, Decision, Policy, Reason, RequestView, eligible};
+use crate::policy::{Candidate, Decision, EngineTiming, Policy, Reason, RequestView, eligible};
 
 /// What the `kv` cost is measured in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -124,16 +133,19 @@ impl std::str::FromStr for CostUnit {
 pub struct KvConfig {
     /// What the cost measures: request time (default) or Dynamo's blocks.
     pub unit: CostUnit,
-    /// Engine time per prefill token, ms (time units). 0.08: ~12.5 K tokens/s
-    /// of prefill for Llama-3.1-70B FP8 on one H200, the DOKS calibration of
-    /// the simulator. Only its ratio to `decode_ms_per_seq` changes
-    /// decisions, and both scale with the GPU, so the default suits other
-    /// hardware running a model of similar shape; set both from the
-    /// engine's measured prefill throughput and inter-token latency slope.
+    /// Engine time per prefill token, ms (time units): the unit of the cost
+    /// (a block at this rate), and the timing of a candidate that carries
+    /// none. The control plane learns each worker class's timing online
+    /// and passes it in [`Candidate::timing`](crate::Candidate); this is
+    /// then only its prior. Default 0.1 (10 K tokens/s), a neutral round
+    /// number of the right order for a dense model of tens of billions of
+    /// parameters on one datacenter GPU; it comes from no benchmark and no
+    /// simulator preset.
     pub prefill_ms_per_token: f64,
     /// Engine time each running request adds to a decode step, ms (time
-    /// units). 0.65: inter-token latency ~26 ms at ~20 running requests and
-    /// ~52 ms near 60 on the same hardware.
+    /// units); like `prefill_ms_per_token`, a prior when timing is learned.
+    /// Default 0.5, a neutral round number (a step of 64 requests 32 ms
+    /// slower than a step of one).
     pub decode_ms_per_seq: f64,
     /// Worth of a millisecond of this request's own prefill (its time to
     /// first token) against a millisecond of decode or stall time (time
@@ -185,8 +197,8 @@ impl Default for KvConfig {
     fn default() -> Self {
         Self {
             unit: CostUnit::Time,
-            prefill_ms_per_token: 0.08,
-            decode_ms_per_seq: 0.65,
+            prefill_ms_per_token: 0.1,
+            decode_ms_per_seq: 0.5,
             ttft_weight: 20.0,
             overlap_weight: 1.0,
             pending_weight: 1.0,
@@ -279,22 +291,28 @@ impl KvPolicy {
             }
             CostUnit::Time => {
                 let running = f64::from(c.load.effective_requests());
-                let block_ms = k.prefill_ms_per_token * f64::from(request.block_size.max(1));
-                // Decode time of one request among others, in prefill blocks.
-                let decode = if block_ms > 0.0 {
-                    k.decode_ms_per_seq * f64::from(request.expected_output_tokens) / block_ms
-                } else {
-                    0.0
-                };
+                let b = f64::from(request.block_size.max(1));
+                // The worker's own engine (learned for its class), else the
+                // configured priors; the cost's unit is a block at the
+                // configured prefill rate, so that a slow worker's every
+                // millisecond counts as one.
+                let t = c.timing.unwrap_or(EngineTiming::linear(k.prefill_ms_per_token, k.decode_ms_per_seq));
+                let unit_ms = k.prefill_ms_per_token * b;
+                if !(unit_ms.is_finite() && unit_ms > 0.0) {
+                    return 0.0;
+                }
+                let own_ms = t.prefill_ms_per_token_at(prefill * b, overlap * b) * prefill * b;
+                let block_ms = t.prefill_ms_per_token.max(0.0) * b;
+                let decode_ms = t.decode_ms_per_seq.max(0.0) * f64::from(request.expected_output_tokens);
                 // Chance of waiting, before saturation: the mean wait of an
                 // M/M/1 queue at this utilization, in slot waits. The
                 // utilization is the larger of batch slots and KV blocks.
                 let slots = k.queue_penalty_blocks * wait_factor(self.utilization(request, c));
-                k.overlap_weight * prefill * (k.ttft_weight + running)
-                    + k.pending_weight * pending
-                    + k.decode_weight * decode * (2.0 * running + 1.0)
-                    + slots
-                    + queue
+                let ms = k.overlap_weight * own_ms * (k.ttft_weight + running)
+                    + k.pending_weight * pending * block_ms
+                    + k.decode_weight * decode_ms * (2.0 * running + 1.0)
+                    + (slots + queue) * block_ms;
+                ms / unit_ms
             }
         }
     }

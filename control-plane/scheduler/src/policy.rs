@@ -67,8 +67,51 @@ pub struct Candidate {
     pub inflight_overlap_blocks: u32,
     /// Its load.
     pub load: Load,
+    /// How fast its engine is, as the control plane learned it for the
+    /// worker's class; `None` = the policy's configured priors.
+    pub timing: Option<EngineTiming>,
     /// Not to be chosen (unhealthy, draining, heartbeats stale).
     pub excluded: bool,
+}
+
+/// Engine time of one worker class, as learned online (or as configured):
+/// what a policy needs to price a choice in time. All in milliseconds; every
+/// value is finite and ≥ 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineTiming {
+    /// Prefill time per new prompt token.
+    pub prefill_ms_per_token: f64,
+    /// Added per new token per thousand new tokens (prefill that grows
+    /// faster than linearly with the chunk: `ms = a·n + b·n²/1000 + …`).
+    pub prefill_ms_per_token_per_ktok: f64,
+    /// Added per new token per thousand tokens of context already cached
+    /// (attention over the cached prefix).
+    pub prefill_ms_per_token_per_kctx: f64,
+    /// Decode step time each running request adds.
+    pub decode_ms_per_seq: f64,
+}
+
+impl EngineTiming {
+    /// Linear timing: `prefill_ms_per_token` and `decode_ms_per_seq` only.
+    pub fn linear(prefill_ms_per_token: f64, decode_ms_per_seq: f64) -> Self {
+        Self {
+            prefill_ms_per_token,
+            prefill_ms_per_token_per_ktok: 0.0,
+            prefill_ms_per_token_per_kctx: 0.0,
+            decode_ms_per_seq,
+        }
+    }
+
+    /// Mean prefill time per token of `new` tokens after `cached` tokens of
+    /// context (never below `prefill_ms_per_token`'s tenth, never
+    /// non-finite).
+    pub fn prefill_ms_per_token_at(&self, new: f64, cached: f64) -> f64 {
+        let per = self.prefill_ms_per_token
+            + self.prefill_ms_per_token_per_ktok * new.max(0.0) / 1000.0
+            + self.prefill_ms_per_token_per_kctx * cached.max(0.0) / 1000.0;
+        let floor = self.prefill_ms_per_token.max(0.0) / 10.0;
+        if per.is_finite() { per.max(floor) } else { floor }
+    }
 }
 
 /// What a policy knows about the request.

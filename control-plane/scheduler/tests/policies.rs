@@ -3,8 +3,8 @@
 use kvgate_index::WorkerIdx;
 use kvgate_protocol::SequenceHash;
 use kvgate_scheduler::{
-    ApproxConfig, ApproxPolicy, Candidate, KvConfig, KvPolicy, Load, LoadTracker, Measured, Mode, Policy, Reason,
-    RequestView, RoundRobinPolicy,
+    ApproxConfig, ApproxPolicy, Candidate, EngineTiming, KvConfig, KvPolicy, Load, LoadTracker, Measured, Mode, Policy,
+    Reason, RequestView, RoundRobinPolicy,
 };
 use proptest::prelude::*;
 
@@ -19,6 +19,7 @@ fn cand(w: u32, overlap: u32, load: Load) -> Candidate {
         overlap_any_tier_blocks: overlap,
         inflight_overlap_blocks: 0,
         load,
+        timing: None,
         excluded: false,
     }
 }
@@ -87,15 +88,15 @@ fn a_prefix_still_prefilling_draws_its_followers() {
 #[test]
 fn time_units_keep_busy_conversations_on_their_cache() {
     // 32-token blocks, 800 output tokens: one request of decode is
-    // 0.65 × 800 / (0.08 × 32) = 203.125 prefill blocks per unit of
+    // 0.5 × 800 / (0.1 × 32) = 125 prefill blocks per unit of
     // (2·running + 1); a new block costs (20 + running).
     let kv = KvPolicy::default();
     let idle = cand(0, 90, Load::default());
     let c = kv.cost(&request(100), &idle);
-    assert!((c - (10.0 * 20.0 + 203.125)).abs() < 1e-9, "{c}");
+    assert!((c - (10.0 * 20.0 + 125.0)).abs() < 1e-9, "{c}");
     let busy = cand(0, 90, Load { inflight: 60, ..Load::default() });
     let c = kv.cost(&request(100), &busy);
-    assert!((c - (10.0 * 80.0 + 203.125 * 121.0)).abs() < 1e-6, "{c}");
+    assert!((c - (10.0 * 80.0 + 125.0 * 121.0)).abs() < 1e-6, "{c}");
 
     // Worker 0 holds the history and the last answer (200 of 205 blocks);
     // worker 1 only the shared starter (170). Worker 0 runs 2 more requests.
@@ -117,6 +118,41 @@ fn time_units_keep_busy_conversations_on_their_cache() {
 /// Time units: a worker whose KV blocks would overflow with the request (the
 /// engine would preempt a running request) counts as saturated even below
 /// its running limit, and utilization near capacity costs more before that.
+/// The learned timing of a worker's class prices its choices: the
+/// configured constants given as a timing change nothing; at equal load
+/// and no cache, a class that prefills three times slower loses; a class
+/// whose prefill grows with context pays for a miss after a long history.
+#[test]
+fn time_units_price_each_worker_at_its_own_speed() {
+    let kv = KvPolicy::new(KvConfig::default());
+    let k = KvConfig::default();
+    let busy = Load { inflight: 10, active_blocks: 500, ..Load::default() };
+    let plain = cand(0, 40, busy);
+    let told = Candidate { timing: Some(EngineTiming::linear(k.prefill_ms_per_token, k.decode_ms_per_seq)), ..plain };
+    assert_eq!(kv.cost(&request(100), &plain), kv.cost(&request(100), &told));
+
+    let fast = Candidate { timing: Some(EngineTiming::linear(0.05, 0.3)), ..cand(0, 0, busy) };
+    let slow = Candidate { timing: Some(EngineTiming::linear(0.15, 0.3)), ..cand(1, 0, busy) };
+    let mut rng = fastrand::Rng::with_seed(9);
+    for order in [[fast, slow], [slow, fast]] {
+        let d = KvPolicy::new(k).pick(&request(200), &order, &mut rng).unwrap();
+        assert_eq!(order[d.chosen].worker, WorkerIdx(0), "the fast class wins at equal load");
+    }
+    // Half the prefill (cache) on the slow class: 100 blocks at 3× the rate
+    // still cost more than 200 at 1×.
+    let slow_hit = Candidate { overlap_blocks: 100, overlap_any_tier_blocks: 100, ..slow };
+    assert!(kv.cost(&request(200), &slow_hit) > kv.cost(&request(200), &fast));
+
+    let flat = Candidate { timing: Some(EngineTiming::linear(0.1, 0.5)), ..cand(0, 1_000, busy) };
+    let growing = Candidate {
+        timing: Some(EngineTiming { prefill_ms_per_token_per_kctx: 0.01, ..EngineTiming::linear(0.1, 0.5) }),
+        ..flat
+    };
+    // 100 new blocks after 32K cached tokens: 0.1 + 0.32 ms per token.
+    let ratio = kv.cost(&request(1_100), &growing) / kv.cost(&request(1_100), &flat);
+    assert!(ratio > 2.0, "context growth makes the same miss dearer: {ratio}");
+}
+
 #[test]
 fn kv_capacity_counts_as_saturation_in_time_units() {
     let load = |active: u64| Load {
@@ -355,7 +391,7 @@ proptest! {
     ) {
         let cands: Vec<Candidate> = cands.into_iter().enumerate().map(|(i, (o, extra, load, excluded))| Candidate {
             worker: WorkerIdx(i as u32), overlap_blocks: o, overlap_any_tier_blocks: o + extra,
-            inflight_overlap_blocks: extra, load, excluded,
+            inflight_overlap_blocks: extra, load, timing: None, excluded,
         }).collect();
         let any_eligible = cands.iter().any(|c| !c.excluded);
         let keys = [1u64, 2, 3, 4];

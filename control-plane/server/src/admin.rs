@@ -8,6 +8,7 @@
 //! | `GET /readyz` | 200 when NATS is connected (or not configured), else 503 |
 //! | `GET /admin/workers[?model=M]` | workers per model (JSON) |
 //! | `GET /admin/index` | index and tokenizer statistics per model (JSON) |
+//! | `GET /admin/timing` | engine timing learned per model and worker class (JSON) |
 //! | `POST /admin/mode?model=M&mode=kv` | switch a model's routing mode |
 
 use std::collections::HashMap;
@@ -29,6 +30,7 @@ pub fn router(app: Arc<App>) -> axum::Router {
         .route("/readyz", get(ready))
         .route("/admin/workers", get(workers))
         .route("/admin/index", get(index))
+        .route("/admin/timing", get(timing))
         .route("/admin/mode", post(mode))
         .with_state(app)
 }
@@ -51,6 +53,10 @@ async fn workers(State(app): State<Arc<App>>, Query(q): Query<HashMap<String, St
 
 async fn index(State(app): State<Arc<App>>) -> impl IntoResponse {
     axum::Json(app.index_json())
+}
+
+async fn timing(State(app): State<Arc<App>>) -> impl IntoResponse {
+    axum::Json(app.timing_json())
 }
 
 async fn mode(State(app): State<Arc<App>>, Query(q): Query<HashMap<String, String>>) -> impl IntoResponse {

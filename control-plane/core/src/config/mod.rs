@@ -32,8 +32,9 @@
 //! workers = [{ id = "w0", endpoint = "10.0.0.5:8000" }]   # optional static workers
 //! [models.kv]                           # optional weights (kvgate_scheduler::KvConfig)
 //! unit = "time"                         # time | blocks (Dynamo's cost)
-//! prefill_ms_per_token = 0.08           # engine prefill time per token
-//! decode_ms_per_seq = 0.65              # decode step time per running request
+//! learn_timing = true                  # learn the engine's timing online (below: priors)
+//! prefill_ms_per_token = 0.1            # prior: engine prefill time per token
+//! decode_ms_per_seq = 0.5               # prior: decode step time per running request
 //! overlap_weight = 1.0
 //! ```
 
@@ -72,6 +73,9 @@ pub struct RawKv {
     pub prefill_ms_per_token: Option<f64>,
     /// See [`KvConfig::decode_ms_per_seq`].
     pub decode_ms_per_seq: Option<f64>,
+    /// Learn the engine's timing online (default true); false uses
+    /// `prefill_ms_per_token` and `decode_ms_per_seq` as given.
+    pub learn_timing: Option<bool>,
     /// See [`KvConfig::ttft_weight`].
     pub ttft_weight: Option<f64>,
     /// See [`KvConfig::overlap_weight`].

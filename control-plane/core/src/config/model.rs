@@ -25,7 +25,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
     {
         return Err(err(f("tokenizer_dir"), dir.display(), "no tokenizer.json in this directory"));
     }
-    let kv = kv_config(&f, m.kv.unwrap_or_default())?;
+    let kv = kv_config(&f, m.kv.clone().unwrap_or_default())?;
     let static_workers = static_workers(i, m.workers)?;
     let inflight_ttl_ms = m.inflight_ttl_ms.unwrap_or(600_000);
     if inflight_ttl_ms < 1000 {
@@ -46,6 +46,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
             block_size,
             mode,
             kv,
+            learn_timing: m.kv.as_ref().and_then(|k| k.learn_timing).unwrap_or(true),
             default_output_tokens: m.default_output_tokens.unwrap_or(256),
             static_workers,
             heartbeat_timeout_ms: m.heartbeat_timeout_ms.unwrap_or(0),

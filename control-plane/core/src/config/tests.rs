@@ -50,6 +50,11 @@ fn toml_file_parses_and_rejects_unknown_fields() {
         "listen_grpc = \"127.0.0.1:0\"\n[[models]]\nname = \"m\"\nblock_size = 32\n[models.kv]\nunit = \"blocks\"\n";
     let b = Config::validate(RawConfig::from_toml(blocks, "config.toml").unwrap()).unwrap();
     assert_eq!(b.models[0].routing.kv.unit, CostUnit::Blocks);
+    assert!(b.models[0].routing.learn_timing, "learning is the default");
+    let pinned = blocks.replace("unit = \"blocks\"", "learn_timing = false\nprefill_ms_per_token = 0.2");
+    let p = Config::validate(RawConfig::from_toml(&pinned, "config.toml").unwrap()).unwrap();
+    assert!(!p.models[0].routing.learn_timing);
+    assert_eq!(p.models[0].routing.kv.prefill_ms_per_token, 0.2);
     let bad = blocks.replace("\"blocks\"", "\"tokens\"");
     let e = Config::validate(RawConfig::from_toml(&bad, "config.toml").unwrap()).unwrap_err();
     assert_eq!((e.field.as_str(), e.value.as_str()), ("models[0].kv.unit", "tokens"), "{e}");

@@ -30,6 +30,8 @@ use kvgate_protocol::pb;
 use kvgate_protocol::{BlockSeed, BlockSize};
 use kvgate_scheduler::{KvConfig, KvPolicy, LoadTracker, Mode, Policy};
 
+use crate::timing::{Calibration, Prior};
+
 pub use counters::ModelCounters;
 pub use pick::{BY_LOAD, ByLoad, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
 use sync::{Accept, Resync, StreamSync};
@@ -45,8 +47,12 @@ pub struct ModelConfig {
     pub block_size: BlockSize,
     /// Routing mode at start.
     pub mode: Mode,
-    /// Weights of the `kv` mode.
+    /// Weights of the `kv` mode; its `prefill_ms_per_token` and
+    /// `decode_ms_per_seq` are the priors of the learned timing.
     pub kv: KvConfig,
+    /// Whether `kv` uses the engine timing learned online (else the
+    /// configured constants).
+    pub learn_timing: bool,
     /// Output tokens assumed when a request has no `max_tokens`.
     pub default_output_tokens: u32,
     /// Workers routed to without relays (id, `ip:port`): never expire.
@@ -77,6 +83,7 @@ pub struct ModelState {
     config: ModelConfig,
     index: Index,
     tracker: LoadTracker,
+    calibration: Calibration,
     policy: Box<dyn Policy>,
     mode: Mode,
     workers: HashMap<String, Worker>,
@@ -109,6 +116,14 @@ impl ModelState {
         let mut this = Self {
             index: Index::new(IndexConfig::new(config.block_size)),
             tracker: LoadTracker::new(),
+            calibration: Calibration::new(
+                Prior {
+                    prefill_ms_per_token: config.kv.prefill_ms_per_token,
+                    decode_ms_per_seq: config.kv.decode_ms_per_seq,
+                },
+                config.learn_timing,
+                config.block_size.get(),
+            ),
             policy: policy_for(config.mode, config.kv),
             mode: config.mode,
             workers: HashMap::new(),
@@ -137,6 +152,11 @@ impl ModelState {
     /// The index (read-only).
     pub fn index(&self) -> &Index {
         &self.index
+    }
+
+    /// The engine timing learned so far.
+    pub fn calibration(&self) -> &Calibration {
+        &self.calibration
     }
 
     /// Counters.
@@ -305,12 +325,14 @@ impl ModelState {
     /// A completion report from a filter. Returns the in-flight events to
     /// share with other replicas.
     pub fn on_report(&mut self, r: &pb::CompletionReport, now_ms: u64) -> Vec<pb::InflightEvent> {
-        if !r.worker_id.is_empty() && reached_another(r) {
+        let elsewhere = !r.worker_id.is_empty() && reached_another(r);
+        if elsewhere {
             self.connection_failed(&r.worker_id, now_ms);
         }
         if self.tracker.first_token(&r.request_id).is_err() {
             self.counters.reports_unknown += 1;
         }
+        self.calibration.first_token(&r.request_id, now_ms);
         let event = |phase: pb::InflightPhase| pb::InflightEvent {
             request_id: r.request_id.clone(),
             worker_id: r.worker_id.clone(),
@@ -319,7 +341,16 @@ impl ModelState {
         };
         let mut out = vec![event(pb::InflightPhase::FirstToken)];
         if r.total_us > 0 {
+            // Served by a fallback: its times are not the chosen worker's.
+            if elsewhere {
+                self.calibration.forget(&r.request_id);
+            } else {
+                self.calibration.done(r, now_ms);
+            }
             let _ = self.tracker.done(&r.request_id);
+            if let Some(idx) = self.workers.get(&r.worker_id).map(|w| w.idx) {
+                self.calibration.touch(idx, &self.tracker.load(idx), now_ms);
+            }
             out.push(event(pb::InflightPhase::Done));
             self.counters.reports += 1;
             if let Some((predicted, _)) = self.predicted.remove(&r.request_id)
@@ -352,6 +383,7 @@ impl ModelState {
             Ok(pb::InflightPhase::Done) => self.tracker.done(&ev.request_id),
             _ => Err(kvgate_scheduler::LifecycleError::Unknown),
         };
+        self.calibration.touch(idx, &self.tracker.load(idx), now_ms);
         match r {
             Ok(()) => self.counters.replica_events += 1,
             Err(_) => self.counters.replica_events_ignored += 1,

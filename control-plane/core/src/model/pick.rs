@@ -143,7 +143,17 @@ impl ModelState {
         let output_blocks = u64::from(expected_output_tokens.div_ceil(bs.get()));
         // Its new prefill excludes what requests in flight there compute.
         let shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
-        let _ = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
+        if self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms).is_ok() {
+            let new_blocks = (hashes.len() as u64).saturating_sub(u64::from(shared));
+            self.calibration.routed(
+                input.request_id,
+                chosen.worker,
+                &chosen.load,
+                (new_blocks, u64::from(shared)),
+                now_ms,
+            );
+            self.calibration.touch(chosen.worker, &self.tracker.load(chosen.worker), now_ms);
+        }
         // Only `kv` looks the prompt up in the index: other modes make no
         // prediction for the accuracy metric to judge.
         if self.mode == Mode::Kv && input.by_load.is_none() {
@@ -178,6 +188,7 @@ impl ModelState {
                 overlap_any_tier_blocks: d.max(h),
                 inflight_overlap_blocks: inflight,
                 load: self.tracker.load(w.idx),
+                timing: self.calibration.timing(w.idx),
                 excluded,
             };
             live.push((id, cand));

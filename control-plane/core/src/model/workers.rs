@@ -194,6 +194,7 @@ impl ModelState {
             max_num_seqs: hb.max_num_seqs,
         };
         if self.tracker.measured(idx, m) {
+            self.calibration.touch(idx, &self.tracker.load(idx), now_ms);
             if hb.capacity_blocks > 0 {
                 self.index.set_capacity(idx, usize::try_from(hb.capacity_blocks).ok());
             }
@@ -222,6 +223,7 @@ impl ModelState {
             if let Some(w) = self.workers.remove(id) {
                 self.index.remove_worker(w.idx);
                 self.tracker.remove_worker(w.idx);
+                self.calibration.remove_worker(w.idx);
                 self.policy.forget_worker(w.idx);
                 self.names.remove(&w.idx);
                 self.counters.workers_expired += 1;
@@ -229,6 +231,12 @@ impl ModelState {
         }
         let expired = self.tracker.expire(now_ms, self.config.inflight_ttl_ms);
         self.counters.inflight_expired += expired as u64;
+        self.calibration.expire(now_ms, self.config.inflight_ttl_ms);
+        if expired > 0 {
+            for w in self.workers.values() {
+                self.calibration.touch(w.idx, &self.tracker.load(w.idx), now_ms);
+            }
+        }
         let ttl = self.config.inflight_ttl_ms;
         self.predicted.retain(|_, (_, t)| now_ms.saturating_sub(*t) <= ttl);
         dead

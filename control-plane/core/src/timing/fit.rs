@@ -1,0 +1,321 @@
+//! The learned engine of one worker class: two robust fits, one for the
+//! time to first token and one for the decode step.
+//!
+//! | fit | observation | features (scaled to O(1)) | coefficients |
+//! |---|---|---|---|
+//! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
+//! | decode step | mean inter-token time of a stream | `1, R̄, f̄, f̄², q̄` | step base, per running request, KV fill (linear and square), prefill tokens sharing the steps |
+//!
+//! `n` new prompt tokens (prompt − cached, as the engine reported), `c`
+//! cached tokens, `a` prefill tokens other requests had pending on the
+//! worker when this one was routed (its queue for compute), `R` requests on
+//! the worker then; `R̄`, `f̄` (KV fill) and `q̄` (prefill tokens per step)
+//! are averages over the stream's decode window. Queueing is kept apart
+//! from compute twice: the prefill queued ahead has its own coefficient,
+//! and a request that found the worker at its running limit is not a
+//! first-token observation at all (it waited for a slot, which no
+//! coefficient here describes).
+//!
+//! The two fits estimate the per-token prefill time independently (the
+//! first token's `n` term, the decode step's `q̄` term); [`EngineFit::timing`]
+//! takes the first token's, which sees whole prompts.
+
+use kvgate_scheduler::EngineTiming;
+use serde::Serialize;
+
+use super::rls::Rls;
+
+/// Thousand.
+const K: f64 = 1000.0;
+
+/// Starting values of a fit, from the model's configuration: priors, not
+/// truths.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prior {
+    /// Prefill time per new token, ms.
+    pub prefill_ms_per_token: f64,
+    /// Decode step time per running request, ms.
+    pub decode_ms_per_seq: f64,
+}
+
+/// One first-token observation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FirstToken {
+    /// Gateway time to first token, ms.
+    pub ttft_ms: f64,
+    /// New (uncached) prompt tokens.
+    pub new_tokens: f64,
+    /// Cached prompt tokens.
+    pub cached_tokens: f64,
+    /// Prefill tokens pending on the worker ahead of this request.
+    pub ahead_tokens: f64,
+    /// Requests on the worker when it was routed.
+    pub running: f64,
+}
+
+impl FirstToken {
+    fn features(&self) -> [f64; 6] {
+        let n = self.new_tokens / K;
+        [1.0, n, n * n, n * self.cached_tokens / K, self.ahead_tokens / K, self.running / 10.0]
+    }
+}
+
+/// One decode observation: a stream's mean inter-token time and what the
+/// worker did meanwhile.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decode {
+    /// Mean time between output tokens, ms.
+    pub itl_ms: f64,
+    /// Mean requests on the worker.
+    pub running: f64,
+    /// Mean KV fill, [0, 1].
+    pub kv_fill: f64,
+    /// Prefill tokens routed to the worker per decode step.
+    pub prefill_tokens_per_step: f64,
+}
+
+impl Decode {
+    fn features(&self) -> [f64; 5] {
+        let f = self.kv_fill.clamp(0.0, 1.0);
+        [1.0, self.running / 10.0, f, f * f, self.prefill_tokens_per_step / K]
+    }
+}
+
+/// A fit's coefficients with their standard errors, for metrics and the
+/// admin API.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Learned {
+    /// Observations used.
+    pub samples: u64,
+    /// Robust residual scale, ms.
+    pub residual_ms: f64,
+    /// The coefficients, in the units their names say.
+    pub params: Vec<Param>,
+}
+
+/// One learned coefficient.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Param {
+    /// Name, with its unit.
+    pub name: &'static str,
+    /// Estimate.
+    pub value: f64,
+    /// Standard error.
+    pub stderr: f64,
+}
+
+/// Coefficient names of the first-token fit, in feature order (units after
+/// scaling back).
+pub const FIRST_TOKEN_PARAMS: [&str; 6] = [
+    "ttft_overhead_ms",
+    "prefill_ms_per_token",
+    "prefill_ms_per_token_per_ktok",
+    "prefill_ms_per_token_per_kctx",
+    "queued_prefill_ms_per_token",
+    "ttft_ms_per_running",
+];
+
+/// Coefficient names of the decode fit, in feature order.
+pub const DECODE_PARAMS: [&str; 5] =
+    ["step_base_ms", "decode_ms_per_seq", "step_ms_per_kv_fill", "step_ms_per_kv_fill_sq", "step_prefill_ms_per_token"];
+
+/// Scales from a coefficient on scaled features back to the name's units.
+const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
+const DECODE_SCALE: [f64; 5] = [1.0, 0.1, 1.0, 1.0, 1.0 / K];
+
+/// Fewer samples than this and the fit is not trusted over the prior.
+pub const MIN_SAMPLES: u64 = 20;
+
+/// The learned timing of one worker class.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineFit {
+    prior: Prior,
+    first: Rls<6>,
+    decode: Rls<5>,
+}
+
+impl EngineFit {
+    /// A fit at the prior, wide enough that a few hundred observations
+    /// decide (a tenth to ten times the prior is within two standard
+    /// deviations).
+    pub fn new(prior: Prior) -> Self {
+        let p = prior.prefill_ms_per_token * K;
+        let d = prior.decode_ms_per_seq * 10.0;
+        let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
+        let decode = Rls::new([10.0, d, 0.0, 0.0, p], [50.0, 5.0 * d, 50.0, 50.0, 5.0 * p], 5.0);
+        Self { prior, first, decode }
+    }
+
+    /// Learns from a first token.
+    pub fn observe_first_token(&mut self, o: &FirstToken) -> bool {
+        o.new_tokens >= 0.0 && self.first.observe(o.features(), o.ttft_ms)
+    }
+
+    /// Learns from a stream's decode.
+    pub fn observe_decode(&mut self, o: &Decode) -> bool {
+        o.itl_ms > 0.0 && self.decode.observe(o.features(), o.itl_ms)
+    }
+
+    /// Predicted gateway TTFT for `o`'s inputs (its `ttft_ms` ignored), ms,
+    /// never negative.
+    pub fn predict_ttft_ms(&self, o: &FirstToken) -> f64 {
+        finite_nonneg(self.first.predict(&o.features()))
+    }
+
+    /// Predicted decode step time for `o`'s inputs, ms, never negative.
+    pub fn predict_step_ms(&self, o: &Decode) -> f64 {
+        finite_nonneg(self.decode.predict(&o.features()))
+    }
+
+    /// Engine compute time to prefill `new` tokens after `cached` tokens,
+    /// ms, without overhead or queueing (the first-token fit's `n` terms).
+    pub fn predict_prefill_ms(&self, new: f64, cached: f64) -> f64 {
+        let t = self.first.theta();
+        let n = new.max(0.0) / K;
+        finite_nonneg(t[1] * n + t[2] * n * n + t[3] * n * cached.max(0.0) / K)
+    }
+
+    /// What the `kv` policy uses: the learned values once there are enough
+    /// samples and each is positive and known to within half its value;
+    /// otherwise that value's prior. Growth terms fall back to 0.
+    pub fn timing(&self) -> EngineTiming {
+        let (ft, fse, fs) = (self.first.theta(), self.first.stderr(), self.first.samples());
+        let (dt, dse, ds) = (self.decode.theta(), self.decode.stderr(), self.decode.samples());
+        let trusted =
+            |v: f64, se: f64, samples: u64| samples >= MIN_SAMPLES && v.is_finite() && v > 0.0 && se < 0.5 * v;
+        let pick = |v: f64, se: f64, samples: u64, scale: f64, prior: f64| {
+            if trusted(v, se, samples) { v * scale } else { prior }
+        };
+        let growth = |v: f64, samples: u64| if samples >= MIN_SAMPLES && v.is_finite() { v.max(0.0) / K } else { 0.0 };
+        EngineTiming {
+            prefill_ms_per_token: pick(ft[1], fse[1], fs, 1.0 / K, self.prior.prefill_ms_per_token),
+            prefill_ms_per_token_per_ktok: growth(ft[2], fs),
+            prefill_ms_per_token_per_kctx: growth(ft[3], fs),
+            decode_ms_per_seq: pick(dt[1], dse[1], ds, 0.1, self.prior.decode_ms_per_seq),
+        }
+    }
+
+    /// The first-token fit, in the names' units.
+    pub fn first_token(&self) -> Learned {
+        learned(&self.first, &FIRST_TOKEN_PARAMS, &FIRST_TOKEN_SCALE)
+    }
+
+    /// The decode fit, in the names' units.
+    pub fn decode(&self) -> Learned {
+        learned(&self.decode, &DECODE_PARAMS, &DECODE_SCALE)
+    }
+}
+
+fn learned<const N: usize>(f: &Rls<N>, names: &[&'static str; N], scale: &[f64; N]) -> Learned {
+    let (t, se) = (f.theta(), f.stderr());
+    Learned {
+        samples: f.samples(),
+        residual_ms: f.scale(),
+        params: (0..N).map(|i| Param { name: names[i], value: t[i] * scale[i], stderr: se[i] * scale[i] }).collect(),
+    }
+}
+
+fn finite_nonneg(v: f64) -> f64 {
+    if v.is_finite() { v.max(0.0) } else { 0.0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const PRIOR: Prior = Prior { prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.5 };
+
+    fn noise(rng: &mut fastrand::Rng, sd: f64) -> f64 {
+        (0..12).map(|_| rng.f64()).sum::<f64>().mul_add(sd, -6.0 * sd)
+    }
+
+    fn near(got: f64, want: f64, rel: f64) -> bool {
+        (got - want).abs() <= rel * want.abs()
+    }
+
+    /// A linear engine (every step costs `base + 0.08 ms × prefill token +
+    /// 0.65 ms × running request`), observed with noise and 5 % stalls.
+    #[test]
+    fn learns_a_linear_engine_from_its_requests() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(1);
+        for i in 0..600 {
+            let running = rng.f64() * 40.0;
+            let o = FirstToken {
+                ttft_ms: 0.0,
+                new_tokens: rng.f64() * 8000.0,
+                cached_tokens: rng.f64() * 8000.0,
+                ahead_tokens: rng.f64() * 16000.0,
+                running,
+            };
+            let stall = if i % 20 == 0 { 3000.0 } else { 0.0 };
+            let ttft = 25.0 + 0.08 * o.new_tokens + 0.08 * o.ahead_tokens + 0.65 * running + noise(&mut rng, 5.0);
+            assert!(fit.observe_first_token(&FirstToken { ttft_ms: ttft + stall, ..o }));
+            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 300.0 };
+            let itl = 13.0 + 0.65 * running + 0.08 * d.prefill_tokens_per_step + noise(&mut rng, 1.0);
+            assert!(fit.observe_decode(&Decode { itl_ms: itl + stall / 10.0, ..d }));
+        }
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token, 0.08, 0.1), "{t:?}");
+        assert!(near(t.decode_ms_per_seq, 0.65, 0.1), "{t:?}");
+        assert!(t.prefill_ms_per_token_per_ktok < 0.002 && t.prefill_ms_per_token_per_kctx < 0.002, "{t:?}");
+        let queued = fit.first_token().params[4];
+        assert!(near(queued.value, 0.08, 0.1), "{queued:?}");
+    }
+
+    /// Attention that grows with context: each new token costs
+    /// 0.05 ms + 0.01 ms per thousand tokens of cached context.
+    #[test]
+    fn learns_that_prefill_grows_with_context() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(2);
+        for _ in 0..800 {
+            let (n, c) = (rng.f64() * 4000.0, rng.f64() * 64000.0);
+            let ttft = 30.0 + n * (0.05 + 0.01 * c / 1000.0) + noise(&mut rng, 5.0);
+            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: c, ahead_tokens: 0.0, running: 1.0 };
+            assert!(fit.observe_first_token(&o));
+        }
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token, 0.05, 0.1), "{t:?}");
+        assert!(near(t.prefill_ms_per_token_per_kctx, 0.01, 0.1), "{t:?}");
+        // 2K new tokens after 50K cached: 2000 × (0.05 + 0.5) = 1100 ms.
+        assert!(near(fit.predict_prefill_ms(2000.0, 50_000.0), 1100.0, 0.1));
+    }
+
+    #[test]
+    fn the_prior_holds_until_enough_samples() {
+        let mut fit = EngineFit::new(PRIOR);
+        let prior = EngineTiming::linear(0.1, 0.5);
+        assert_eq!(fit.timing(), prior);
+        for _ in 0..MIN_SAMPLES - 1 {
+            let o =
+                FirstToken { ttft_ms: 900.0, new_tokens: 2000.0, cached_tokens: 0.0, ahead_tokens: 0.0, running: 0.0 };
+            fit.observe_first_token(&o);
+        }
+        assert_eq!(fit.timing(), prior);
+    }
+
+    proptest! {
+        #[test]
+        fn predictions_are_finite_and_never_negative(
+            obs in proptest::collection::vec((-1e3f64..1e7, 0f64..1e6, 0f64..1e6, 0f64..1e3, 0f64..1.5), 0..100),
+            new in 0f64..1e6, cached in 0f64..1e6,
+        ) {
+            let mut fit = EngineFit::new(PRIOR);
+            for (y, n, c, r, f) in obs {
+                fit.observe_first_token(&FirstToken { ttft_ms: y, new_tokens: n, cached_tokens: c, ahead_tokens: n, running: r });
+                fit.observe_decode(&Decode { itl_ms: y / 100.0, running: r, kv_fill: f, prefill_tokens_per_step: c / 100.0 });
+            }
+            let t = fit.timing();
+            for v in [t.prefill_ms_per_token, t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx, t.decode_ms_per_seq] {
+                prop_assert!(v.is_finite() && v >= 0.0);
+            }
+            prop_assert!(t.prefill_ms_per_token > 0.0 && t.decode_ms_per_seq > 0.0);
+            let p = fit.predict_prefill_ms(new, cached);
+            prop_assert!(p.is_finite() && p >= 0.0);
+            let at = t.prefill_ms_per_token_at(new, cached);
+            prop_assert!(at.is_finite() && at > 0.0);
+        }
+    }
+}

@@ -1,0 +1,454 @@
+//! Online calibration: how fast each class of worker serving a model
+//! prefills and decodes, learned from the requests it serves, so that the
+//! `kv` policy prices its choices in this fleet's time, not in a preset's.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | [`Calibration`]: per-request bookkeeping (routed → first token → done), per-worker activity, one fit per class |
+//! | [`fit`] | [`EngineFit`]: the first-token and decode-step fits and what `kv` takes from them |
+//! | [`rls`] | robust recursive least squares with forgetting |
+//!
+//! A worker's class is what its heartbeats say about its hardware: its KV
+//! capacity and running limit (a different GPU, tensor-parallel size or
+//! quantization changes the capacity). Workers of one class share a fit;
+//! workers without heartbeats share the class `unknown`.
+//!
+//! | operation | cost |
+//! |---|---|
+//! | [`Calibration::routed`], [`Calibration::first_token`], [`Calibration::touch`] | O(1) |
+//! | [`Calibration::done`] | O(1) (one fit update: 6² + 5² multiply-adds) |
+//! | [`Calibration::expire`] | O(requests open) |
+//!
+//! Memory: one record per request in flight (dropped at its end or its
+//! expiry), one activity record per worker, one fit per class (at most
+//! [`MAX_CLASSES`]).
+
+pub mod fit;
+pub mod rls;
+
+use std::collections::{BTreeMap, HashMap};
+
+use kvgate_index::WorkerIdx;
+use kvgate_protocol::pb;
+use kvgate_scheduler::{EngineTiming, Load};
+
+pub use fit::{Decode, EngineFit, FirstToken, Learned, Prior};
+
+/// Classes beyond this many share the class `other`.
+pub const MAX_CLASSES: usize = 32;
+
+/// The class of workers without a heartbeat (static workers).
+pub const UNKNOWN_CLASS: &str = "unknown";
+
+/// A worker's class from its measured load.
+pub fn class_of(load: &Load) -> String {
+    match (load.capacity_blocks, load.max_running) {
+        (Some(blocks), Some(seqs)) => format!("blocks={blocks},seqs={seqs}"),
+        (Some(blocks), None) => format!("blocks={blocks}"),
+        _ => UNKNOWN_CLASS.to_owned(),
+    }
+}
+
+/// Time-weighted integrals of a worker's load, in the control plane's
+/// clock.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Integrals {
+    last_ms: u64,
+    running: f64,
+    fill: f64,
+    running_ms: f64,
+    fill_ms: f64,
+    fill_sq_ms: f64,
+    prefill_tokens: f64,
+}
+
+/// A worker: its class and its integrals.
+#[derive(Debug, Clone, Default)]
+struct Activity {
+    class: String,
+    sums: Integrals,
+}
+
+impl Integrals {
+    fn advance(&mut self, now_ms: u64) {
+        let dt = now_ms.saturating_sub(self.last_ms) as f64;
+        self.running_ms += self.running * dt;
+        self.fill_ms += self.fill * dt;
+        self.fill_sq_ms += self.fill * self.fill * dt;
+        self.last_ms = self.last_ms.max(now_ms);
+    }
+}
+
+/// A request between its routing and its end.
+#[derive(Debug, Clone)]
+struct Open {
+    worker: WorkerIdx,
+    class: String,
+    added_ms: u64,
+    predicted_cached: f64,
+    ahead_tokens: f64,
+    running: f64,
+    saturated: bool,
+    first: Option<Integrals>,
+}
+
+/// What happened to observations, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TimingCounters {
+    /// First-token observations learned from.
+    pub first_tokens: u64,
+    /// Decode observations learned from.
+    pub decodes: u64,
+    /// Requests that found their worker at its running limit: their first
+    /// token measured a wait for a slot, not compute.
+    pub queued: u64,
+    /// Completed requests without what a fit needs (no usage, an error
+    /// status, a single output token, no first-token report).
+    pub unusable: u64,
+}
+
+impl TimingCounters {
+    /// Every counter with its `kind` label (destructured without `..`: a
+    /// new counter does not compile until it is exported).
+    pub fn by_kind(&self) -> [(&'static str, u64); 4] {
+        let Self { first_tokens, decodes, queued, unusable } = *self;
+        [("first_token", first_tokens), ("decode", decodes), ("queued", queued), ("unusable", unusable)]
+    }
+}
+
+/// One model's calibration.
+#[derive(Debug)]
+pub struct Calibration {
+    prior: Prior,
+    learn: bool,
+    block_size: f64,
+    classes: BTreeMap<String, EngineFit>,
+    /// Each class's [`EngineFit::timing`], refreshed when it learns.
+    timings: BTreeMap<String, EngineTiming>,
+    open: HashMap<String, Open>,
+    activity: HashMap<WorkerIdx, Activity>,
+    counters: TimingCounters,
+}
+
+impl Calibration {
+    /// Starts at `prior`. With `learn` false, observations are still fitted
+    /// (and exported) but [`Calibration::timing`] returns `None`: the
+    /// policy uses its configured constants.
+    pub fn new(prior: Prior, learn: bool, block_size: u32) -> Self {
+        Self {
+            prior,
+            learn,
+            block_size: f64::from(block_size.max(1)),
+            classes: BTreeMap::new(),
+            timings: BTreeMap::new(),
+            open: HashMap::new(),
+            activity: HashMap::new(),
+            counters: TimingCounters::default(),
+        }
+    }
+
+    /// Whether the policy is given the learned timing.
+    pub fn learns(&self) -> bool {
+        self.learn
+    }
+
+    /// The timing the policy should use for `worker` (its class's); `None`
+    /// when not learning.
+    pub fn timing(&self, worker: WorkerIdx) -> Option<EngineTiming> {
+        if !self.learn {
+            return None;
+        }
+        let class = self.activity.get(&worker).map_or(UNKNOWN_CLASS, |a| a.class.as_str());
+        Some(
+            self.timings
+                .get(self.class_key(class))
+                .copied()
+                .unwrap_or(EngineTiming::linear(self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq)),
+        )
+    }
+
+    /// The worker's load changed (or is about to be read): integrates the
+    /// old load up to `now_ms` and keeps the new one.
+    pub fn touch(&mut self, worker: WorkerIdx, load: &Load, now_ms: u64) {
+        let a = self.activity.entry(worker).or_insert_with(|| Activity {
+            class: String::new(),
+            sums: Integrals { last_ms: now_ms, ..Integrals::default() },
+        });
+        if a.class.is_empty() || load.capacity_blocks.is_some() {
+            let class = class_of(load);
+            if a.class != class {
+                a.class = class;
+            }
+        }
+        let a = &mut a.sums;
+        a.advance(now_ms);
+        let limit = load.max_running.filter(|m| *m > 0).unwrap_or(u32::MAX);
+        a.running = f64::from(load.effective_requests().min(limit));
+        a.fill = load
+            .capacity_blocks
+            .filter(|c| *c > 0)
+            .map_or(0.0, |c| (load.effective_active_blocks() as f64 / c as f64).clamp(0.0, 1.0));
+    }
+
+    /// A request was routed to `worker`, whose load was `before` (without
+    /// it); `new_blocks` and `cached_blocks` are its predicted uncached and
+    /// cached prompt (the cached count stands in when the engine does not
+    /// report `cached_tokens`).
+    pub fn routed(
+        &mut self,
+        request_id: &str,
+        worker: WorkerIdx,
+        before: &Load,
+        (new_blocks, cached_blocks): (u64, u64),
+        now_ms: u64,
+    ) {
+        self.touch(worker, before, now_ms);
+        let Some(a) = self.activity.get_mut(&worker) else { return };
+        a.sums.prefill_tokens += new_blocks as f64 * self.block_size;
+        let class = a.class.clone();
+        self.open.insert(
+            request_id.to_owned(),
+            Open {
+                worker,
+                class,
+                added_ms: now_ms,
+                predicted_cached: cached_blocks as f64 * self.block_size,
+                ahead_tokens: before.prefill_pending_blocks as f64 * self.block_size,
+                running: f64::from(before.effective_requests()),
+                saturated: before.queued_if_added() > 0,
+                first: None,
+            },
+        );
+    }
+
+    /// A request's first token was reported.
+    pub fn first_token(&mut self, request_id: &str, now_ms: u64) {
+        let Some(o) = self.open.get_mut(request_id) else { return };
+        if o.first.is_none()
+            && let Some(a) = self.activity.get_mut(&o.worker)
+        {
+            a.sums.advance(now_ms);
+            o.first = Some(a.sums);
+        }
+    }
+
+    /// A request ended: learns from it when it can.
+    pub fn done(&mut self, r: &pb::CompletionReport, now_ms: u64) {
+        let Some(o) = self.open.remove(&r.request_id) else { return };
+        // vLLM reports cached tokens only with --enable-prompt-tokens-details;
+        // without, the router's own prediction stands in.
+        let predicted = o.predicted_cached.min(f64::from(u32::MAX)) as u32;
+        let usage = r.prompt_tokens.map(|p| (p, r.cached_tokens.unwrap_or(predicted)));
+        let ok = (200..300).contains(&r.status_code) && r.ttfb_us > 0 && r.total_us >= r.ttfb_us;
+        let Some((prompt, cached)) = usage.filter(|_| ok) else {
+            self.counters.unusable += 1;
+            return;
+        };
+        let key = self.class_key(&o.class).to_owned();
+        let prior = self.prior;
+        let fit = self.classes.entry(key.clone()).or_insert_with(|| EngineFit::new(prior));
+        if o.saturated {
+            self.counters.queued += 1;
+        } else {
+            let ft = FirstToken {
+                ttft_ms: r.ttfb_us as f64 / 1000.0,
+                new_tokens: f64::from(prompt.saturating_sub(cached)),
+                cached_tokens: f64::from(cached.min(prompt)),
+                ahead_tokens: o.ahead_tokens,
+                running: o.running,
+            };
+            if fit.observe_first_token(&ft) {
+                self.counters.first_tokens += 1;
+            }
+        }
+        let steps = r.output_tokens.unwrap_or(0).saturating_sub(1);
+        let now = self.activity.get_mut(&o.worker).map(|a| {
+            a.sums.advance(now_ms);
+            a.sums
+        });
+        match (o.first, now) {
+            (Some(first), Some(now)) if r.stream && steps > 0 && now.last_ms > first.last_ms => {
+                let window = (now.last_ms - first.last_ms) as f64;
+                let d = Decode {
+                    itl_ms: (r.total_us - r.ttfb_us) as f64 / 1000.0 / f64::from(steps),
+                    running: (now.running_ms - first.running_ms) / window,
+                    kv_fill: (now.fill_ms - first.fill_ms) / window,
+                    prefill_tokens_per_step: (now.prefill_tokens - first.prefill_tokens) / f64::from(steps),
+                };
+                if fit.observe_decode(&d) {
+                    self.counters.decodes += 1;
+                }
+            }
+            _ => self.counters.unusable += 1,
+        }
+        let timing = fit.timing();
+        self.timings.insert(key, timing);
+    }
+
+    /// Forgets a request without learning from it.
+    pub fn forget(&mut self, request_id: &str) {
+        self.open.remove(request_id);
+    }
+
+    /// Forgets requests routed more than `ttl_ms` ago (their end was lost).
+    pub fn expire(&mut self, now_ms: u64, ttl_ms: u64) {
+        self.open.retain(|_, o| now_ms.saturating_sub(o.added_ms) <= ttl_ms);
+    }
+
+    /// Forgets a worker (its fit stays with its class).
+    pub fn remove_worker(&mut self, worker: WorkerIdx) {
+        self.activity.remove(&worker);
+        self.open.retain(|_, o| o.worker != worker);
+    }
+
+    /// Every class's fit.
+    pub fn classes(&self) -> impl Iterator<Item = (&str, &EngineFit)> {
+        self.classes.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> TimingCounters {
+        self.counters
+    }
+
+    /// Requests being followed.
+    pub fn open_requests(&self) -> usize {
+        self.open.len()
+    }
+
+    /// `class`, or `other` once [`MAX_CLASSES`] exist and it is not one.
+    fn class_key<'a>(&self, class: &'a str) -> &'a str {
+        if self.classes.contains_key(class) || self.classes.len() < MAX_CLASSES { class } else { "other" }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PRIOR: Prior = Prior { prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.5 };
+
+    fn load(inflight: u32, pending_blocks: u64) -> Load {
+        Load {
+            inflight,
+            prefill_pending_blocks: pending_blocks,
+            capacity_blocks: Some(1000),
+            max_running: Some(64),
+            ..Load::default()
+        }
+    }
+
+    fn report(id: &str, ttft_ms: u64, total_ms: u64, prompt: u32, cached: u32, output: u32) -> pb::CompletionReport {
+        pb::CompletionReport {
+            request_id: id.to_owned(),
+            status_code: 200,
+            ttfb_us: ttft_ms * 1000,
+            total_us: total_ms * 1000,
+            prompt_tokens: Some(prompt),
+            cached_tokens: Some(cached),
+            output_tokens: Some(output),
+            stream: true,
+            ..Default::default()
+        }
+    }
+
+    /// Requests through routed → first token → done against an engine
+    /// whose prefill costs 0.2 ms per token and whose decode step costs
+    /// 10 ms + 1.5 ms per running request: the class learns both, and the
+    /// timing the policy gets is the learned one.
+    #[test]
+    fn a_class_learns_its_engine_from_request_lifecycles() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(3);
+        let mut rng = fastrand::Rng::with_seed(5);
+        let mut now = 1_000u64;
+        assert_eq!(cal.timing(w), Some(EngineTiming::linear(0.1, 0.5)));
+        for i in 0..400 {
+            let running = rng.u32(0..40);
+            let (prompt, cached) = (rng.u32(1000..9000), rng.u32(0..1000));
+            let new = prompt - cached;
+            let id = format!("r{i}");
+            let before = load(running, 0);
+            cal.routed(&id, w, &before, (u64::from(new / 16), 0), now);
+            // The request itself runs too while it decodes.
+            cal.touch(w, &load(running + 1, 0), now);
+            let ttft = 20 + (0.2 * f64::from(new)) as u64 + rng.u64(0..10);
+            cal.first_token(&id, now + ttft);
+            let steps = 50u32;
+            let itl = 10.0 + 1.5 * f64::from(running + 1);
+            let total = ttft + (itl * f64::from(steps)) as u64;
+            cal.done(&report(&id, ttft, total, prompt, cached, steps + 1), now + total);
+            cal.touch(w, &load(running, 0), now + total);
+            now += total + 5;
+        }
+        let c = cal.counters();
+        assert_eq!((c.first_tokens, c.decodes, c.queued, c.unusable), (400, 400, 0, 0));
+        assert_eq!(cal.open_requests(), 0);
+        let t = cal.timing(w).unwrap_or(EngineTiming::linear(0.0, 0.0));
+        assert!((t.prefill_ms_per_token - 0.2).abs() < 0.02, "{t:?}");
+        assert!((t.decode_ms_per_seq - 1.5).abs() < 0.15, "{t:?}");
+        let classes: Vec<&str> = cal.classes().map(|(k, _)| k).collect();
+        assert_eq!(classes, ["blocks=1000,seqs=64"]);
+    }
+
+    #[test]
+    fn saturated_failed_and_foreign_requests_teach_nothing_about_compute() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(0);
+        // At its running limit: the first token measured a wait.
+        cal.routed("full", w, &load(64, 0), (10, 0), 0);
+        cal.first_token("full", 500);
+        cal.done(&report("full", 500, 900, 200, 0, 1), 900);
+        // An error status.
+        cal.routed("err", w, &load(1, 0), (10, 0), 1000);
+        cal.done(&pb::CompletionReport { status_code: 503, ..report("err", 5, 6, 200, 0, 1) }, 1006);
+        // Served by a fallback worker, then reported.
+        cal.routed("moved", w, &load(1, 0), (10, 0), 2000);
+        cal.forget("moved");
+        cal.done(&report("moved", 5, 6, 200, 0, 1), 2006);
+        // Never ends.
+        cal.routed("lost", w, &load(1, 0), (10, 0), 3000);
+        cal.expire(3000 + 601_000, 600_000);
+        let c = cal.counters();
+        assert_eq!((c.first_tokens, c.decodes, c.queued, c.unusable), (0, 0, 1, 2));
+        assert_eq!(cal.open_requests(), 0);
+    }
+
+    #[test]
+    fn without_cached_tokens_in_the_usage_the_prediction_stands_in() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        cal.routed("a", WorkerIdx(0), &load(0, 0), (10, 100), 0);
+        cal.done(&pb::CompletionReport { cached_tokens: None, ..report("a", 100, 200, 1760, 0, 1) }, 200);
+        cal.routed("b", WorkerIdx(0), &load(0, 0), (10, 100), 300);
+        cal.done(
+            &pb::CompletionReport { prompt_tokens: None, cached_tokens: None, ..report("b", 100, 200, 0, 0, 1) },
+            500,
+        );
+        let c = cal.counters();
+        assert_eq!((c.first_tokens, c.unusable), (1, 2), "b has no usage at all; a has one output token");
+    }
+
+    #[test]
+    fn without_learning_the_policy_keeps_its_constants() {
+        let mut cal = Calibration::new(PRIOR, false, 16);
+        cal.routed("a", WorkerIdx(0), &load(0, 0), (10, 0), 0);
+        cal.first_token("a", 100);
+        cal.done(&report("a", 100, 200, 200, 0, 10), 200);
+        assert_eq!(cal.timing(WorkerIdx(0)), None);
+        assert_eq!(cal.counters().first_tokens, 1, "still fitted and exported");
+    }
+
+    #[test]
+    fn classes_beyond_the_cap_share_one_fit() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        for i in 0..(MAX_CLASSES as u32 + 5) {
+            let w = WorkerIdx(i);
+            let l = Load { capacity_blocks: Some(u64::from(i) + 1), ..Load::default() };
+            let id = format!("r{i}");
+            cal.routed(&id, w, &l, (1, 0), 0);
+            cal.done(&report(&id, 10, 20, 100, 0, 1), 20);
+        }
+        assert_eq!(cal.classes().count(), MAX_CLASSES + 1);
+        assert!(cal.classes().any(|(k, _)| k == "other"));
+    }
+}
