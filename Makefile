@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-workloads dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
@@ -24,6 +24,7 @@ help:
 	@echo "make bench-sim - simulator scale: 8 workers x 64 streams on one core, CPU use"
 	@echo "make bench-cp - control plane Pick latency/throughput (8K/100K tokens, 10/100 workers, cold/warm)"
 	@echo "make bench-gateway - added latency and Envoy CPU of the filter + control plane vs plain Envoy (8K/100K tokens)"
+	@echo "make bench-calibration - does the control plane learn each engine preset's timing, and follow a slowdown"
 	@echo "make bench-routing - criterion: ingest, lookup, pick (8K/100K tokens, 10/100/1000 workers)"
 
 setup:
@@ -53,6 +54,13 @@ bench-doks: setup
 	cargo build -q --release -p kvgate -p kvgate-bench
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; target/release/kvgate-bench doks $(ARGS)
+
+# Engine-timing calibration on every fleet preset (~25 min):
+# bench/results/calibration.json and bench/results/calibration/*.svg.
+bench-calibration: setup
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; target/release/kvgate-bench calibration $(ARGS)
 
 # The request-level workloads (~35 min): workato-longprefix, prefix-groups, mooncake.
 bench-workloads: setup

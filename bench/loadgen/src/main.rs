@@ -39,6 +39,10 @@ enum Cli {
     /// cache_aware on two real engines; hit rate, prediction accuracy,
     /// load skew and errors to bench/results/vllm.json.
     Vllm(kvgate_bench::vllm_cell::VllmArgs),
+    /// Engine-timing calibration (issue #22): the control plane's learned
+    /// model against each preset's truth, before and after the fleet slows
+    /// down; bench/results/calibration.json and a plot per preset.
+    Calibration(kvgate_bench::calibrate::CalibrationArgs),
     /// The live dashboard: every mode's stack under the same DOKS load, a
     /// web page with a concurrency slider and rolling metrics per mode.
     Dashboard(DashArgs),
@@ -117,6 +121,12 @@ struct SweepArgs {
     /// Warm-up window, simulated seconds.
     #[arg(long, default_value_t = 60.0)]
     warmup_s: f64,
+    /// The fleet: h200-llama70b-fp8 (the DOKS demo's 3× H200, the preset
+    /// the router was first tuned on), dynamo-mocker (Dynamo's published
+    /// timing), vllm-v1 (3× H100 serving Llama-3.1-8B, attention that grows
+    /// with context) or hetero (2× H100 + 2× A100 40 GB).
+    #[arg(long, default_value = "h200-llama70b-fp8")]
+    preset: String,
     /// Settings of the control plane's kv policy, `name=value`, repeatable
     /// (e.g. `--kv overlap_weight=2`, `--kv unit=blocks`): see
     /// control-plane/server/README.md. Default: none, the control plane's
@@ -169,7 +179,7 @@ impl Sweep {
         let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
         let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / speedup);
         let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(measure_s), drain: wall(drain_s) };
-        let mut fleet = FleetSpec::doks(speedup, a.stream_interval);
+        let mut fleet = FleetSpec::preset(&a.preset, speedup, a.stream_interval)?;
         fleet.kv_settings = kv_lines(&a.kv_settings)?;
         let (commit, machine) = kvgate_bench_support::provenance();
         let stamp =
@@ -246,10 +256,16 @@ impl Sweep {
             "warmup_s": self.warmup_s,
             "stream_interval": stream_interval,
             "kv_settings": fleet.kv_settings,
+            "settings": {
+                "control_plane": "defaults, plus kv_settings; no engine timing passed (learn_timing defaults to true)",
+                "kv_settings": fleet.kv_settings,
+                "kv_true_constants": fleet.true_constants().unwrap_or_default(),
+            },
             "cpu_limit": self.cpu_limit,
             "fleet": {
+                "preset": fleet.preset,
                 "workers": fleet.workers, "timing": fleet.timing, "block_size": fleet.block_size,
-                "num_blocks": fleet.num_blocks, "max_num_seqs": fleet.max_num_seqs,
+                "num_blocks": fleet.num_blocks, "extra_workers": fleet.extra, "max_num_seqs": fleet.max_num_seqs,
                 "max_num_batched_tokens": fleet.max_num_batched_tokens,
             },
             "unix_time": self.stamp,
@@ -330,6 +346,7 @@ fn main() -> Result<()> {
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Dashboard(a) => dashboard(a),
         Cli::Vllm(a) => kvgate_bench::vllm_cell::run(&a),
+        Cli::Calibration(a) => kvgate_bench::calibrate::run(&a),
         Cli::Report { files } => {
             for f in files {
                 rewrite_report(&f)?;
@@ -538,11 +555,13 @@ fn doks(mut a: DoksArgs) -> Result<()> {
         a.sweep.quick_modes();
         a.measure_s = 120.0;
     }
+    // The DOKS preset keeps its historical name; other fleets get theirs.
+    let suffix = if a.sweep.preset == "h200-llama70b-fp8" { String::new() } else { format!("-{}", a.sweep.preset) };
     let out = a.out.clone().unwrap_or_else(|| {
         PathBuf::from(if a.quick {
-            "target/bench-runs/doks-multiturn-quick.json"
+            format!("target/bench-runs/doks-multiturn{suffix}-quick.json")
         } else {
-            "bench/results/doks-multiturn.json"
+            format!("bench/results/doks-multiturn{suffix}.json")
         })
     });
     let sweep = Sweep::new(&a.sweep, a.speedup, a.measure_s, a.drain_s, out)?;
@@ -582,8 +601,16 @@ fn doks(mut a: DoksArgs) -> Result<()> {
         },
     )?;
     let context = format!(
-        "commit {}, {}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)",
-        sweep.commit, sweep.machine, a.speedup, a.sweep.stream_interval, a.sweep.warmup_s, a.measure_s
+        "commit {}, {}; fleet preset {} ({} workers); control plane defaults{}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)",
+        sweep.commit,
+        sweep.machine,
+        sweep.fleet.preset,
+        sweep.fleet.kinds().len(),
+        if sweep.fleet.kv_settings.is_empty() { String::new() } else { format!(" + {:?}", sweep.fleet.kv_settings) },
+        a.speedup,
+        a.sweep.stream_interval,
+        a.sweep.warmup_s,
+        a.measure_s
     );
     let doc = sweep.doc(
         a.sweep.stream_interval,

@@ -53,6 +53,10 @@ pub struct WorkerMetrics {
     pub ttft_sum_s: f64,
     /// `vllm:time_to_first_token_seconds_count`.
     pub ttft_count: f64,
+    /// `vllm:inter_token_latency_seconds_sum` (simulated seconds).
+    pub itl_sum_s: f64,
+    /// `vllm:inter_token_latency_seconds_count`.
+    pub itl_count: f64,
 }
 
 /// Parses the series the report uses from Prometheus text.
@@ -67,6 +71,8 @@ pub fn parse_metrics(text: &str) -> WorkerMetrics {
             "vllm:num_requests_waiting" => m.waiting += v,
             "vllm:time_to_first_token_seconds_sum" => m.ttft_sum_s += v,
             "vllm:time_to_first_token_seconds_count" => m.ttft_count += v,
+            "vllm:inter_token_latency_seconds_sum" => m.itl_sum_s += v,
+            "vllm:inter_token_latency_seconds_count" => m.itl_count += v,
             _ => {}
         }
     }
@@ -92,7 +98,9 @@ mod tests {
                     vllm:prefix_cache_hits_total_other 5\n\
                     vllm:time_to_first_token_seconds_bucket{le=\"0.5\",model_name=\"m\"} 7\n\
                     vllm:time_to_first_token_seconds_sum{model_name=\"m\"} 2.5\n\
-                    vllm:time_to_first_token_seconds_count{model_name=\"m\"} 8\n";
+                    vllm:time_to_first_token_seconds_count{model_name=\"m\"} 8\n\
+                    vllm:inter_token_latency_seconds_sum{model_name=\"m\"} 0.5\n\
+                    vllm:inter_token_latency_seconds_count{model_name=\"m\"} 20\n";
         assert_eq!(
             parse_metrics(text),
             WorkerMetrics {
@@ -101,7 +109,9 @@ mod tests {
                 running: 3.0,
                 waiting: 1.0,
                 ttft_sum_s: 2.5,
-                ttft_count: 8.0
+                ttft_count: 8.0,
+                itl_sum_s: 0.5,
+                itl_count: 20.0,
             }
         );
     }

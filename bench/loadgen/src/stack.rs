@@ -25,14 +25,19 @@ pub const MODEL: &str = "deepseek-v3";
 /// The simulated fleet.
 #[derive(Debug, Clone)]
 pub struct FleetSpec {
-    /// Number of workers.
+    /// The fleet's name in reports (`--preset`).
+    pub preset: String,
+    /// Number of workers of the main kind.
     pub workers: usize,
-    /// vLLM timing preset of `kvgate sim`.
+    /// vLLM timing preset of `kvgate sim` for the main kind.
     pub timing: String,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// KV blocks per worker.
+    /// KV blocks per worker of the main kind.
     pub num_blocks: usize,
+    /// Workers of other kinds, after the main ones: (timing preset, KV
+    /// blocks) each (a heterogeneous fleet).
+    pub extra: Vec<(String, usize)>,
     /// vLLM's `max_num_seqs`.
     pub max_num_seqs: usize,
     /// vLLM's `max_num_batched_tokens`.
@@ -48,16 +53,36 @@ pub struct FleetSpec {
     pub kvgate: PathBuf,
 }
 
+/// Fleets `--preset` names: the DOKS demo's, and engines the router was
+/// not built against (control-plane/sim/src/timing.rs documents each timing).
+pub const PRESETS: [&str; 4] = ["h200-llama70b-fp8", "dynamo-mocker", "vllm-v1", "hetero"];
+
+/// KV blocks of 32 tokens for Llama-3.1-8B BF16 (131,072 B of KV per token)
+/// on an H100 SXM 80 GB: 90 % of memory (vLLM's default utilization) less
+/// 16.06 GB of weights and ~4 GB of activations and CUDA graphs, i.e.
+/// 51.9 GB / 131,072 B / 32.
+pub const H100_LLAMA8B_BLOCKS: usize = 12_384;
+/// The same on an A100 SXM 40 GB: (36 − 16.06 − 3) GB / 131,072 B / 32.
+pub const A100_40GB_LLAMA8B_BLOCKS: usize = 4_038;
+
+/// The DOKS workload's operating point for the `kv_true_constants` mode:
+/// turns resend a history of ~3,750–6,400 tokens (mean ~5,000) of which the
+/// last answer and the follow-up (~900 tokens) are new; decoding requests
+/// attend to ~5,500 tokens.
+pub const DOKS_OPERATING_POINT: (f64, f64, f64) = (5_000.0, 900.0, 5_500.0);
+
 impl FleetSpec {
     /// The DOKS demo's fleet (REFERENCE-RESULTS.md §A): 3× H200 with
     /// Llama-3.1-70B FP8, block size 32, batch 64, 16,384 batched tokens,
     /// ~11,500 blocks of KV cache per GPU.
     pub fn doks(speedup: f64, stream_interval: usize) -> Self {
         FleetSpec {
+            preset: "h200-llama70b-fp8".into(),
             workers: 3,
             timing: "h200-llama70b-fp8".into(),
             block_size: 32,
             num_blocks: 11_500,
+            extra: Vec::new(),
             max_num_seqs: 64,
             max_num_batched_tokens: 16_384,
             speedup,
@@ -65,6 +90,48 @@ impl FleetSpec {
             kv_settings: Vec::new(),
             kvgate: kvgate_bin(),
         }
+    }
+
+    /// A fleet by name ([`PRESETS`]), with the DOKS fleet's batch limits
+    /// and block size: `h200-llama70b-fp8` is [`FleetSpec::doks`];
+    /// `dynamo-mocker` the same three workers on Dynamo's published timing;
+    /// `vllm-v1` three H100s serving Llama-3.1-8B; `hetero` two of those
+    /// and two A100 40 GB (slower, a third of the KV cache).
+    pub fn preset(name: &str, speedup: f64, stream_interval: usize) -> Result<Self> {
+        let doks = Self::doks(speedup, stream_interval);
+        let (timing, num_blocks, extra) = match name {
+            "h200-llama70b-fp8" => return Ok(doks),
+            "dynamo-mocker" => ("dynamo-mocker", doks.num_blocks, Vec::new()),
+            "vllm-v1" => ("vllm-v1", H100_LLAMA8B_BLOCKS, Vec::new()),
+            "hetero" => {
+                ("vllm-v1", H100_LLAMA8B_BLOCKS, vec![("vllm-v1-a100".to_owned(), A100_40GB_LLAMA8B_BLOCKS); 2])
+            }
+            _ => bail!("--preset {name:?}: expected one of {}", PRESETS.join(", ")),
+        };
+        let workers = if extra.is_empty() { 3 } else { 2 };
+        Ok(FleetSpec { preset: name.into(), workers, timing: timing.into(), num_blocks, extra, ..doks })
+    }
+
+    /// Every worker's (timing preset, KV blocks), in start order.
+    pub fn kinds(&self) -> Vec<(String, usize)> {
+        let main = std::iter::repeat_n((self.timing.clone(), self.num_blocks), self.workers);
+        main.chain(self.extra.iter().cloned()).collect()
+    }
+
+    /// The `[models.kv]` lines of the `kv_true_constants` mode: learning
+    /// off, and the main kind's marginal costs at the DOKS operating point
+    /// (`Timing::linear_equivalent`). The only mode in which the router is
+    /// told anything about the engine.
+    pub fn true_constants(&self) -> Result<Vec<String>> {
+        let t = kvgate_sim::timing::Timing::preset(&self.timing)
+            .with_context(|| format!("no timing preset {:?}", self.timing))?;
+        let (c, n, d) = DOKS_OPERATING_POINT;
+        let (p, s) = t.linear_equivalent(c, n, d);
+        Ok(vec![
+            "learn_timing = false".into(),
+            format!("prefill_ms_per_token = {p}"),
+            format!("decode_ms_per_seq = {s}"),
+        ])
     }
 }
 
@@ -75,6 +142,9 @@ pub enum Frontend {
     Kvgate(String),
     /// sglang-router with this policy.
     Sglang(String),
+    /// Envoy with the kvgate filter; the control plane in `kv` mode told the
+    /// preset's true constants, learning off ([`FleetSpec::true_constants`]).
+    KvTrueConstants,
 }
 
 impl Frontend {
@@ -83,6 +153,7 @@ impl Frontend {
         match self {
             Frontend::Kvgate(m) => m.clone(),
             Frontend::Sglang(p) => format!("sglang_{p}"),
+            Frontend::KvTrueConstants => "kv_true_constants".into(),
         }
     }
 
@@ -90,10 +161,11 @@ impl Frontend {
     pub fn parse(s: &str) -> Result<Self> {
         Ok(match s {
             "kv" | "approx" | "least_load" | "round_robin" | "random" => Frontend::Kvgate(s.into()),
+            "kv_true_constants" => Frontend::KvTrueConstants,
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, approx, least_load, round_robin, random or sglang_cache_aware)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, approx, least_load, round_robin, random or sglang_cache_aware)"
                 ),
             },
         })
@@ -174,11 +246,12 @@ impl Stack {
         let mut procs = Vec::new();
         let mut pids = Vec::new();
         let (block, speedup) = (fleet.block_size.to_string(), fleet.speedup.to_string());
-        let (blocks, seqs) = (fleet.num_blocks.to_string(), fleet.max_num_seqs.to_string());
+        let seqs = fleet.max_num_seqs.to_string();
         let (batched, interval) = (fleet.max_num_batched_tokens.to_string(), fleet.stream_interval.to_string());
         let mut workers = Vec::new();
         let mut zmq = Vec::new();
-        for w in 0..fleet.workers {
+        for (w, (timing, blocks)) in fleet.kinds().into_iter().enumerate() {
+            let blocks = blocks.to_string();
             let (hp, zp) = (free_port()?, kvgate_testkit::port_pair()?);
             let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
             let sim = kvgate(
@@ -196,7 +269,7 @@ impl Stack {
                     "--zmq-port",
                     &zp_s,
                     "--timing",
-                    &fleet.timing,
+                    &timing,
                     "--block-size",
                     &block,
                     "--num-blocks",
@@ -239,6 +312,11 @@ impl Stack {
         match front {
             Frontend::Kvgate(mode) => stack.start_kvgate(fleet, mode, &tk, &zmq)?,
             Frontend::Sglang(policy) => stack.start_sglang(policy)?,
+            Frontend::KvTrueConstants => {
+                let mut told = fleet.clone();
+                told.kv_settings.extend(fleet.true_constants()?);
+                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+            }
         }
         Ok(stack)
     }

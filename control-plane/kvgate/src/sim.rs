@@ -43,7 +43,8 @@ pub(crate) struct SimArgs {
     /// vLLM's max_num_batched_tokens (chunked prefill budget per step).
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
-    /// Timing preset: h200-llama70b-fp8 or dynamo-mocker.
+    /// Timing preset: h200-llama70b-fp8, dynamo-mocker, vllm-v1 or
+    /// vllm-v1-a100 (control-plane/sim/src/timing.rs documents each).
     #[arg(long, default_value = "h200-llama70b-fp8")]
     timing: String,
     /// Simulated time runs this many times faster than real time.
@@ -66,8 +67,9 @@ pub(crate) struct SimArgs {
 
 /// `kvgate sim`.
 pub(crate) fn run(a: SimArgs) -> Result<()> {
-    let timing = kvgate_sim::timing::Timing::preset(&a.timing)
-        .with_context(|| format!("--timing {:?}: expected h200-llama70b-fp8 or dynamo-mocker", a.timing))?;
+    let timing = kvgate_sim::timing::Timing::preset(&a.timing).with_context(|| {
+        format!("--timing {:?}: expected one of {}", a.timing, kvgate_sim::timing::Timing::PRESETS.join(", "))
+    })?;
     let encoding = match a.encoding.as_str() {
         "map" => kvgate_vllm_wire::encode::Encoding::Map,
         "array" => kvgate_vllm_wire::encode::Encoding::Array,

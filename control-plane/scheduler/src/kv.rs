@@ -45,13 +45,15 @@
 //! waiting           block_ms × queue_penalty × (f(ρ_w) + queued_w)
 //!                   ρ_w = max((running_w + 1) / (max_running + 1), (active_w + added_w) / capacity_w)
 //! cost_w = (overlap_weight × own_ms × (T + running_w) + pending_weight × pending
-//!           + decode_weight × decode + waiting) / (p_config × B)
+//!           + decode_weight × decode + waiting) / (p_fastest × B)
 //! ```
 //!
-//! The cost's unit is a block at the configured prefill rate, so every
-//! worker's milliseconds count alike and a slow class's prefill costs more.
-//! With the configured timing (or none) this is the cost in prefill-block
-//! equivalents of earlier versions.
+//! The cost's unit is a block at the fastest candidate's prefill rate, the
+//! same for every candidate of a decision, so every worker's milliseconds
+//! count alike and a slow class's prefill costs more; and the costs, the
+//! tie threshold and the temperature do not depend on the scale of the
+//! learned times. With the configured timing (or none) this is the cost in
+//! prefill-block equivalents of earlier versions.
 //!
 //! `f(ρ) = ρ / (1 − ρ)` is the mean wait of an M/M/1 queue, continued along
 //! its tangent above ρ = 0.9, so a worker near its batch limit or its KV
@@ -270,6 +272,24 @@ impl KvPolicy {
     /// saturation rule, in prefill blocks (time units: prefill-block
     /// equivalents of request time).
     pub fn cost(&self, request: &RequestView<'_>, c: &Candidate) -> f64 {
+        self.cost_in(request, c, self.config.prefill_ms_per_token)
+    }
+
+    /// The time unit of one decision: a block at the fastest candidate's
+    /// prefill rate (the configured rate for candidates without a timing),
+    /// so that costs, ties and the softmax temperature do not depend on the
+    /// scale of the learned times (a control plane whose clock sees a
+    /// simulated fleet at 8× speed learns 8× smaller times).
+    fn unit_rate(&self, candidates: &[Candidate]) -> f64 {
+        let rate = |c: &Candidate| c.timing.map_or(self.config.prefill_ms_per_token, |t| t.prefill_ms_per_token);
+        let fastest =
+            eligible(candidates).filter_map(|i| candidates.get(i)).map(rate).filter(|r| *r > 0.0).reduce(f64::min);
+        fastest.unwrap_or(self.config.prefill_ms_per_token)
+    }
+
+    /// [`KvPolicy::cost`] with the time unit a block at `unit_rate` ms per
+    /// token.
+    fn cost_in(&self, request: &RequestView<'_>, c: &Candidate, unit_rate: f64) -> f64 {
         let k = &self.config;
         let n = request.prompt_blocks;
         let device = f64::from(c.overlap_blocks.min(n));
@@ -293,11 +313,11 @@ impl KvPolicy {
                 let running = f64::from(c.load.effective_requests());
                 let b = f64::from(request.block_size.max(1));
                 // The worker's own engine (learned for its class), else the
-                // configured priors; the cost's unit is a block at the
-                // configured prefill rate, so that a slow worker's every
+                // configured priors; the cost's unit is the same for every
+                // candidate of a decision, so that a slow worker's every
                 // millisecond counts as one.
                 let t = c.timing.unwrap_or(EngineTiming::linear(k.prefill_ms_per_token, k.decode_ms_per_seq));
-                let unit_ms = k.prefill_ms_per_token * b;
+                let unit_ms = unit_rate * b;
                 if !(unit_ms.is_finite() && unit_ms > 0.0) {
                     return 0.0;
                 }
@@ -340,12 +360,13 @@ impl Policy for KvPolicy {
         rng: &mut fastrand::Rng,
     ) -> Option<Decision> {
         let n = request.prompt_blocks;
+        let unit = self.unit_rate(candidates);
         let mut scored: Vec<Scored> = eligible(candidates)
             .filter_map(|i| {
                 let c = candidates.get(i)?;
                 Some(Scored {
                     saturated: self.saturated(request, c),
-                    cost: self.cost(request, c),
+                    cost: self.cost_in(request, c, unit),
                     requests: c.load.effective_requests(),
                     active: c.load.effective_active_blocks(),
                     tie: rng.u64(..),

@@ -416,3 +416,26 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// A control plane that learns every time 8× smaller (its clock sees a
+    /// simulated fleet at 8× speed) makes the same decisions: the cost's
+    /// unit is the fastest candidate's block, so scale cancels exactly.
+    #[test]
+    fn decisions_do_not_depend_on_the_scale_of_learned_times(
+        cands in proptest::collection::vec((0u32..200, arb_load(), 0.01f64..1.0, 0.01f64..2.0), 1..6),
+        blocks in 1u32..300,
+        seed in any::<u64>(),
+    ) {
+        let make = |scale: f64| -> Vec<Candidate> {
+            cands.iter().enumerate().map(|(i, (o, load, p, d))| Candidate {
+                timing: Some(EngineTiming::linear(p * scale, d * scale)),
+                ..cand(i as u32, *o, *load)
+            }).collect()
+        };
+        let req = request(blocks);
+        let a = KvPolicy::new(KvConfig::default()).pick(&req, &make(1.0), &mut fastrand::Rng::with_seed(seed));
+        let b = KvPolicy::new(KvConfig::default()).pick(&req, &make(0.125), &mut fastrand::Rng::with_seed(seed));
+        prop_assert_eq!(a, b);
+    }
+}

@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 
 use crate::pool::{BlockPool, CacheEvent, Seq};
-use crate::timing::Timing;
+use crate::timing::{StepShape, Timing};
 
 /// Engine limits (vLLM's flags).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -113,6 +113,7 @@ pub struct Engine {
     waiting: VecDeque<Request>,
     running: Vec<Running>,
     vocab: Vec<u32>,
+    slowdown: f64,
 }
 
 impl Engine {
@@ -124,6 +125,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             vocab: Vec::new(),
+            slowdown: 1.0,
         }
     }
 
@@ -142,6 +144,23 @@ impl Engine {
             0 => t,
             n => self.vocab[t as usize % n],
         }
+    }
+
+    /// Multiplies every later step's time by `factor` (> 0, finite;
+    /// otherwise ignored): a fleet that changed speed (another engine
+    /// version, throttling) for the calibration benchmark. Returns whether
+    /// it was taken.
+    pub fn set_slowdown(&mut self, factor: f64) -> bool {
+        let ok = factor.is_finite() && factor > 0.0;
+        if ok {
+            self.slowdown = factor;
+        }
+        ok
+    }
+
+    /// The step-time multiplier.
+    pub fn slowdown(&self) -> f64 {
+        self.slowdown
     }
 
     /// The configuration.
@@ -192,6 +211,7 @@ impl Engine {
     /// Runs one step.
     pub fn step(&mut self) -> Step {
         let mut step = Step::default();
+        let mut shape = StepShape::default();
         // 1. Admission.
         while self.running.len() < self.config.max_num_seqs {
             let Some(req) = self.waiting.front() else { break };
@@ -227,6 +247,7 @@ impl Engine {
             }
             budget -= 1;
             step.decode_tokens += 1;
+            shape.decode_context_tokens += r.req.prompt.len() + r.generated;
             step.outputs.push(Output::Token {
                 id: r.req.id,
                 token,
@@ -252,6 +273,7 @@ impl Engine {
             if !self.pool.extend(&mut r.seq, &chunk) {
                 continue;
             }
+            shape.add_chunk(r.prefilled, n);
             r.prefilled += n;
             budget -= n;
             step.prefill_tokens += n;
@@ -276,7 +298,9 @@ impl Engine {
             }
         }
         if step.decode_tokens + step.prefill_tokens > 0 {
-            step.ms = self.config.timing.step_ms(step.decode_tokens, step.prefill_tokens, self.pool.usage());
+            shape.decode_seqs = step.decode_tokens;
+            shape.kv_fill = self.pool.usage();
+            step.ms = self.config.timing.step_time(&shape) * self.slowdown;
         }
         step.events = self.pool.take_events();
         step

@@ -97,3 +97,82 @@ fn a_full_cache_preempts_and_still_finishes() {
     assert_eq!(finished, 8);
     assert_eq!(e.pool().free_blocks(), 40);
 }
+
+/// The `vllm-v1` roofline (Llama-3.1-8B BF16 on H100 SXM) at the points its
+/// module comment names, and the A100 preset slower on both resources.
+#[test]
+fn vllm_v1_presets_follow_their_roofline() {
+    use kvgate_sim::timing::StepShape;
+    let t = Timing::preset("vllm-v1").unwrap();
+    let mut cold = StepShape::default();
+    cold.add_chunk(0, 7_000);
+    let ms = t.step_time(&cold);
+    assert!((ms - 262.0).abs() < 0.02 * 262.0, "cold 7K prefill: {ms} ms");
+    let decode = StepShape { decode_seqs: 60, decode_context_tokens: 60 * 6_000, ..StepShape::default() };
+    let ms = t.step_time(&decode);
+    assert!((ms - 31.0).abs() < 0.03 * 31.0, "60 decodes at 6K context: {ms} ms");
+    // Attention: the same 1,000 new tokens cost more after 30K of context.
+    let mut late = StepShape::default();
+    late.add_chunk(30_000, 1_000);
+    let mut early = StepShape::default();
+    early.add_chunk(0, 1_000);
+    assert!(t.step_time(&late) > 1.5 * t.step_time(&early));
+    let a100 = Timing::preset("vllm-v1-a100").unwrap();
+    assert!(a100.step_time(&cold) > 2.5 * t.step_time(&cold), "prefill is compute-bound");
+    assert!(a100.step_time(&decode) > 1.8 * t.step_time(&decode), "decode is bandwidth-bound");
+    assert_eq!(t.first_token_overhead_ms(), 30.0);
+    for name in Timing::PRESETS {
+        assert!(Timing::preset(name).is_some(), "{name}");
+    }
+}
+
+/// On `vllm-v1` the engine charges attention over the cached context: a
+/// follow-up of 1,000 new tokens after a 30K-token cached history takes
+/// longer to its first token than the same 1,000 tokens cold.
+#[test]
+fn the_engine_charges_attention_over_the_cached_context() {
+    let cfg = EngineConfig {
+        max_num_seqs: 64,
+        max_num_batched_tokens: 8192,
+        num_blocks: 4_000,
+        block_size: 32,
+        timing: Timing::preset("vllm-v1").unwrap(),
+    };
+    let ttft = |e: &mut Engine| {
+        let (_, log) = run_to_end(e);
+        log.iter().find(|(_, o)| matches!(o, Output::Token { index: 0, .. })).map(|(t, _)| *t).unwrap()
+    };
+    let mut e = Engine::new(cfg);
+    let history: Vec<u32> = (0..30_720).collect();
+    e.submit(Request { id: 1, prompt: history.clone(), max_tokens: 1 });
+    run_to_end(&mut e);
+    let follow: Vec<u32> = history.iter().copied().chain(100_000..101_000).collect();
+    e.submit(Request { id: 2, prompt: follow, max_tokens: 1 });
+    let after_history = ttft(&mut e);
+    let mut cold = Engine::new(cfg);
+    cold.submit(Request { id: 3, prompt: (200_000..201_000).collect(), max_tokens: 1 });
+    let alone = ttft(&mut cold);
+    assert!(after_history > 1.5 * alone, "{after_history} ms vs {alone} ms");
+}
+
+#[test]
+fn a_slowdown_scales_every_step() {
+    let mut e = engine(64, 1000);
+    assert!(!e.set_slowdown(0.0) && !e.set_slowdown(f64::NAN));
+    assert!(e.set_slowdown(1.5));
+    e.submit(Request { id: 1, prompt: (0..1000).collect(), max_tokens: 2 });
+    let (_, log) = run_to_end(&mut e);
+    assert!((log[0].0 - 1.5 * 93.0).abs() < 1e-9, "{}", log[0].0);
+}
+
+#[test]
+fn linear_equivalents_are_the_presets_marginal_costs() {
+    let h200 = Timing::preset("h200-llama70b-fp8").unwrap();
+    assert_eq!(h200.linear_equivalent(5_000.0, 900.0, 5_500.0), (0.08, 0.65));
+    let (p, d) = Timing::preset("vllm-v1").unwrap().linear_equivalent(5_000.0, 900.0, 5_500.0);
+    // 0.0325 ms of matmuls + 1.06e-6 ms × 5,450 pairs per token; 0.0325 +
+    // 0.0559 × 5.5 ms per decoding request.
+    assert!((p - 0.0383).abs() < 0.001 && (d - 0.34).abs() < 0.01, "{p} {d}");
+    let (p, d) = Timing::preset("dynamo-mocker").unwrap().linear_equivalent(0.0, 1_000.0, 0.0);
+    assert!((p - (4.21e-4 + 0.01518 + 0.0165)).abs() < 1e-9 && d == 0.0, "{p} {d}");
+}

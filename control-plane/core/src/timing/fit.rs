@@ -4,7 +4,7 @@
 //! | fit | observation | features (scaled to O(1)) | coefficients |
 //! |---|---|---|---|
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
-//! | decode step | mean inter-token time of a stream | `1, R̄, f̄, f̄², q̄` | step base, per running request, KV fill (linear and square), prefill tokens sharing the steps |
+//! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄` | step base, per running request, KV fill, prefill tokens sharing the steps |
 //!
 //! `n` new prompt tokens (prompt − cached, as the engine reported), `c`
 //! cached tokens, `a` prefill tokens other requests had pending on the
@@ -75,9 +75,9 @@ pub struct Decode {
 }
 
 impl Decode {
-    fn features(&self) -> [f64; 5] {
+    fn features(&self) -> [f64; 4] {
         let f = self.kv_fill.clamp(0.0, 1.0);
-        [1.0, self.running / 10.0, f, f * f, self.prefill_tokens_per_step / K]
+        [1.0, self.running / 10.0, f, self.prefill_tokens_per_step / K]
     }
 }
 
@@ -116,12 +116,12 @@ pub const FIRST_TOKEN_PARAMS: [&str; 6] = [
 ];
 
 /// Coefficient names of the decode fit, in feature order.
-pub const DECODE_PARAMS: [&str; 5] =
-    ["step_base_ms", "decode_ms_per_seq", "step_ms_per_kv_fill", "step_ms_per_kv_fill_sq", "step_prefill_ms_per_token"];
+pub const DECODE_PARAMS: [&str; 4] =
+    ["step_base_ms", "decode_ms_per_seq", "step_ms_per_kv_fill", "step_prefill_ms_per_token"];
 
 /// Scales from a coefficient on scaled features back to the name's units.
 const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
-const DECODE_SCALE: [f64; 5] = [1.0, 0.1, 1.0, 1.0, 1.0 / K];
+const DECODE_SCALE: [f64; 4] = [1.0, 0.1, 1.0, 1.0 / K];
 
 /// Fewer samples than this and the fit is not trusted over the prior.
 pub const MIN_SAMPLES: u64 = 20;
@@ -131,7 +131,7 @@ pub const MIN_SAMPLES: u64 = 20;
 pub struct EngineFit {
     prior: Prior,
     first: Rls<6>,
-    decode: Rls<5>,
+    decode: Rls<4>,
 }
 
 impl EngineFit {
@@ -142,7 +142,7 @@ impl EngineFit {
         let p = prior.prefill_ms_per_token * K;
         let d = prior.decode_ms_per_seq * 10.0;
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
-        let decode = Rls::new([10.0, d, 0.0, 0.0, p], [50.0, 5.0 * d, 50.0, 50.0, 5.0 * p], 5.0);
+        let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
         Self { prior, first, decode }
     }
 
@@ -176,22 +176,31 @@ impl EngineFit {
     }
 
     /// What the `kv` policy uses: the learned values once there are enough
-    /// samples and each is positive and known to within half its value;
-    /// otherwise that value's prior. Growth terms fall back to 0.
+    /// samples and each is known to within half its size (sizes below a
+    /// tenth of the prior count as a tenth of the prior, so that a rate that
+    /// is truly about zero can be learned); otherwise that value's prior.
+    /// The prefill rate must be positive; the decode rate is at least 0 (an
+    /// engine whose step does not grow with requests); growth terms fall
+    /// back to 0.
     pub fn timing(&self) -> EngineTiming {
         let (ft, fse, fs) = (self.first.theta(), self.first.stderr(), self.first.samples());
         let (dt, dse, ds) = (self.decode.theta(), self.decode.stderr(), self.decode.samples());
-        let trusted =
-            |v: f64, se: f64, samples: u64| samples >= MIN_SAMPLES && v.is_finite() && v > 0.0 && se < 0.5 * v;
-        let pick = |v: f64, se: f64, samples: u64, scale: f64, prior: f64| {
-            if trusted(v, se, samples) { v * scale } else { prior }
+        // In scaled units: the prior in the fit's own units.
+        let known = |v: f64, se: f64, samples: u64, prior: f64| {
+            samples >= MIN_SAMPLES && v.is_finite() && se < 0.5 * v.abs().max(0.1 * prior)
         };
+        let p_prior = self.prior.prefill_ms_per_token * K;
+        let d_prior = self.prior.decode_ms_per_seq * 10.0;
+        let prefill =
+            if known(ft[1], fse[1], fs, p_prior) && ft[1] > 0.0 { ft[1] / K } else { self.prior.prefill_ms_per_token };
+        let decode =
+            if known(dt[1], dse[1], ds, d_prior) { dt[1].max(0.0) / 10.0 } else { self.prior.decode_ms_per_seq };
         let growth = |v: f64, samples: u64| if samples >= MIN_SAMPLES && v.is_finite() { v.max(0.0) / K } else { 0.0 };
         EngineTiming {
-            prefill_ms_per_token: pick(ft[1], fse[1], fs, 1.0 / K, self.prior.prefill_ms_per_token),
+            prefill_ms_per_token: prefill,
             prefill_ms_per_token_per_ktok: growth(ft[2], fs),
             prefill_ms_per_token_per_kctx: growth(ft[3], fs),
-            decode_ms_per_seq: pick(dt[1], dse[1], ds, 0.1, self.prior.decode_ms_per_seq),
+            decode_ms_per_seq: decode,
         }
     }
 
@@ -283,6 +292,23 @@ mod tests {
         assert!(near(fit.predict_prefill_ms(2000.0, 50_000.0), 1100.0, 0.1));
     }
 
+    /// An engine whose decode step does not grow with requests (Dynamo's
+    /// mocker: it depends on KV fill only) is learned as 0 per request, not
+    /// left at the prior.
+    #[test]
+    fn a_decode_rate_of_zero_is_learned() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(4);
+        for _ in 0..300 {
+            let f = rng.f64();
+            let d = Decode { itl_ms: 0.0, running: rng.f64() * 60.0, kv_fill: f, prefill_tokens_per_step: 0.0 };
+            let itl = 5.74 + 54.01 * f - 25.74 * f * f + noise(&mut rng, 0.5);
+            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
+        }
+        let t = fit.timing();
+        assert!(t.decode_ms_per_seq < 0.02, "{t:?}");
+    }
+
     #[test]
     fn the_prior_holds_until_enough_samples() {
         let mut fit = EngineFit::new(PRIOR);
@@ -311,7 +337,7 @@ mod tests {
             for v in [t.prefill_ms_per_token, t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx, t.decode_ms_per_seq] {
                 prop_assert!(v.is_finite() && v >= 0.0);
             }
-            prop_assert!(t.prefill_ms_per_token > 0.0 && t.decode_ms_per_seq > 0.0);
+            prop_assert!(t.prefill_ms_per_token > 0.0);
             let p = fit.predict_prefill_ms(new, cached);
             prop_assert!(p.is_finite() && p >= 0.0);
             let at = t.prefill_ms_per_token_at(new, cached);

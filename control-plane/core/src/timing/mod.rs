@@ -16,7 +16,7 @@
 //! | operation | cost |
 //! |---|---|
 //! | [`Calibration::routed`], [`Calibration::first_token`], [`Calibration::touch`] | O(1) |
-//! | [`Calibration::done`] | O(1) (one fit update: 6² + 5² multiply-adds) |
+//! | [`Calibration::done`] | O(1) (one fit update: 6² + 4² multiply-adds) |
 //! | [`Calibration::expire`] | O(requests open) |
 //!
 //! Memory: one record per request in flight (dropped at its end or its
@@ -89,6 +89,8 @@ struct Open {
     ahead_tokens: f64,
     running: f64,
     saturated: bool,
+    /// The worker's integrals when it was routed (its own prefill counted).
+    start: Integrals,
     first: Option<Integrals>,
 }
 
@@ -103,7 +105,7 @@ pub struct TimingCounters {
     /// token measured a wait for a slot, not compute.
     pub queued: u64,
     /// Completed requests without what a fit needs (no usage, an error
-    /// status, a single output token, no first-token report).
+    /// status, a single output token, not streamed).
     pub unusable: u64,
 }
 
@@ -205,7 +207,7 @@ impl Calibration {
         self.touch(worker, before, now_ms);
         let Some(a) = self.activity.get_mut(&worker) else { return };
         a.sums.prefill_tokens += new_blocks as f64 * self.block_size;
-        let class = a.class.clone();
+        let (class, start) = (a.class.clone(), a.sums);
         self.open.insert(
             request_id.to_owned(),
             Open {
@@ -216,6 +218,7 @@ impl Calibration {
                 ahead_tokens: before.prefill_pending_blocks as f64 * self.block_size,
                 running: f64::from(before.effective_requests()),
                 saturated: before.queued_if_added() > 0,
+                start,
                 first: None,
             },
         );
@@ -266,14 +269,21 @@ impl Calibration {
             a.sums.advance(now_ms);
             a.sums
         });
-        match (o.first, now) {
-            (Some(first), Some(now)) if r.stream && steps > 0 && now.last_ms > first.last_ms => {
-                let window = (now.last_ms - first.last_ms) as f64;
+        // The decode window: from a first-token report when there was one
+        // before the end, else from the routing (the filter reports once, at
+        // the end; decode is most of a stream's life).
+        let from = match o.first {
+            Some(f) if now.is_some_and(|n| f.last_ms < n.last_ms) => f,
+            _ => o.start,
+        };
+        match now {
+            Some(now) if r.stream && steps > 0 && now.last_ms > from.last_ms => {
+                let window = (now.last_ms - from.last_ms) as f64;
                 let d = Decode {
                     itl_ms: (r.total_us - r.ttfb_us) as f64 / 1000.0 / f64::from(steps),
-                    running: (now.running_ms - first.running_ms) / window,
-                    kv_fill: (now.fill_ms - first.fill_ms) / window,
-                    prefill_tokens_per_step: (now.prefill_tokens - first.prefill_tokens) / f64::from(steps),
+                    running: (now.running_ms - from.running_ms) / window,
+                    kv_fill: (now.fill_ms - from.fill_ms) / window,
+                    prefill_tokens_per_step: (now.prefill_tokens - from.prefill_tokens) / f64::from(steps),
                 };
                 if fit.observe_decode(&d) {
                     self.counters.decodes += 1;
@@ -373,7 +383,11 @@ mod tests {
             // The request itself runs too while it decodes.
             cal.touch(w, &load(running + 1, 0), now);
             let ttft = 20 + (0.2 * f64::from(new)) as u64 + rng.u64(0..10);
-            cal.first_token(&id, now + ttft);
+            // The filter reports once, at the end; a first-token report
+            // may come too.
+            if i % 2 == 0 {
+                cal.first_token(&id, now + ttft);
+            }
             let steps = 50u32;
             let itl = 10.0 + 1.5 * f64::from(running + 1);
             let total = ttft + (itl * f64::from(steps)) as u64;

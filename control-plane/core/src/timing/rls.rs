@@ -29,8 +29,11 @@
 //! for normal noise), so 10 % of stalls cannot inflate it. Without new
 //! information along some direction forgetting would grow `P` without
 //! bound ("wind-up"): the trace of `P` is capped at the prior's, so an idle
-//! direction returns to prior-like uncertainty and no further. Standard
-//! errors are `s·√P_ii`.
+//! direction returns to prior-like uncertainty and no further, and the
+//! estimate drifts back to the prior along the directions the data leave
+//! uncertain (idle, or a difference of collinear coefficients):
+//! `θ ← θ + (1 − λ)·P·P0⁻¹·(prior − θ)`, which leaves a well-determined
+//! combination where the data put it. Standard errors are `s·√P_ii`.
 //!
 //! # Cost
 //!
@@ -55,6 +58,8 @@ pub struct Rls<const N: usize> {
     prior: [f64; N],
     /// Cap on the trace of `p` (the prior's).
     p_cap: f64,
+    /// The prior's variances (diagonal of the first `p`).
+    p0: [f64; N],
     scale: f64,
     samples: u64,
     rejected: u64,
@@ -73,7 +78,7 @@ impl<const N: usize> Rls<N> {
             }
         }
         let p_cap = prior_var.iter().sum();
-        Self { theta: prior, p, prior, p_cap, scale, samples: 0, rejected: 0 }
+        Self { theta: prior, p, prior, p_cap, p0: prior_var, scale, samples: 0, rejected: 0 }
     }
 
     /// Adds the observation `y` at features `x`. A non-finite input is
@@ -115,6 +120,32 @@ impl<const N: usize> Rls<N> {
         if trace > self.p_cap {
             let f = self.p_cap / trace;
             p.iter_mut().flatten().for_each(|v| *v *= f);
+        }
+        // Forgetting toward the prior: a coefficient the data do not pin
+        // down (its variance back near the prior's: an idle or collinear
+        // direction) drifts back to its prior at the forgetting rate instead
+        // of wandering; a well-determined one does not move.
+        // Along P·P0⁻¹: only the directions the data leave uncertain move
+        // (a combination the data pin down, such as the sum of two
+        // collinear coefficients, stays).
+        let mut pull = [0.0; N];
+        for (i, v) in pull.iter_mut().enumerate() {
+            *v = (self.prior[i] - theta[i]) / self.p0[i];
+        }
+        let step = mat_vec(&p, &pull);
+        let mut pulled = theta;
+        for i in 0..N {
+            pulled[i] += (1.0 - FORGET) * step[i];
+        }
+        // Round-off on extreme inputs can leave P indefinite: a pull that
+        // is not finite, or that moves a coefficient more than twice its
+        // distance to the prior, is not applied.
+        let sane = (0..N).all(|i| {
+            pulled[i].is_finite()
+                && (pulled[i] - theta[i]).abs() <= (self.prior[i] - theta[i]).abs().max(f64::MIN_POSITIVE) * 2.0
+        });
+        if sane {
+            theta = pulled;
         }
         self.theta = theta;
         self.p = p;
@@ -259,6 +290,23 @@ mod tests {
         let trace = f.p[0][0] + f.p[1][1];
         assert!(trace <= f.p_cap + 1e-9, "{:?}", f.p);
         assert!(f.theta().iter().all(|v| v.is_finite()));
+    }
+
+    /// Two features that always move together cannot be told apart: their
+    /// coefficients stay near the prior's split instead of running off in
+    /// opposite directions, and the sum is still learned.
+    #[test]
+    fn collinear_features_stay_near_the_prior() {
+        let mut f = Rls::new([0.0, 0.0, 0.0], [10.0, 10.0, 10.0], 1.0);
+        let mut rng = fastrand::Rng::with_seed(5);
+        for _ in 0..5_000 {
+            let r = rng.f64() * 6.0;
+            let x = [1.0, r, 0.5 * r + 0.001 * noisy(&mut rng, 1.0)];
+            f.observe(x, 3.0 + 2.0 * r + noisy(&mut rng, 0.1));
+        }
+        let t = f.theta();
+        assert!((t[1] + 0.5 * t[2] - 2.0).abs() < 0.05, "{t:?}");
+        assert!(t[1].abs() < 5.0 && t[2].abs() < 10.0, "{t:?}");
     }
 
     #[test]

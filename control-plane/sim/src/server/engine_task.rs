@@ -58,6 +58,7 @@ impl EngineTask {
                 self.engine.abort(id);
                 self.live.remove(&id);
             }
+            self.engine.set_slowdown(f64::from_bits(self.sh.slowdown.load(std::sync::atomic::Ordering::Relaxed)));
             let step = self.engine.step();
             if !self.pace(&step).await {
                 continue;

@@ -164,16 +164,21 @@ async fn write_chunks(
     interval: usize,
     include_usage: bool,
 ) {
-    if a.chat {
-        let first =
-            json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
-        if out.send(a.chunk(first)).await.is_err() {
-            return;
-        }
-    }
+    // vLLM sends the role chunk in the first iteration over the engine's
+    // outputs, i.e. with the first token, not before it: the gateway's time
+    // to first byte is the time to first token.
+    let mut role_sent = !a.chat;
     let (mut n, mut cached, mut pending, mut text) = (0usize, 0usize, 0usize, String::new());
     loop {
-        let done = match rx.recv().await {
+        let delta = rx.recv().await;
+        if !role_sent {
+            role_sent = true;
+            let first = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+            if out.send(a.chunk(first)).await.is_err() {
+                return;
+            }
+        }
+        let done = match delta {
             Some(Delta::Token { index, cached: c }) => {
                 n += 1;
                 cached = c;

@@ -140,12 +140,28 @@ pub(super) async fn inject_fault(
     }
 }
 
+/// `POST /kvgate/sim/slowdown?factor=F`: every later step takes `F` times
+/// its preset's time (F > 0; 1 restores it).
+pub(super) async fn set_slowdown(
+    State(sh): State<Arc<Shared>>,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+) -> impl IntoResponse {
+    match q.get("factor").and_then(|f| f.parse::<f64>().ok()).filter(|f| f.is_finite() && *f > 0.0) {
+        Some(f) => {
+            sh.slowdown.store(f.to_bits(), std::sync::atomic::Ordering::Relaxed);
+            (StatusCode::OK, "set\n")
+        }
+        None => (StatusCode::BAD_REQUEST, "expected ?factor=F with F a number > 0\n"),
+    }
+}
+
 pub(super) async fn cache_info(State(sh): State<Arc<Shared>>) -> impl IntoResponse {
     let st = sh.stats.lock().clone();
     let body = json!({
         "cached_blocks": st.cached_blocks,
         "capacity_blocks": sh.opts.engine.num_blocks,
         "kv_usage": st.kv_usage,
+        "slowdown": f64::from_bits(sh.slowdown.load(std::sync::atomic::Ordering::Relaxed)),
         "steps": st.steps,
         "event_batches": st.events_published,
     });

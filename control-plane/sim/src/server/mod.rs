@@ -102,6 +102,9 @@ struct Shared {
     /// Event-stream faults to inject into the next published batch
     /// (`POST /kvgate/sim/fault?kind=…`, for the fault suite).
     faults: Mutex<Vec<StreamFault>>,
+    /// Step-time multiplier (`POST /kvgate/sim/slowdown?factor=…`), as f64
+    /// bits: a fleet that changed speed, for the calibration benchmark.
+    slowdown: std::sync::atomic::AtomicU64,
     submit: mpsc::UnboundedSender<Submit>,
     next_id: std::sync::atomic::AtomicU64,
     created: u64,
@@ -197,6 +200,7 @@ pub async fn run_worker(
         next_id: std::sync::atomic::AtomicU64::new(1),
         created: now_unix(),
         faults: Mutex::new(Vec::new()),
+        slowdown: std::sync::atomic::AtomicU64::new(1.0f64.to_bits()),
         opts: opts.clone(),
     });
     tasks.spawn(engine_task::EngineTask::new(shared.clone(), replay_buffer, publisher).run(rx));
@@ -208,6 +212,7 @@ pub async fn run_worker(
         .route("/metrics", get(metrics::metrics))
         .route("/kvgate/sim/cache", get(http::cache_info))
         .route("/kvgate/sim/fault", post(http::inject_fault))
+        .route("/kvgate/sim/slowdown", post(http::set_slowdown))
         // vLLM (FastAPI) sets no request body limit; axum's default of 2 MB
         // refused prompts vLLM accepts. 256 MiB bounds a runaway client.
         .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
