@@ -178,23 +178,43 @@ impl EngineFit {
     /// What the `kv` policy uses: the learned values once there are enough
     /// samples and each is known to within half its size (sizes below a
     /// tenth of the prior count as a tenth of the prior, so that a rate that
-    /// is truly about zero can be learned); otherwise that value's prior.
-    /// The prefill rate must be positive; the decode rate is at least 0 (an
-    /// engine whose step does not grow with requests); growth terms fall
-    /// back to 0.
+    /// is truly about zero can be learned); otherwise that value's prior,
+    /// scaled by the other rate's learned-to-prior ratio when only the other
+    /// is known (and that ratio is at least 0.1). The prefill rate must be
+    /// positive; the decode rate is at least 0 (an engine whose step does
+    /// not grow with requests); growth terms fall back to 0.
     pub fn timing(&self) -> EngineTiming {
         let (ft, fse, fs) = (self.first.theta(), self.first.stderr(), self.first.samples());
         let (dt, dse, ds) = (self.decode.theta(), self.decode.stderr(), self.decode.samples());
         // In scaled units: the prior in the fit's own units.
-        let known = |v: f64, se: f64, samples: u64, prior: f64| {
-            samples >= MIN_SAMPLES && v.is_finite() && se < 0.5 * v.abs().max(0.1 * prior)
+        // Known: enough samples, the data took at least 90 % of the prior's
+        // variance away (a coefficient the traffic never varies keeps it,
+        // however small the noise), and the standard error is below half the
+        // size.
+        let (fshare, dshare) = (self.first.prior_share(), self.decode.prior_share());
+        let known = |v: f64, se: f64, share: f64, samples: u64, prior: f64| {
+            samples >= MIN_SAMPLES && v.is_finite() && share < 0.1 && se < 0.5 * v.abs().max(0.1 * prior)
         };
         let p_prior = self.prior.prefill_ms_per_token * K;
         let d_prior = self.prior.decode_ms_per_seq * 10.0;
-        let prefill =
-            if known(ft[1], fse[1], fs, p_prior) && ft[1] > 0.0 { ft[1] / K } else { self.prior.prefill_ms_per_token };
-        let decode =
-            if known(dt[1], dse[1], ds, d_prior) { dt[1].max(0.0) / 10.0 } else { self.prior.decode_ms_per_seq };
+        let prefill = (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then(|| ft[1] / K);
+        let decode = known(dt[1], dse[1], dshare[1], ds, d_prior).then(|| dt[1].max(0.0) / 10.0);
+        // One rate learned and the other not: the unknown one keeps the
+        // priors' ratio to the known one, so that the two are on the same
+        // clock (a workload whose prompts are all cached never pins the
+        // prefill rate down, and a prior in another time scale than the
+        // learned decode rate would misprice load against cache).
+        let (prior_p, prior_d) = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
+        let scale = |learned: f64, prior: f64| {
+            let s = learned / prior;
+            (s.is_finite() && s >= 0.1).then_some(s)
+        };
+        let (prefill, decode) = match (prefill, decode) {
+            (Some(p), Some(d)) => (p, d),
+            (Some(p), None) => (p, scale(p, prior_p).map_or(prior_d, |s| prior_d * s)),
+            (None, Some(d)) => (scale(d, prior_d).map_or(prior_p, |s| prior_p * s), d),
+            (None, None) => (prior_p, prior_d),
+        };
         let growth = |v: f64, samples: u64| if samples >= MIN_SAMPLES && v.is_finite() { v.max(0.0) / K } else { 0.0 };
         EngineTiming {
             prefill_ms_per_token: prefill,
@@ -307,6 +327,32 @@ mod tests {
         }
         let t = fit.timing();
         assert!(t.decode_ms_per_seq < 0.02, "{t:?}");
+    }
+
+    /// Every prompt cached (new tokens all alike): the prefill rate cannot
+    /// be learned, and it follows the learned decode rate's scale instead of
+    /// staying on the prior's clock.
+    #[test]
+    fn an_unidentified_rate_keeps_the_priors_ratio_to_the_learned_one() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(6);
+        for _ in 0..300 {
+            // A clock 8× faster: 0.5 ms per request becomes 0.0625.
+            let d = Decode { itl_ms: 0.0, running: rng.f64() * 60.0, kv_fill: 0.3, prefill_tokens_per_step: 0.0 };
+            let itl = 1.6 + 0.0625 * d.running + noise(&mut rng, 0.05);
+            fit.observe_decode(&Decode { itl_ms: itl, ..d });
+            let o = FirstToken {
+                ttft_ms: 6.0 + noise(&mut rng, 0.5),
+                new_tokens: 50.0,
+                cached_tokens: 5000.0,
+                ahead_tokens: 0.0,
+                running: 20.0,
+            };
+            fit.observe_first_token(&o);
+        }
+        let t = fit.timing();
+        assert!((t.decode_ms_per_seq - 0.0625).abs() < 0.006, "{t:?}");
+        assert!((t.prefill_ms_per_token - 0.0125).abs() < 0.002, "{t:?}");
     }
 
     #[test]

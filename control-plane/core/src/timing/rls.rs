@@ -184,6 +184,17 @@ impl<const N: usize> Rls<N> {
         out
     }
 
+    /// How much of each coefficient's prior variance is left (`P_ii / P0_ii`,
+    /// in [0, 1] up to round-off): near 1 the data have not pinned it down,
+    /// whatever the noise scale says.
+    pub fn prior_share(&self) -> [f64; N] {
+        let mut out = [0.0; N];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (self.p[i][i] / self.p0[i]).max(0.0);
+        }
+        out
+    }
+
     /// Standard error of the prediction at `x` (the estimate's, without
     /// the noise), same units as `y`.
     pub fn predict_stderr(&self, x: &[f64; N]) -> f64 {
