@@ -180,7 +180,7 @@ impl EngineFit {
     /// tenth of the prior count as a tenth of the prior, so that a rate that
     /// is truly about zero can be learned); otherwise that value's prior,
     /// scaled by the other rate's learned-to-prior ratio when only the other
-    /// is known (and that ratio is at least 0.1). The prefill rate must be
+    /// is known and clearly above zero. The prefill rate must be
     /// positive; the decode rate is at least 0 (an engine whose step does
     /// not grow with requests); growth terms fall back to 0.
     pub fn timing(&self) -> EngineTiming {
@@ -205,14 +205,18 @@ impl EngineFit {
         // prefill rate down, and a prior in another time scale than the
         // learned decode rate would misprice load against cache).
         let (prior_p, prior_d) = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
-        let scale = |learned: f64, prior: f64| {
+        // Only a rate clearly above zero (three standard errors) sets the
+        // clock: one that is truly about zero (`dynamo-mocker`'s decode cost
+        // per request) says nothing about time's scale.
+        let scale = |learned: f64, se: f64, prior: f64| {
             let s = learned / prior;
-            (s.is_finite() && s >= 0.1).then_some(s)
+            (s.is_finite() && s > 0.0 && learned > 3.0 * se).then_some(s)
         };
+        let (p_se, d_se) = (fse[1] / K, dse[1] / 10.0);
         let (prefill, decode) = match (prefill, decode) {
             (Some(p), Some(d)) => (p, d),
-            (Some(p), None) => (p, scale(p, prior_p).map_or(prior_d, |s| prior_d * s)),
-            (None, Some(d)) => (scale(d, prior_d).map_or(prior_p, |s| prior_p * s), d),
+            (Some(p), None) => (p, scale(p, p_se, prior_p).map_or(prior_d, |s| prior_d * s)),
+            (None, Some(d)) => (scale(d, d_se, prior_d).map_or(prior_p, |s| prior_p * s), d),
             (None, None) => (prior_p, prior_d),
         };
         let growth = |v: f64, samples: u64| if samples >= MIN_SAMPLES && v.is_finite() { v.max(0.0) / K } else { 0.0 };
@@ -327,6 +331,7 @@ mod tests {
         }
         let t = fit.timing();
         assert!(t.decode_ms_per_seq < 0.02, "{t:?}");
+        assert_eq!(t.prefill_ms_per_token, 0.1, "a zero rate sets no clock");
     }
 
     /// Every prompt cached (new tokens all alike): the prefill rate cannot
@@ -337,7 +342,8 @@ mod tests {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(6);
         for _ in 0..300 {
-            // A clock 8× faster: 0.5 ms per request becomes 0.0625.
+            // A clock 8× faster: 0.5 ms per request becomes 0.0625 (and a
+            // ratio under 0.1 must scale too: see the 20× case below).
             let d = Decode { itl_ms: 0.0, running: rng.f64() * 60.0, kv_fill: 0.3, prefill_tokens_per_step: 0.0 };
             let itl = 1.6 + 0.0625 * d.running + noise(&mut rng, 0.05);
             fit.observe_decode(&Decode { itl_ms: itl, ..d });
@@ -353,6 +359,13 @@ mod tests {
         let t = fit.timing();
         assert!((t.decode_ms_per_seq - 0.0625).abs() < 0.006, "{t:?}");
         assert!((t.prefill_ms_per_token - 0.0125).abs() < 0.002, "{t:?}");
+        let mut fast = EngineFit::new(PRIOR);
+        for _ in 0..300 {
+            let d = Decode { itl_ms: 0.0, running: rng.f64() * 60.0, kv_fill: 0.3, prefill_tokens_per_step: 0.0 };
+            fast.observe_decode(&Decode { itl_ms: 0.6 + 0.025 * d.running + noise(&mut rng, 0.02), ..d });
+        }
+        let t = fast.timing();
+        assert!((t.prefill_ms_per_token - 0.005).abs() < 0.001, "{t:?}");
     }
 
     #[test]
