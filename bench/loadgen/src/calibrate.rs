@@ -189,6 +189,11 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], running: usize,
     (ttft, step)
 }
 
+/// The KV capacity a class name (`blocks=N,seqs=M`) states.
+fn class_blocks(class: &str) -> Option<usize> {
+    class.split(',').find_map(|kv| kv.strip_prefix("blocks=")).and_then(|b| b.parse().ok())
+}
+
 /// One poll of `/admin/timing`.
 #[derive(Debug, Clone)]
 struct Snapshot {
@@ -311,8 +316,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     let kinds = fleet.kinds();
     let running = a.concurrency.div_ceil(kinds.len().max(1));
     let truth_of = |class: &str, slowdown: f64| -> Result<Truth> {
-        let blocks: Option<usize> =
-            class.split(',').find_map(|kv| kv.strip_prefix("blocks=")).and_then(|b| b.parse().ok());
+        let blocks = class_blocks(class);
         let (timing, blocks) =
             kinds.iter().find(|(_, b)| Some(*b) == blocks).cloned().unwrap_or_else(|| kinds[0].clone());
         let timing = Timing::preset(&timing).with_context(|| format!("timing {timing}"))?;
@@ -376,8 +380,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     // behaved, apart from the preset's formula and the harness.
     // Per class: the workers of its kind.
     let members = |class: &str| -> Vec<usize> {
-        let blocks: Option<usize> =
-            class.split(',').find_map(|kv| kv.strip_prefix("blocks=")).and_then(|b| b.parse().ok());
+        let blocks = class_blocks(class);
         let all: Vec<usize> = (0..kinds.len()).collect();
         let mine: Vec<usize> = all.iter().copied().filter(|&w| Some(kinds[w].1) == blocks).collect();
         if mine.is_empty() { all } else { mine }

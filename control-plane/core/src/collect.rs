@@ -195,13 +195,7 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
                 );
             }
         }
-        let t = fit.timing();
-        for (param, v) in [
-            ("prefill_ms_per_token", t.prefill_ms_per_token),
-            ("prefill_ms_per_token_per_ktok", t.prefill_ms_per_token_per_ktok),
-            ("prefill_ms_per_token_per_kctx", t.prefill_ms_per_token_per_kctx),
-            ("decode_ms_per_seq", t.decode_ms_per_seq),
-        ] {
+        for (param, v) in fit.timing().params() {
             let help = "Engine timing the kv policy uses for the class (learned, or the prior until trusted).";
             s.gauge_f64("kvgate_engine_timing_used", help, l(&[("class", class), ("param", param)]), v);
         }

@@ -62,16 +62,12 @@ impl App {
             let classes: serde_json::Map<String, serde_json::Value> = c
                 .classes()
                 .map(|(class, fit)| {
-                    let t = fit.timing();
+                    let used: serde_json::Map<String, serde_json::Value> =
+                        fit.timing().params().iter().map(|(k, v)| ((*k).to_owned(), (*v).into())).collect();
                     let v = serde_json::json!({
                         "first_token": fit.first_token(),
                         "decode": fit.decode(),
-                        "used": {
-                            "prefill_ms_per_token": t.prefill_ms_per_token,
-                            "prefill_ms_per_token_per_ktok": t.prefill_ms_per_token_per_ktok,
-                            "prefill_ms_per_token_per_kctx": t.prefill_ms_per_token_per_kctx,
-                            "decode_ms_per_seq": t.decode_ms_per_seq,
-                        },
+                        "used": used,
                     });
                     (class.to_owned(), v)
                 })

@@ -102,6 +102,22 @@ impl EngineTiming {
         }
     }
 
+    /// Every value with its name (for metrics and the admin API).
+    pub fn params(&self) -> [(&'static str, f64); 4] {
+        let Self {
+            prefill_ms_per_token,
+            prefill_ms_per_token_per_ktok,
+            prefill_ms_per_token_per_kctx,
+            decode_ms_per_seq,
+        } = *self;
+        [
+            ("prefill_ms_per_token", prefill_ms_per_token),
+            ("prefill_ms_per_token_per_ktok", prefill_ms_per_token_per_ktok),
+            ("prefill_ms_per_token_per_kctx", prefill_ms_per_token_per_kctx),
+            ("decode_ms_per_seq", decode_ms_per_seq),
+        ]
+    }
+
     /// Mean prefill time per token of `new` tokens after `cached` tokens of
     /// context (never below `prefill_ms_per_token`'s tenth, never
     /// non-finite).

@@ -332,7 +332,11 @@ impl ModelState {
         if self.tracker.first_token(&r.request_id).is_err() {
             self.counters.reports_unknown += 1;
         }
-        self.calibration.first_token(&r.request_id, now_ms);
+        // A report before the end marks the first token (the filter reports
+        // once, at the end; the calibration then takes the routing time).
+        if r.total_us == 0 {
+            self.calibration.first_token(&r.request_id, now_ms);
+        }
         let event = |phase: pb::InflightPhase| pb::InflightEvent {
             request_id: r.request_id.clone(),
             worker_id: r.worker_id.clone(),

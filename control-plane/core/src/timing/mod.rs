@@ -62,10 +62,12 @@ struct Integrals {
     prefill_tokens: f64,
 }
 
-/// A worker: its class and its integrals.
+/// A worker: its class (and the capacity and running limit it was named
+/// from), and its integrals.
 #[derive(Debug, Clone, Default)]
 struct Activity {
     class: String,
+    hardware: (Option<u64>, Option<u32>),
     sums: Integrals,
 }
 
@@ -174,13 +176,15 @@ impl Calibration {
     pub fn touch(&mut self, worker: WorkerIdx, load: &Load, now_ms: u64) {
         let a = self.activity.entry(worker).or_insert_with(|| Activity {
             class: String::new(),
+            hardware: (None, None),
             sums: Integrals { last_ms: now_ms, ..Integrals::default() },
         });
-        if a.class.is_empty() || load.capacity_blocks.is_some() {
-            let class = class_of(load);
-            if a.class != class {
-                a.class = class;
-            }
+        // Named again only when the hardware it reports changes (no
+        // allocation on every Pick).
+        let hardware = (load.capacity_blocks, load.max_running);
+        if a.class.is_empty() || (hardware.0.is_some() && hardware != a.hardware) {
+            a.class = class_of(load);
+            a.hardware = hardware;
         }
         let a = &mut a.sums;
         a.advance(now_ms);
