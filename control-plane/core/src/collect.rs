@@ -182,6 +182,8 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
     for (class, fit) in c.classes() {
         for (name, learned) in [("first_token", fit.first_token()), ("decode", fit.decode())] {
             let samples = l(&[("class", class), ("fit", name)]);
+            let help = "Observations each fit ignored for non-finite values.";
+            s.counter("kvgate_engine_timing_rejected", help, samples.clone(), learned.rejected);
             s.counter("kvgate_engine_timing_samples", "Observations each fit learned from.", samples, learned.samples);
             for p in learned.params {
                 let labels = l(&[("class", class), ("fit", name), ("param", p.name)]);

@@ -87,6 +87,8 @@ impl Decode {
 pub struct Learned {
     /// Observations used.
     pub samples: u64,
+    /// Observations ignored for non-finite values.
+    pub rejected: u64,
     /// Robust residual scale, ms.
     pub residual_ms: f64,
     /// The coefficients, in the units their names say.
@@ -243,6 +245,7 @@ fn learned<const N: usize>(f: &Rls<N>, names: &[&'static str; N], scale: &[f64; 
     let (t, se) = (f.theta(), f.stderr());
     Learned {
         samples: f.samples(),
+        rejected: f.rejected(),
         residual_ms: f.scale(),
         params: (0..N).map(|i| Param { name: names[i], value: t[i] * scale[i], stderr: se[i] * scale[i] }).collect(),
     }
