@@ -2,29 +2,35 @@
 //! engine it serves, and follow it when the engine changes speed?
 //!
 //! For each fleet preset: the `kv` stack with the control plane's defaults
-//! (no engine timing passed: it starts from its neutral priors), DOKS
-//! conversations at a fixed concurrency, and `/admin/timing` polled twice
-//! a second (wall). After `--phase-s` simulated seconds every worker is
-//! slowed by `--slowdown` (`POST /kvgate/sim/slowdown`), and the run goes
+//! (no engine timing passed: it starts from its neutral priors), the
+//! calibration workload at a fixed concurrency, and `/admin/timing` polled
+//! twice a second (wall). After `--phase-s` simulated seconds every worker
+//! is slowed by `--slowdown` (`POST /kvgate/sim/slowdown`), and the run goes
 //! on for another phase.
 //!
+//! The workload is DOKS conversations, but by default each opens with its
+//! own document of 500–7,000 words (`--starters`, `--starter-words`): with
+//! DOKS's ten shared documents every prompt but the first few is a cached
+//! prefix plus 50–80 new tokens, and no estimator can tell how prefill time
+//! grows with new tokens from that.
+//!
 //! Each snapshot's learned model is compared with the preset's truth
-//! (`kvgate_sim::timing`) over the workload's operating range, as predicted
-//! times, not coefficients (the preset's formula need not have the
-//! estimator's shape):
+//! (`kvgate_sim::timing`) over the operating range the run measured, as
+//! predicted times, not coefficients (the preset's formula need not have
+//! the estimator's shape):
 //!
 //! | quantity | learned (× speedup: the control plane sees wall time) | truth |
 //! |---|---|---|
-//! | time to first token of a request that does not queue | the first-token fit at (new, cached, 0 ahead, R running) | frontend overhead + the steps that prefill it beside R decodes |
-//! | decode step time | the decode fit at (R, KV fill, no prefill) | the step of R decodes at the workload's context |
+//! | decode step | the decode fit at (R, KV fill), no prefill in the step | the preset's step of R decodes at that fill and the run's mean decode context |
+//! | prefill | the first-token fit's change from the run's shortest to its longest uncached prompt | the preset's, for the steps that prefill them beside R decodes |
+//! | time to first token of a request that does not queue | the first-token fit at (new, cached, 0 ahead, R) | the preset's prefill steps + what the run measured outside the formula: the engines' queue time (arrival to the first step, e.g. the step in progress) and the gateway's share (client TTFT − engine TTFT) |
 //!
-//! The (new, cached) points are the 10th, 50th and 90th percentiles of the
-//! run's own requests; R is the concurrency per worker and half of it. The
-//! error of a snapshot is the largest relative error over those points.
-//! The learned TTFT includes what the gateway adds (Envoy, the Pick, the
-//! simulator's tokenizing), which is part of what a user waits for and of
-//! what the router should expect; at `--speedup` s it is inflated s times
-//! in simulated time, so the default speedup is low.
+//! The operating range: (R, fill) pairs the class's workers were at (their
+//! `/metrics`, sampled every 250 ms) at the 10th, 50th and 90th percentile
+//! of R, per phase; (new, cached) pairs of the run's requests at five ranks
+//! of their uncached tokens. The error of a snapshot is the largest
+//! relative error over those points. The gateway's share is inflated
+//! `--speedup` times in simulated time, so the default speedup is low.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -38,7 +44,7 @@ use serde_json::{Value, json};
 
 use crate::probe::{WorkerMetrics, scrape};
 use crate::runner::{self, Windows};
-use crate::stack::{DOKS_OPERATING_POINT, FleetSpec, Frontend, MODEL, PRESETS, Stack};
+use crate::stack::{FleetSpec, Frontend, MODEL, PRESETS, Stack};
 use crate::workload::Doks;
 
 /// Relative error below which a learned model counts as right.
@@ -63,6 +69,13 @@ pub struct CalibrationArgs {
     /// phase.
     #[arg(long, default_value_t = 1.5)]
     slowdown: f64,
+    /// Distinct documents the conversations open with (DOKS has 10: every
+    /// prompt but the first few is then cached).
+    #[arg(long, default_value_t = 1_000_000)]
+    starters: usize,
+    /// Words per document, lowest and highest (~1.07 tokens a word).
+    #[arg(long, value_delimiter = ',', num_args = 2, default_values_t = [500, 7_000])]
+    starter_words: Vec<usize>,
     /// Result file; the plots go to <stem>/<preset>.svg.
     #[arg(long, default_value = "bench/results/calibration.json")]
     out: PathBuf,
@@ -75,29 +88,33 @@ pub struct CalibrationArgs {
 #[derive(Debug, Clone, Copy)]
 struct Truth {
     timing: Timing,
-    blocks: usize,
-    block_size: usize,
     budget: usize,
     slowdown: f64,
+    /// KV capacity in tokens: a KV fill f is f × this many tokens of
+    /// context in the batch (the calibration workload shares almost no
+    /// prefix between running requests).
+    capacity_tokens: f64,
 }
 
 impl Truth {
-    /// Decode context per request (the workload's).
-    fn ctx() -> usize {
-        DOKS_OPERATING_POINT.2 as usize
+    fn shape(&self, running: f64, fill: f64) -> StepShape {
+        let r = running.round().max(0.0) as usize;
+        StepShape {
+            decode_seqs: r,
+            decode_context_tokens: (fill.clamp(0.0, 1.0) * self.capacity_tokens) as usize,
+            kv_fill: fill,
+            ..StepShape::default()
+        }
     }
 
-    fn ttft_ms(&self, new: usize, cached: usize, running: usize) -> f64 {
-        let budget = self.budget.saturating_sub(running).max(1);
+    /// The preset's time from the first step that schedules the request to
+    /// its first token (no queue, no gateway).
+    fn prefill_ms(&self, new: usize, cached: usize, running: f64, fill: f64) -> f64 {
+        let budget = self.budget.saturating_sub(running.round().max(0.0) as usize).max(1);
         let (mut done, mut ms) = (0, self.timing.first_token_overhead_ms());
         while done < new.max(1) {
             let k = (new.max(1) - done).min(budget);
-            let mut s = StepShape {
-                decode_seqs: running,
-                decode_context_tokens: running * Self::ctx(),
-                kv_fill: self.fill(running),
-                ..StepShape::default()
-            };
+            let mut s = self.shape(running, fill);
             s.add_chunk(cached + done, k);
             ms += self.timing.step_time(&s) * self.slowdown;
             done += k;
@@ -105,19 +122,19 @@ impl Truth {
         ms
     }
 
-    fn fill(&self, running: usize) -> f64 {
-        (running * Self::ctx()) as f64 / (self.blocks * self.block_size).max(1) as f64
+    fn step_ms(&self, running: f64, fill: f64) -> f64 {
+        self.timing.step_time(&self.shape(running, fill)) * self.slowdown
     }
+}
 
-    fn step_ms(&self, running: usize) -> f64 {
-        let s = StepShape {
-            decode_seqs: running,
-            decode_context_tokens: running * Self::ctx(),
-            kv_fill: self.fill(running),
-            ..StepShape::default()
-        };
-        self.timing.step_time(&s) * self.slowdown
-    }
+/// Where a class ran in one phase, as measured.
+#[derive(Debug, Clone, Default)]
+struct Operating {
+    /// (running, KV fill) at the 10th, 50th and 90th percentile of running.
+    points: Vec<(f64, f64)>,
+    /// Per grid point, the mean TTFT the clients saw (simulated ms) for
+    /// the phase's requests near it, when there were any.
+    ttft_ms: Vec<Option<f64>>,
 }
 
 /// A learned fit's coefficients by name (the admin API's `params`).
@@ -148,45 +165,89 @@ fn learned_step_ms(class: &Value, running: f64, fill: f64) -> f64 {
         + p("step_ms_per_kv_fill_sq") * fill * fill
 }
 
-/// The operating range: (new, cached) percentiles of the run's requests.
+/// (new, cached) pairs of the run's requests: the medians of the requests
+/// around five ranks of their uncached tokens (joint points: a long
+/// uncached prompt is seldom also long cached).
 fn grid(records: &[runner::Record]) -> Vec<(usize, usize)> {
-    let ok: Vec<&runner::Record> = records.iter().filter(|r| r.error.is_none() && r.prompt_tokens > 0).collect();
-    let q = |mut v: Vec<usize>, p: f64| {
+    let mut ok: Vec<(usize, usize)> = records
+        .iter()
+        .filter(|r| r.error.is_none() && r.prompt_tokens > 0)
+        .map(|r| ((r.prompt_tokens - r.cached_tokens.min(r.prompt_tokens)) as usize, r.cached_tokens as usize))
+        .collect();
+    ok.sort_unstable();
+    let median = |mut v: Vec<usize>| {
         v.sort_unstable();
-        v.get(((v.len().saturating_sub(1)) as f64 * p).round() as usize).copied().unwrap_or(0)
+        v.get(v.len() / 2).copied().unwrap_or(0)
     };
-    let news: Vec<usize> =
-        ok.iter().map(|r| (r.prompt_tokens - r.cached_tokens.min(r.prompt_tokens)) as usize).collect();
-    let cached: Vec<usize> = ok.iter().map(|r| r.cached_tokens as usize).collect();
     let mut out = Vec::new();
-    for pn in [0.1, 0.5, 0.9] {
-        for pc in [0.1, 0.5, 0.9] {
-            let point = (q(news.clone(), pn).max(1), q(cached.clone(), pc));
-            if !out.contains(&point) {
-                out.push(point);
-            }
+    let n = ok.len();
+    for p in [0.1, 0.5, 0.75, 0.9, 0.97] {
+        let (lo, hi) = (((p - 0.03) * n as f64) as usize, (((p + 0.03) * n as f64) as usize).min(n));
+        let Some(bucket) = ok.get(lo..hi.max(lo + 1).min(n)) else { continue };
+        if bucket.is_empty() {
+            continue;
+        }
+        // The cached median of the bucket's requests near its new median.
+        let new = median(bucket.iter().map(|b| b.0).collect()).max(1);
+        let near = bucket.iter().filter(|b| b.0 * 4 >= new * 3 && b.0 * 4 <= new * 5).map(|b| b.1).collect();
+        let point = (new, median(near));
+        if !out.contains(&point) {
+            out.push(point);
         }
     }
     out
 }
 
-/// Errors of one class's snapshot against its truth: (TTFT, decode step).
-fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], running: usize, speedup: f64) -> (f64, f64) {
+/// Errors of one snapshot against its truth.
+#[derive(Debug, Clone, Copy, Default)]
+struct Errors {
+    /// Against the TTFT the clients measured (not in [`Errors::within`]:
+    /// it includes waits for the step in progress and for prefill budget
+    /// that no formula of the preset states); `None` where there is no
+    /// measurement per class.
+    ttft: Option<f64>,
+    step: f64,
+    /// `None` when the run's prompts do not span enough uncached tokens.
+    prefill: Option<f64>,
+}
+
+impl Errors {
+    fn within(&self) -> bool {
+        self.step <= WITHIN && self.prefill.is_none_or(|p| p <= WITHIN)
+    }
+
+    fn json(&self) -> Value {
+        json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill})
+    }
+}
+
+/// Uncached tokens the shortest and longest grid points must differ by for
+/// the prefill comparison.
+const PREFILL_SPAN: usize = 500;
+
+fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating, speedup: f64) -> Errors {
     let rel = |got: f64, want: f64| if want > 0.0 { (got - want).abs() / want } else { f64::INFINITY };
-    let rs = [running.div_ceil(2).max(1), running.max(1)];
-    let mut ttft: f64 = 0.0;
-    for &(n, c) in grid {
-        for &r in &rs {
-            let got = learned_ttft_ms(class, n as f64, c as f64, r as f64) * speedup;
-            ttft = ttft.max(rel(got, truth.ttft_ms(n, c, r)));
+    let mut e = Errors::default();
+    for &(r, f) in &op.points {
+        e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f)));
+    }
+    let Some(&(r, f)) = op.points.get(op.points.len() / 2) else { return e };
+    for (&(n, c), seen) in grid.iter().zip(&op.ttft_ms) {
+        if let Some(want) = seen {
+            let x = rel(learned_ttft_ms(class, n as f64, c as f64, r) * speedup, *want);
+            e.ttft = Some(e.ttft.unwrap_or(0.0).max(x));
         }
     }
-    let mut step: f64 = 0.0;
-    for &r in &rs {
-        let got = learned_step_ms(class, r as f64, truth.fill(r)) * speedup;
-        step = step.max(rel(got, truth.step_ms(r)));
+    // Prefill: how much longer a longer uncached prompt takes, from the
+    // shortest grid point to each one at least PREFILL_SPAN longer.
+    let Some(&(nl, cl)) = grid.iter().min_by_key(|p| p.0) else { return e };
+    for &(n, c) in grid.iter().filter(|p| p.0 >= nl + PREFILL_SPAN) {
+        let got =
+            (learned_ttft_ms(class, n as f64, c as f64, r) - learned_ttft_ms(class, nl as f64, cl as f64, r)) * speedup;
+        let want = truth.prefill_ms(n, c, r, f) - truth.prefill_ms(nl, cl, r, f);
+        e.prefill = Some(e.prefill.unwrap_or(0.0).max(rel(got, want)));
     }
-    (ttft, step)
+    e
 }
 
 /// The KV capacity a class name (`blocks=N,seqs=M`) states.
@@ -242,7 +303,8 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
             "phase_s": a.phase_s,
             "slowdown": a.slowdown,
             "within": WITHIN,
-            "compared": "learned TTFT of an unqueued request and decode step time, x speedup, against the preset's, at the run's (new, cached) percentiles and R = concurrency per worker and half of it; largest relative error",
+            "workload": format!("DOKS conversations, {} distinct documents of {}-{} words", a.starters, a.starter_words.first().copied().unwrap_or(0), a.starter_words.last().copied().unwrap_or(0)),
+            "compared": "x speedup, largest relative error over the measured operating range: decode step (fit at R, KV fill) against the preset's step; prefill (the first-token fit's change from the shortest to each longer uncached prompt) against the preset's; within = both <= 10 %. TTFT (fit at new, cached, R) against the clients' measured mean, reported, not in within",
         },
         "presets": presets,
     });
@@ -260,12 +322,13 @@ fn summary_line(doc: &Value) -> String {
         .iter()
         .map(|c| {
             format!(
-                "{}: within 10 % after {} requests, again after the slowdown after {}; final errors TTFT {:.1} %, step {:.1} %",
+                "{}: step and prefill within 10 % after {} requests, again after the slowdown after {}; final errors step {:.1} %, prefill {:.1} %, TTFT against the clients' {:.1} %",
                 c["class"].as_str().unwrap_or("?"),
                 c["requests_to_within_10pct"],
                 c["requests_after_change_to_within_10pct"],
-                c["final_error"]["ttft"].as_f64().unwrap_or(f64::NAN) * 100.0,
                 c["final_error"]["step"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                c["final_error"]["prefill"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                c["final_error"]["ttft"].as_f64().unwrap_or(f64::NAN) * 100.0,
             )
         })
         .collect::<Vec<_>>()
@@ -280,9 +343,11 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / a.speedup);
     let windows = Windows { warmup: wall(20.0), measure: wall(2.0 * a.phase_s), drain: wall(120.0) };
     let (front, workers, pids, conc) = (stack.front, stack.workers.clone(), stack.pids.clone(), a.concurrency);
+    let (lo, hi) = (a.starter_words.first().copied().unwrap_or(500), a.starter_words.last().copied().unwrap_or(7_000));
+    let workload = Doks { starters: a.starters.max(1), starter_words: (lo.min(hi), hi.max(lo)), ..Doks::default() };
     let load = std::thread::spawn(move || -> Result<runner::CellRun> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        rt.block_on(runner::run_doks(front, &workers, &pids, &Doks::default(), conc, windows, 1_000_000))
+        rt.block_on(runner::run_doks(front, &workers, &pids, &workload, conc, windows, 1_000_000))
     });
     let scrape_all =
         |ws: &[SocketAddr]| -> Vec<WorkerMetrics> { ws.iter().map(|w| scrape(*w).unwrap_or_default()).collect() };
@@ -311,73 +376,24 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     let run = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
     let at_end = scrape_all(&stack.workers);
     stack.check()?;
+    if metrics_at_change.is_empty() {
+        bail!("the run ended before the slowdown");
+    }
     std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
     let g = grid(&run.records);
     let kinds = fleet.kinds();
-    let running = a.concurrency.div_ceil(kinds.len().max(1));
     let truth_of = |class: &str, slowdown: f64| -> Result<Truth> {
         let blocks = class_blocks(class);
-        let (timing, blocks) =
-            kinds.iter().find(|(_, b)| Some(*b) == blocks).cloned().unwrap_or_else(|| kinds[0].clone());
+        let (timing, _) = kinds.iter().find(|(_, b)| Some(*b) == blocks).cloned().unwrap_or_else(|| kinds[0].clone());
         let timing = Timing::preset(&timing).with_context(|| format!("timing {timing}"))?;
+        let blocks = blocks.unwrap_or(kinds[0].1);
         Ok(Truth {
             timing,
-            blocks,
-            block_size: fleet.block_size as usize,
             budget: fleet.max_num_batched_tokens,
             slowdown,
+            capacity_tokens: (blocks * fleet.block_size as usize) as f64,
         })
     };
-    // Per class: (samples, ttft error, step error, slowed) per snapshot.
-    let mut series: std::collections::BTreeMap<String, Vec<(u64, f64, f64, bool)>> = Default::default();
-    for s in &snaps {
-        let Some(classes) = s.timing["classes"].as_object() else { continue };
-        for (class, v) in classes {
-            let truth = truth_of(class, if s.slowed { a.slowdown } else { 1.0 })?;
-            let (te, se) = errors(v, &truth, &g, running, a.speedup);
-            let n = v["first_token"]["samples"].as_u64().unwrap_or(0);
-            series.entry(class.clone()).or_default().push((n, te, se, s.slowed));
-        }
-    }
-    let last = snaps.last().map(|s| s.timing.clone()).unwrap_or_default();
-    let at_change = snaps.iter().rev().find(|s| !s.slowed).map(|s| s.timing.clone()).unwrap_or_default();
-    let mut classes: Vec<Value> = Vec::new();
-    for (class, pts) in &series {
-        let ok = |p: &(u64, f64, f64, bool)| p.1 <= WITHIN && p.2 <= WITHIN;
-        let before: Vec<_> = pts.iter().filter(|p| !p.3).collect();
-        let after: Vec<_> = pts.iter().filter(|p| p.3).collect();
-        // The first snapshot from which every later one (in its phase) is within.
-        let settled = |v: &[&(u64, f64, f64, bool)]| -> Option<u64> {
-            let i = v.iter().rposition(|p| !ok(p)).map_or(0, |i| i + 1);
-            v.get(i).map(|p| p.0)
-        };
-        let change_samples = before.last().map_or(0, |p| p.0);
-        let truth0 = truth_of(class, 1.0)?;
-        let last_pt = pts.last().copied().unwrap_or_default();
-        let truth_ttft: Vec<Value> = g
-            .iter()
-            .map(|&(n, c)| json!({"new": n, "cached": c, "running": running, "ms": truth0.ttft_ms(n, c, running)}))
-            .collect();
-        let truth_step: Vec<Value> = [running.div_ceil(2), running]
-            .iter()
-            .map(|&r| json!({"running": r, "fill": truth0.fill(r), "ms": truth0.step_ms(r)}))
-            .collect();
-        classes.push(json!({
-            "class": class,
-            "timing": format!("{:?}", truth0.timing),
-            "requests_to_within_10pct": settled(&before),
-            "requests_after_change_to_within_10pct": settled(&after).map(|n| n.saturating_sub(change_samples)),
-            "samples_at_change": change_samples,
-            "error_at_change": before.last().map(|p| json!({"ttft": p.1, "step": p.2})),
-            "final_error": {"ttft": last_pt.1, "step": last_pt.2},
-            "learned": at_change["classes"][class].clone(),
-            "learned_after_change": last["classes"][class].clone(),
-            "truth": {"ttft_ms": truth_ttft, "step_ms": truth_step},
-        }));
-    }
-    // What the engines did (their own histograms, simulated time) and what
-    // the clients saw, per phase: the estimator against the fleet as it
-    // behaved, apart from the preset's formula and the harness.
     // Per class: the workers of its kind.
     let members = |class: &str| -> Vec<usize> {
         let blocks = class_blocks(class);
@@ -386,15 +402,12 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         if mine.is_empty() { all } else { mine }
     };
     let change_s = (windows.warmup + wall(a.phase_s)).as_secs_f64();
+    // What the engines did (their own histograms, simulated time) per phase.
     let phase = |from: &[WorkerMetrics], to: &[WorkerMetrics], slowed: bool, ws: &[usize]| -> Value {
-        let (mut ttft, mut nt, mut itl, mut ni) = (0.0, 0.0, 0.0, 0.0);
-        for &w in ws {
-            let (Some(f), Some(t)) = (from.get(w), to.get(w)) else { continue };
-            ttft += t.ttft_sum_s - f.ttft_sum_s;
-            nt += t.ttft_count - f.ttft_count;
-            itl += t.itl_sum_s - f.itl_sum_s;
-            ni += t.itl_count - f.itl_count;
-        }
+        let d = |f: fn(&WorkerMetrics) -> f64| -> f64 {
+            ws.iter().filter_map(|&w| Some(f(to.get(w)?) - f(from.get(w)?))).sum()
+        };
+        let mean_ms = |sum: f64, n: f64| sum / n.max(1.0) * 1000.0;
         let running: Vec<f64> = run
             .samples
             .iter()
@@ -402,8 +415,9 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             .map(|s| ws.iter().filter_map(|&w| s.inflight.get(w)).sum::<f64>() / ws.len().max(1) as f64)
             .collect();
         json!({
-            "engine_ttft_ms": ttft / nt.max(1.0) * 1000.0,
-            "engine_itl_ms": itl / ni.max(1.0) * 1000.0,
+            "engine_ttft_ms": mean_ms(d(|m| m.ttft_sum_s), d(|m| m.ttft_count)),
+            "engine_queue_ms": mean_ms(d(|m| m.queue_sum_s), d(|m| m.queue_count)),
+            "engine_itl_ms": mean_ms(d(|m| m.itl_sum_s), d(|m| m.itl_count)),
             "mean_running_per_worker": running.iter().sum::<f64>() / running.len().max(1) as f64,
         })
     };
@@ -418,46 +432,142 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             .collect();
         v.iter().sum::<f64>() / v.len().max(1) as f64 * 1000.0 * a.speedup
     };
-    let measured = if metrics_at_change.is_empty() {
-        Value::Null
-    } else {
-        let all: Vec<usize> = (0..kinds.len()).collect();
-        let fleet = |from: &[WorkerMetrics], to: &[WorkerMetrics], slowed: bool| {
-            let mut v = phase(from, to, slowed, &all);
-            let c = client(slowed);
-            v["client_ttft_ms"] = json!(c);
-            v["gateway_share_ms"] = json!(c - v["engine_ttft_ms"].as_f64().unwrap_or(0.0));
-            v
-        };
-        json!({
-            "before": fleet(&at_start, &metrics_at_change, false),
-            "after": fleet(&metrics_at_change, &at_end, true),
-        })
+    let all: Vec<usize> = (0..kinds.len()).collect();
+    let fleet_phase = |from: &[WorkerMetrics], to: &[WorkerMetrics], slowed: bool| {
+        let mut v = phase(from, to, slowed, &all);
+        let c = client(slowed);
+        v["client_ttft_ms"] = json!(c);
+        v["gateway_share_ms"] = json!(c - v["engine_ttft_ms"].as_f64().unwrap_or(0.0));
+        v
     };
+    let measured = [fleet_phase(&at_start, &metrics_at_change, false), fleet_phase(&metrics_at_change, &at_end, true)];
+    // Per class and phase: where its workers ran, and the time outside the
+    // formula (its engines' queue time and the fleet's gateway share).
+    let operating = |class: &str, slowed: bool| -> Operating {
+        let ws = members(class);
+        let mut pairs: Vec<(f64, f64)> = run
+            .samples
+            .iter()
+            .filter(|s| (s.t >= change_s) == slowed)
+            .flat_map(|s| ws.iter().filter_map(|&w| Some((*s.inflight.get(w)?, *s.kv_usage.get(w)?))))
+            .collect();
+        pairs.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let mut points = Vec::new();
+        for p in [0.1, 0.5, 0.9] {
+            if let Some(&x) = pairs.get(((pairs.len().saturating_sub(1)) as f64 * p).round() as usize)
+                && x.0 >= 1.0
+                && !points.contains(&x)
+            {
+                points.push(x);
+            }
+        }
+        // The phase's requests near each grid point (±25 % of its new and
+        // cached tokens). The client does not know which worker served a
+        // request: in a fleet of several classes there is no per-class
+        // measurement.
+        let near = |x: u64, p: usize| x * 4 >= p as u64 * 3 && x * 4 <= p as u64 * 5;
+        let one_class = ws.len() == kinds.len();
+        let ttft_ms = g
+            .iter()
+            .map(|&(n, c)| {
+                if !one_class {
+                    return None;
+                }
+                let v: Vec<f64> = run
+                    .records
+                    .iter()
+                    .filter(|r| r.error.is_none() && (r.start >= change_s) == slowed)
+                    .filter(|r| near(r.prompt_tokens - r.cached_tokens.min(r.prompt_tokens), n))
+                    .filter(|r| if c == 0 { r.cached_tokens < 64 } else { near(r.cached_tokens, c) })
+                    .filter_map(|r| r.ttft)
+                    .collect();
+                (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64 * 1000.0 * a.speedup)
+            })
+            .collect();
+        Operating { points, ttft_ms }
+    };
+    let mut ops: std::collections::BTreeMap<(String, bool), Operating> = Default::default();
+    // Per class: (samples, errors, slowed) per snapshot.
+    let mut series: Series = Default::default();
+    for s in &snaps {
+        let Some(classes) = s.timing["classes"].as_object() else { continue };
+        for (class, v) in classes {
+            let truth = truth_of(class, if s.slowed { a.slowdown } else { 1.0 })?;
+            let op = ops.entry((class.clone(), s.slowed)).or_insert_with(|| operating(class, s.slowed));
+            let e = errors(v, &truth, &g, op, a.speedup);
+            let n = v["first_token"]["samples"].as_u64().unwrap_or(0);
+            series.entry(class.clone()).or_default().push((n, e, s.slowed));
+        }
+    }
+    let last = snaps.last().map(|s| s.timing.clone()).unwrap_or_default();
+    let at_change = snaps.iter().rev().find(|s| !s.slowed).map(|s| s.timing.clone()).unwrap_or_default();
+    let mut classes: Vec<Value> = Vec::new();
+    for (class, pts) in &series {
+        let before: Vec<_> = pts.iter().filter(|p| !p.2).collect();
+        let after: Vec<_> = pts.iter().filter(|p| p.2).collect();
+        // The first snapshot from which every later one (in its phase) is within.
+        let settled = |v: &[&(u64, Errors, bool)]| -> Option<u64> {
+            let i = v.iter().rposition(|p| !p.1.within()).map_or(0, |i| i + 1);
+            v.get(i).map(|p| p.0)
+        };
+        let change_samples = before.last().map_or(0, |p| p.0);
+        let mut truth = serde_json::Map::new();
+        for (key, slowed, slowdown) in [("before", false, 1.0), ("after", true, a.slowdown)] {
+            let t = truth_of(class, slowdown)?;
+            let op = ops.get(&(class.clone(), slowed)).cloned().unwrap_or_else(|| operating(class, slowed));
+            let ttft: Vec<Value> = op
+                .points
+                .iter()
+                .flat_map(|&(r, f)| {
+                    g.iter().map(move |&(n, c)| {
+                        json!({"new": n, "cached": c, "running": r, "fill": f, "ms": t.prefill_ms(n, c, r, f)})
+                    })
+                })
+                .collect();
+            let step: Vec<Value> =
+                op.points.iter().map(|&(r, f)| json!({"running": r, "fill": f, "ms": t.step_ms(r, f)})).collect();
+            truth.insert(
+                key.into(),
+                json!({"prefill": ttft, "step": step, "client_ttft_ms": g.iter().zip(&op.ttft_ms).map(|(p, t)| json!({"new": p.0, "cached": p.1, "ms": t})).collect::<Vec<_>>()}),
+            );
+        }
+        let final_error = pts.last().map(|p| p.1.json());
+        classes.push(json!({
+            "class": class,
+            "timing": format!("{:?}", truth_of(class, 1.0)?.timing),
+            "requests_to_within_10pct": settled(&before),
+            "requests_after_change_to_within_10pct": settled(&after).map(|n| n.saturating_sub(change_samples)),
+            "samples_at_change": change_samples,
+            "error_at_change": before.last().map(|p| p.1.json()),
+            "final_error": final_error,
+            "learned": at_change["classes"][class].clone(),
+            "learned_after_change": last["classes"][class].clone(),
+            "truth": truth,
+        }));
+    }
     // The learned decode step at the class's engines' mean running count,
     // against their mean inter-token time, per phase: the estimator against
     // the fleet as it behaved, apart from the preset's formula.
-    if !metrics_at_change.is_empty() {
-        for c in &mut classes {
-            let class = c["class"].as_str().unwrap_or_default().to_owned();
-            let ws = members(&class);
-            let truth = truth_of(&class, 1.0)?;
-            let mut vs = serde_json::Map::new();
-            for (key, learned, from, to, slowed) in [
-                ("before", "learned", &at_start, &metrics_at_change, false),
-                ("after", "learned_after_change", &metrics_at_change, &at_end, true),
-            ] {
-                let m = phase(from, to, slowed, &ws);
-                let (r, itl) =
-                    (m["mean_running_per_worker"].as_f64().unwrap_or(0.0), m["engine_itl_ms"].as_f64().unwrap_or(0.0));
-                let got = learned_step_ms(&c[learned], r, truth.fill(r.round() as usize)) * a.speedup;
-                vs.insert(
-                    key.into(),
-                    json!({"engine": m, "learned_step_ms": got, "error": (got - itl).abs() / itl.max(1e-9)}),
-                );
-            }
-            c["step_vs_engine"] = Value::Object(vs);
+    for c in &mut classes {
+        let class = c["class"].as_str().unwrap_or_default().to_owned();
+        let ws = members(&class);
+        let mut vs = serde_json::Map::new();
+        for (key, learned, from, to, slowed) in [
+            ("before", "learned", &at_start, &metrics_at_change, false),
+            ("after", "learned_after_change", &metrics_at_change, &at_end, true),
+        ] {
+            let m = phase(from, to, slowed, &ws);
+            let (r, itl) =
+                (m["mean_running_per_worker"].as_f64().unwrap_or(0.0), m["engine_itl_ms"].as_f64().unwrap_or(0.0));
+            let fill =
+                ops.get(&(class.clone(), slowed)).and_then(|o| o.points.get(o.points.len() / 2)).map_or(0.0, |p| p.1);
+            let got = learned_step_ms(&c[learned], r, fill) * a.speedup;
+            vs.insert(
+                key.into(),
+                json!({"engine": m, "learned_step_ms": got, "error": (got - itl).abs() / itl.max(1e-9)}),
+            );
         }
+        c["step_vs_engine"] = Value::Object(vs);
     }
     let worst = |key: &str| -> Value {
         let v: Vec<Option<u64>> = classes.iter().map(|c| c[key].as_u64()).collect();
@@ -471,16 +581,18 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         "requests": run.records.len(),
         "observations": last["observations"].clone(),
         "grid": g,
-        "running": running,
+        "measured": {"before": measured[0], "after": measured[1]},
         "classes": classes,
-        "measured": measured,
-        "series": series.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "series": series
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(v.iter().map(|p| json!([p.0, p.1.json(), p.2])).collect::<Vec<_>>())))
+            .collect::<serde_json::Map<_, _>>(),
     });
     let svg = chart(name, &series, a.slowdown);
     Ok((doc, svg))
 }
 
-type Series = std::collections::BTreeMap<String, Vec<(u64, f64, f64, bool)>>;
+type Series = std::collections::BTreeMap<String, Vec<(u64, Errors, bool)>>;
 
 /// Error (%) against the class's first-token samples, TTFT and step per
 /// class; the slowdown where the marker changes from dots to crosses.
@@ -513,16 +625,31 @@ fn draw(out: &mut String, name: &str, series: &Series, slowdown: f64) -> Result<
         .light_line_style(RGBColor(238, 238, 238))
         .draw()?;
     c.draw_series(LineSeries::new([(0.0, WITHIN * 100.0), (xmax, WITHIN * 100.0)], BLACK.mix(0.4)))?.label("10 %");
-    let palette = [RGBColor(214, 39, 40), RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(255, 127, 14)];
+    let palette = [
+        RGBColor(214, 39, 40),
+        RGBColor(31, 119, 180),
+        RGBColor(44, 160, 44),
+        RGBColor(255, 127, 14),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+    ];
     for (i, (class, pts)) in series.iter().enumerate() {
-        for (j, what) in ["TTFT", "step"].iter().enumerate() {
-            let colour = palette[(2 * i + j) % palette.len()];
-            let get = |p: &(u64, f64, f64, bool)| if j == 0 { p.1 } else { p.2 };
-            let line: Vec<(f64, f64)> = pts.iter().map(|p| (p.0 as f64, (get(p) * 100.0).min(50.0))).collect();
+        for (j, what) in ["TTFT", "step", "prefill"].iter().enumerate() {
+            let colour = palette[(3 * i + j) % palette.len()];
+            let get = |p: &(u64, Errors, bool)| match j {
+                0 => p.1.ttft,
+                1 => Some(p.1.step),
+                _ => p.1.prefill,
+            };
+            let line: Vec<(f64, f64)> =
+                pts.iter().filter_map(|p| Some((p.0 as f64, (get(p)? * 100.0).min(50.0)))).collect();
+            if line.is_empty() {
+                continue;
+            }
             c.draw_series(LineSeries::new(line, colour.stroke_width(2)))?
                 .label(format!("{class} {what}"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
-            if let Some(p) = pts.iter().find(|p| p.3) {
+            if let Some(p) = pts.iter().find(|p| p.2) {
                 let x = p.0 as f64;
                 c.draw_series(std::iter::once(PathElement::new(vec![(x, 0.0), (x, 50.0)], colour.mix(0.5))))?;
             }
@@ -542,37 +669,74 @@ mod tests {
         json!({"first_token": {"params": ps(first)}, "decode": {"params": ps(decode)}})
     }
 
-    /// A learned model equal to the linear preset's formula has no error;
-    /// the same model after the fleet slowed 1.5× is a third off.
+    const H200: Truth =
+        Truth { timing: Timing::H200_LLAMA70B_FP8, budget: 16_384, slowdown: 1.0, capacity_tokens: 368_000.0 };
+
+    /// A learned model equal to the linear preset's formula (and to what
+    /// the clients saw: 10 ms more) has no error; the same model after the
+    /// fleet slowed 1.5× is a third off in step and prefill.
     #[test]
     fn a_learned_model_equal_to_the_truth_has_no_error() {
-        let truth =
-            Truth { timing: Timing::H200_LLAMA70B_FP8, blocks: 11_500, block_size: 32, budget: 16_384, slowdown: 1.0 };
-        // TTFT = 200 + 13 + 0.65·R + 0.08·n (one step); step = 13 + 0.65·R.
+        let grid = [(100, 0), (900, 5_000), (4_000, 0)];
+        let seen = grid.iter().map(|&(n, c)| Some(10.0 + H200.prefill_ms(n, c, 30.0, 0.4))).collect();
+        let op = Operating { points: vec![(15.0, 0.2), (30.0, 0.4)], ttft_ms: seen };
+        // TTFT = 10 + 200 + 13 + 0.65·R + 0.08·n (one step);
+        // step = 13 + 0.65·R.
         let c = class(
-            &[("ttft_overhead_ms", 213.0), ("prefill_ms_per_token", 0.08), ("ttft_ms_per_running", 0.65)],
+            &[("ttft_overhead_ms", 223.0), ("prefill_ms_per_token", 0.08), ("ttft_ms_per_running", 0.65)],
             &[("step_base_ms", 13.0), ("decode_ms_per_seq", 0.65)],
         );
-        let grid = [(100, 0), (900, 5_000), (4_000, 0)];
-        let (t, s) = errors(&c, &truth, &grid, 30, 1.0);
-        assert!(t < 1e-9 && s < 1e-9, "{t} {s}");
+        let e = errors(&c, &H200, &grid, &op, 1.0);
+        assert!(e.ttft.is_some_and(|t| t < 1e-9) && e.step < 1e-9 && e.prefill.is_some_and(|p| p < 1e-9), "{e:?}");
+        assert!(e.within());
         // In wall time at speedup 2 the control plane learns half.
         let half = class(
-            &[("ttft_overhead_ms", 106.5), ("prefill_ms_per_token", 0.04), ("ttft_ms_per_running", 0.325)],
+            &[("ttft_overhead_ms", 111.5), ("prefill_ms_per_token", 0.04), ("ttft_ms_per_running", 0.325)],
             &[("step_base_ms", 6.5), ("decode_ms_per_seq", 0.325)],
         );
-        let (t, s) = errors(&half, &truth, &grid, 30, 2.0);
-        assert!(t < 1e-9 && s < 1e-9, "{t} {s}");
-        let slowed = Truth { slowdown: 1.5, ..truth };
-        let (t, s) = errors(&c, &slowed, &grid, 30, 1.0);
-        assert!((s - 1.0 / 3.0).abs() < 1e-9 && t > 0.1, "{t} {s}");
+        let e = errors(&half, &H200, &grid, &op, 2.0);
+        assert!(e.ttft.is_some_and(|t| t < 1e-9) && e.step < 1e-9 && e.prefill.is_some_and(|p| p < 1e-9), "{e:?}");
+        let slowed = Truth { slowdown: 1.5, ..H200 };
+        let e = errors(&c, &slowed, &grid, &op, 1.0);
+        assert!((e.step - 1.0 / 3.0).abs() < 1e-9 && e.ttft.is_some_and(|t| t < 1e-9), "{e:?}");
+        assert!(e.prefill.is_some_and(|p| (p - 1.0 / 3.0).abs() < 1e-9) && !e.within(), "{e:?}");
+        // Prompts that all have about as many new tokens say nothing about
+        // prefill.
+        let op = Operating { ttft_ms: vec![None, None], ..op };
+        let e = errors(&c, &H200, &[(50, 5_000), (80, 6_000)], &op, 1.0);
+        assert_eq!((e.prefill, e.ttft), (None, None));
     }
 
     #[test]
     fn a_long_prompt_takes_several_steps() {
-        let truth =
-            Truth { timing: Timing::H200_LLAMA70B_FP8, blocks: 1, block_size: 32, budget: 1_000, slowdown: 1.0 };
+        let truth = Truth { budget: 1_000, ..H200 };
         // 2,500 tokens with budget 1,000: three steps, 3 × 13 ms + 0.08 × 2,500.
-        assert!((truth.ttft_ms(2_500, 0, 0) - (200.0 + 39.0 + 200.0)).abs() < 1e-9);
+        assert!((truth.prefill_ms(2_500, 0, 0.0, 0.0) - (200.0 + 39.0 + 200.0)).abs() < 1e-9);
+    }
+
+    fn record(new: u64, cached: u64, out: u64) -> runner::Record {
+        runner::Record {
+            conv: 0,
+            starter: 0,
+            turn: 0,
+            start: 0.0,
+            ttft: Some(0.1),
+            e2e: 1.0,
+            prompt_tokens: new + cached,
+            completion_tokens: out,
+            cached_tokens: cached,
+            error: None,
+        }
+    }
+
+    /// The grid's points are requests' joint (new, cached), not a cross of
+    /// two percentiles: a cold document is not also cached.
+    #[test]
+    fn the_operating_range_is_what_requests_had() {
+        let mut rs: Vec<runner::Record> = (0..75).map(|i| record(60 + i % 20, 5_000 + i * 10, 800)).collect();
+        rs.extend((0..25).map(|i| record(3_000 + i * 100, 0, 800)));
+        let g = grid(&rs);
+        assert!(g.iter().all(|&(n, c)| (n < 100 && c >= 5_000) || (n >= 3_000 && c == 0)), "{g:?}");
+        assert!(g.iter().any(|p| p.0 >= 3_000) && g.iter().any(|p| p.0 < 100), "{g:?}");
     }
 }

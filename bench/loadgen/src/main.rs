@@ -58,7 +58,8 @@ enum Cli {
 #[derive(clap::Args)]
 struct DoksArgs {
     /// The short sweep of `make demo`: levels 60,120,180; kv, round_robin and
-    /// sglang_cache_aware; 60 s warm-up and 120 s measured (simulated).
+    /// sglang_cache_aware unless --modes says otherwise; 60 s warm-up and
+    /// 120 s measured (simulated).
     #[arg(long)]
     quick: bool,
     /// Concurrency levels (simultaneous conversations).
@@ -84,8 +85,9 @@ struct DoksArgs {
 
 #[derive(clap::Args)]
 struct ReqArgs {
-    /// A short run: levels as given, kv / round_robin / sglang_cache_aware,
-    /// 30 s warm-up and 60 s measured; results under target/bench-runs/.
+    /// A short run: levels as given, kv / round_robin / sglang_cache_aware
+    /// unless --modes says otherwise, 30 s warm-up and 60 s measured;
+    /// results under target/bench-runs/.
     #[arg(long)]
     quick: bool,
     /// Levels: concurrency (workato), requests/s (groups), percent of the
@@ -112,8 +114,11 @@ struct ReqArgs {
 /// The flags every sweep shares (`doks` and the request workloads).
 #[derive(clap::Args)]
 struct SweepArgs {
-    /// Modes: kv, approx, least_load, round_robin (kvgate), sglang_cache_aware (peer).
-    #[arg(long, value_delimiter = ',', default_values_t = ["round_robin".to_owned(), "kv".to_owned(), "approx".to_owned(), "least_load".to_owned(), "sglang_cache_aware".to_owned()])]
+    /// Modes: kv, kv_true_constants, approx, least_load, round_robin
+    /// (kvgate), sglang_cache_aware (peer). Default: round_robin, kv,
+    /// approx, least_load, sglang_cache_aware (with --quick: round_robin,
+    /// kv, sglang_cache_aware).
+    #[arg(long, value_delimiter = ',')]
     modes: Vec<String>,
     /// Output tokens per streamed chunk after the first (vLLM's --stream-interval).
     #[arg(long, default_value_t = 8)]
@@ -142,9 +147,17 @@ struct SweepArgs {
 }
 
 impl SweepArgs {
-    /// The short run of `--quick`: the three modes that answer the question.
-    fn quick_modes(&mut self) {
-        self.modes = vec!["round_robin".into(), "kv".into(), "sglang_cache_aware".into()];
+    /// The modes when none were given: with `quick`, the three that answer
+    /// the question.
+    fn default_modes(&mut self, quick: bool) {
+        if self.modes.is_empty() {
+            let m: &[&str] = if quick {
+                &["round_robin", "kv", "sglang_cache_aware"]
+            } else {
+                &["round_robin", "kv", "approx", "least_load", "sglang_cache_aware"]
+            };
+            self.modes = m.iter().map(|m| (*m).to_owned()).collect();
+        }
     }
 }
 
@@ -380,8 +393,8 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     if a.levels.is_empty() {
         a.levels = default_levels;
     }
+    a.sweep.default_modes(a.quick);
     if a.quick {
-        a.sweep.quick_modes();
         a.sweep.warmup_s = 30.0;
         a.measure_s = 60.0;
     }
@@ -550,9 +563,9 @@ fn rewrite_report(json: &std::path::Path) -> Result<()> {
 }
 
 fn doks(mut a: DoksArgs) -> Result<()> {
+    a.sweep.default_modes(a.quick);
     if a.quick {
         a.levels = vec![60, 120, 180];
-        a.sweep.quick_modes();
         a.measure_s = 120.0;
     }
     // The DOKS preset keeps its historical name; other fleets get theirs.

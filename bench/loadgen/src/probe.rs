@@ -57,6 +57,13 @@ pub struct WorkerMetrics {
     pub itl_sum_s: f64,
     /// `vllm:inter_token_latency_seconds_count`.
     pub itl_count: f64,
+    /// `vllm:kv_cache_usage_perc` (a fraction).
+    pub kv_usage: f64,
+    /// `vllm:request_queue_time_seconds_sum` (arrival to the first step
+    /// that schedules the request; simulated seconds).
+    pub queue_sum_s: f64,
+    /// `vllm:request_queue_time_seconds_count`.
+    pub queue_count: f64,
 }
 
 /// Parses the series the report uses from Prometheus text.
@@ -73,6 +80,9 @@ pub fn parse_metrics(text: &str) -> WorkerMetrics {
             "vllm:time_to_first_token_seconds_count" => m.ttft_count += v,
             "vllm:inter_token_latency_seconds_sum" => m.itl_sum_s += v,
             "vllm:inter_token_latency_seconds_count" => m.itl_count += v,
+            "vllm:kv_cache_usage_perc" => m.kv_usage += v,
+            "vllm:request_queue_time_seconds_sum" => m.queue_sum_s += v,
+            "vllm:request_queue_time_seconds_count" => m.queue_count += v,
             _ => {}
         }
     }
@@ -100,7 +110,10 @@ mod tests {
                     vllm:time_to_first_token_seconds_sum{model_name=\"m\"} 2.5\n\
                     vllm:time_to_first_token_seconds_count{model_name=\"m\"} 8\n\
                     vllm:inter_token_latency_seconds_sum{model_name=\"m\"} 0.5\n\
-                    vllm:inter_token_latency_seconds_count{model_name=\"m\"} 20\n";
+                    vllm:inter_token_latency_seconds_count{model_name=\"m\"} 20\n\
+                    vllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n\
+                    vllm:request_queue_time_seconds_sum{model_name=\"m\"} 0.1\n\
+                    vllm:request_queue_time_seconds_count{model_name=\"m\"} 8\n";
         assert_eq!(
             parse_metrics(text),
             WorkerMetrics {
@@ -112,6 +125,9 @@ mod tests {
                 ttft_count: 8.0,
                 itl_sum_s: 0.5,
                 itl_count: 20.0,
+                kv_usage: 0.25,
+                queue_sum_s: 0.1,
+                queue_count: 8.0,
             }
         );
     }

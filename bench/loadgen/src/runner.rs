@@ -65,6 +65,8 @@ pub struct LoadSample {
     pub inflight: Vec<f64>,
     /// `num_requests_waiting` per worker.
     pub waiting: Vec<f64>,
+    /// `kv_cache_usage_perc` per worker (a fraction).
+    pub kv_usage: Vec<f64>,
 }
 
 /// Everything one cell measured.
@@ -192,6 +194,7 @@ async fn sample(
             t: (Instant::now() - t0).as_secs_f64(),
             inflight: m.iter().map(|x| x.map_or(0.0, |x| x.running + x.waiting)).collect(),
             waiting: m.iter().map(|x| x.map_or(0.0, |x| x.waiting)).collect(),
+            kv_usage: m.iter().map(|x| x.map_or(0.0, |x| x.kv_usage)).collect(),
         });
     }
     tokio::time::sleep_until(stop_at.into()).await;

@@ -315,8 +315,18 @@ pub(crate) mod tests {
         let run = CellRun {
             records,
             samples: vec![
-                LoadSample { t: 1.5, inflight: vec![3.0, 1.0, 2.0], waiting: vec![1.0, 0.0, 0.0] },
-                LoadSample { t: 2.0, inflight: vec![2.0, 2.0, 2.0], waiting: vec![0.0, 0.0, 0.0] },
+                LoadSample {
+                    t: 1.5,
+                    inflight: vec![3.0, 1.0, 2.0],
+                    waiting: vec![1.0, 0.0, 0.0],
+                    kv_usage: vec![0.0; 3],
+                },
+                LoadSample {
+                    t: 2.0,
+                    inflight: vec![2.0, 2.0, 2.0],
+                    waiting: vec![0.0, 0.0, 0.0],
+                    kv_usage: vec![0.0; 3],
+                },
             ],
             metrics: (
                 vec![

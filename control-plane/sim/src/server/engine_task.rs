@@ -96,9 +96,12 @@ impl EngineTask {
         let now = Instant::now();
         let speed = self.speed;
         let mut st = self.sh.stats.lock();
+        // vLLM's queue time ends when a step schedules the request, at the
+        // start of the step that just ended.
+        let began = now.checked_sub(Duration::from_secs_f64(step.ms.max(0.0) / 1000.0 / speed)).unwrap_or(now);
         for id in &step.admitted {
             if let Some((_, at, _)) = self.live.get(id) {
-                st.queue.observe(now.duration_since(*at).as_secs_f64() * speed);
+                st.queue.observe(began.saturating_duration_since(*at).as_secs_f64() * speed);
             }
         }
         for out in &step.outputs {
