@@ -441,8 +441,8 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         v
     };
     let measured = [fleet_phase(&at_start, &metrics_at_change, false), fleet_phase(&metrics_at_change, &at_end, true)];
-    // Per class and phase: where its workers ran, and the time outside the
-    // formula (its engines' queue time and the fleet's gateway share).
+    // Per class and phase: where its workers ran (running + waiting, KV
+    // fill), and the TTFT the clients saw near each grid point.
     let operating = |class: &str, slowed: bool| -> Operating {
         let ws = members(class);
         let mut pairs: Vec<(f64, f64)> = run

@@ -38,6 +38,25 @@ pub struct Prior {
     pub decode_ms_per_seq: f64,
 }
 
+/// A class's two learned rates, for another class to borrow their ratio.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reference {
+    /// Learned prefill time per new token, ms.
+    pub prefill_ms_per_token: f64,
+    /// Learned decode step time per running request, ms.
+    pub decode_ms_per_seq: f64,
+    /// First-token samples behind it (the best-known class is the one
+    /// with the most).
+    pub samples: u64,
+}
+
+/// The rates that are known, with their standard errors.
+#[derive(Debug, Clone, Copy)]
+struct Rates {
+    prefill: Option<(f64, f64)>,
+    decode: Option<(f64, f64)>,
+}
+
 /// One first-token observation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FirstToken {
@@ -177,48 +196,75 @@ impl EngineFit {
         finite_nonneg(t[1] * n + t[2] * n * n + t[3] * n * cached.max(0.0) / K)
     }
 
-    /// What the `kv` policy uses: the learned values once there are enough
-    /// samples and each is known to within half its size (sizes below a
-    /// tenth of the prior count as a tenth of the prior, so that a rate that
-    /// is truly about zero can be learned); otherwise that value's prior,
-    /// scaled by the other rate's learned-to-prior ratio when only the other
-    /// is known and clearly above zero. The prefill rate must be
-    /// positive; the decode rate is at least 0 (an engine whose step does
-    /// not grow with requests); growth terms fall back to 0.
-    pub fn timing(&self) -> EngineTiming {
+    /// Both rates, when both are learned and the decode rate is clearly
+    /// above zero: what a class of the same model whose prefill (or decode)
+    /// the traffic never pinned down can borrow its ratio from.
+    pub fn reference(&self) -> Option<Reference> {
+        let r = self.rates();
+        match (r.prefill, r.decode) {
+            (Some(p), Some(d)) if d.0 > 3.0 * d.1 => {
+                Some(Reference { prefill_ms_per_token: p.0, decode_ms_per_seq: d.0, samples: self.first.samples() })
+            }
+            _ => None,
+        }
+    }
+
+    /// The prefill and decode rates that are known, with their standard
+    /// errors: enough samples, the data took at least 90 % of the prior's
+    /// variance away (a coefficient the traffic never varies keeps it,
+    /// however small the noise), and the standard error is below half the
+    /// size (sizes below a tenth of the prior count as a tenth of the
+    /// prior, so that a rate that is truly about zero can be learned). The
+    /// prefill rate must be positive; the decode rate is at least 0.
+    fn rates(&self) -> Rates {
         let (ft, fse, fs) = (self.first.theta(), self.first.stderr(), self.first.samples());
         let (dt, dse, ds) = (self.decode.theta(), self.decode.stderr(), self.decode.samples());
-        // In scaled units: the prior in the fit's own units.
-        // Known: enough samples, the data took at least 90 % of the prior's
-        // variance away (a coefficient the traffic never varies keeps it,
-        // however small the noise), and the standard error is below half the
-        // size.
         let (fshare, dshare) = (self.first.prior_share(), self.decode.prior_share());
+        // In scaled units: the prior in the fit's own units.
         let known = |v: f64, se: f64, share: f64, samples: u64, prior: f64| {
             samples >= MIN_SAMPLES && v.is_finite() && share < 0.1 && se < 0.5 * v.abs().max(0.1 * prior)
         };
         let p_prior = self.prior.prefill_ms_per_token * K;
         let d_prior = self.prior.decode_ms_per_seq * 10.0;
-        let prefill = (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then(|| ft[1] / K);
-        let decode = known(dt[1], dse[1], dshare[1], ds, d_prior).then(|| dt[1].max(0.0) / 10.0);
-        // One rate learned and the other not: the unknown one keeps the
-        // priors' ratio to the known one, so that the two are on the same
-        // clock (a workload whose prompts are all cached never pins the
-        // prefill rate down, and a prior in another time scale than the
-        // learned decode rate would misprice load against cache).
-        let (prior_p, prior_d) = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
+        Rates {
+            prefill: (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then(|| (ft[1] / K, fse[1] / K)),
+            decode: known(dt[1], dse[1], dshare[1], ds, d_prior).then(|| (dt[1].max(0.0) / 10.0, dse[1] / 10.0)),
+        }
+    }
+
+    /// What the `kv` policy uses, alone: [`EngineFit::timing_with`] without
+    /// another class to borrow from.
+    pub fn timing(&self) -> EngineTiming {
+        self.timing_with(None)
+    }
+
+    /// What the `kv` policy uses: the known rates ([`EngineFit::rates`]);
+    /// when only one is known and clearly above zero, the other keeps a
+    /// ratio to it so that the two are on the same clock: the ratio of
+    /// `reference` (another class of the same model with both rates
+    /// learned) when there is one, else the priors' ratio. With neither
+    /// known, the priors. Growth terms fall back to 0.
+    pub fn timing_with(&self, reference: Option<Reference>) -> EngineTiming {
+        let (ft, fs) = (self.first.theta(), self.first.samples());
+        let r = self.rates();
+        // A workload whose prompts are all cached never pins the prefill
+        // rate down, and a prior in another time scale than the learned
+        // decode rate would misprice load against cache. A sibling class's
+        // measured ratio is this model's; the priors' is a guess.
+        let ratio = reference
+            .filter(|r| r.prefill_ms_per_token > 0.0 && r.decode_ms_per_seq > 0.0)
+            .map_or(self.prior.prefill_ms_per_token / self.prior.decode_ms_per_seq, |r| {
+                r.prefill_ms_per_token / r.decode_ms_per_seq
+            });
         // Only a rate clearly above zero (three standard errors) sets the
         // clock: one that is truly about zero (`dynamo-mocker`'s decode cost
         // per request) says nothing about time's scale.
-        let scale = |learned: f64, se: f64, prior: f64| {
-            let s = learned / prior;
-            (s.is_finite() && s > 0.0 && learned > 3.0 * se).then_some(s)
-        };
-        let (p_se, d_se) = (fse[1] / K, dse[1] / 10.0);
-        let (prefill, decode) = match (prefill, decode) {
-            (Some(p), Some(d)) => (p, d),
-            (Some(p), None) => (p, scale(p, p_se, prior_p).map_or(prior_d, |s| prior_d * s)),
-            (None, Some(d)) => (scale(d, d_se, prior_d).map_or(prior_p, |s| prior_p * s), d),
+        let clear = |(v, se): (f64, f64)| v > 0.0 && v > 3.0 * se;
+        let (prior_p, prior_d) = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
+        let (prefill, decode) = match (r.prefill, r.decode) {
+            (Some(p), Some(d)) => (p.0, d.0),
+            (Some(p), None) => (p.0, if clear(p) { p.0 / ratio } else { prior_d }),
+            (None, Some(d)) => (if clear(d) { d.0 * ratio } else { prior_p }, d.0),
             (None, None) => (prior_p, prior_d),
         };
         let growth = |v: f64, samples: u64| if samples >= MIN_SAMPLES && v.is_finite() { v.max(0.0) / K } else { 0.0 };

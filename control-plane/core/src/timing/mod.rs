@@ -16,7 +16,7 @@
 //! | operation | cost |
 //! |---|---|
 //! | [`Calibration::routed`], [`Calibration::first_token`], [`Calibration::touch`] | O(1) |
-//! | [`Calibration::done`] | O(1) (one fit update: 6² + 4² multiply-adds) |
+//! | [`Calibration::done`] | O(classes) (one fit update: 6² + 4² multiply-adds; every class's timing refreshed) |
 //! | [`Calibration::expire`] | O(requests open) |
 //!
 //! Memory: one record per request in flight (dropped at its end or its
@@ -32,7 +32,7 @@ use kvgate_index::WorkerIdx;
 use kvgate_protocol::pb;
 use kvgate_scheduler::{EngineTiming, Load};
 
-pub use fit::{Decode, EngineFit, FirstToken, Learned, Prior};
+pub use fit::{Decode, EngineFit, FirstToken, Learned, Prior, Reference};
 
 /// Classes beyond this many share the class `other`.
 pub const MAX_CLASSES: usize = 32;
@@ -253,7 +253,7 @@ impl Calibration {
         };
         let key = self.class_key(&o.class).to_owned();
         let prior = self.prior;
-        let fit = self.classes.entry(key.clone()).or_insert_with(|| EngineFit::new(prior));
+        let fit = self.classes.entry(key).or_insert_with(|| EngineFit::new(prior));
         if o.saturated {
             self.counters.queued += 1;
         } else {
@@ -295,8 +295,22 @@ impl Calibration {
             }
             _ => self.counters.unusable += 1,
         }
-        let timing = fit.timing();
-        self.timings.insert(key, timing);
+        self.refresh_timings();
+    }
+
+    /// Every class's timing, each with the best-known class (both rates
+    /// learned, the most first-token samples) to borrow a ratio from.
+    fn refresh_timings(&mut self) {
+        let reference = self.classes.values().filter_map(EngineFit::reference).max_by_key(|r| r.samples);
+        for (class, fit) in &self.classes {
+            let t = fit.timing_with(reference);
+            match self.timings.get_mut(class) {
+                Some(old) => *old = t,
+                None => {
+                    self.timings.insert(class.clone(), t);
+                }
+            }
+        }
     }
 
     /// Forgets a request without learning from it.
@@ -407,6 +421,45 @@ mod tests {
         assert!((t.decode_ms_per_seq - 1.5).abs() < 0.15, "{t:?}");
         let classes: Vec<&str> = cal.classes().map(|(k, _)| k).collect();
         assert_eq!(classes, ["blocks=1000,seqs=64"]);
+    }
+
+    /// Two classes of one model: the fast one sees cold prompts of every
+    /// length, the slow one (both rates 2× slower) only cached prompts with
+    /// a few new tokens, so its prefill rate is never pinned down. It
+    /// borrows the fast class's measured prefill-to-decode ratio (0.3:
+    /// 0.6 ms per token at 2 ms per request), not the priors' (0.2: 0.4).
+    #[test]
+    fn a_class_without_prefill_data_borrows_a_sibling_classs_ratio() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let (fast, slow) = (WorkerIdx(0), WorkerIdx(1));
+        let hw = |blocks: u64, inflight: u32| Load { capacity_blocks: Some(blocks), ..load(inflight, 0) };
+        let mut rng = fastrand::Rng::with_seed(9);
+        let mut now = 1_000u64;
+        for i in 0..600 {
+            let (w, blocks, prefill, decode) = if i % 2 == 0 { (fast, 1000, 0.3, 1.0) } else { (slow, 500, 0.6, 2.0) };
+            let running = rng.u32(1..40);
+            let (prompt, cached) = if w == fast { (rng.u32(100..8000), 0) } else { (5_050 + rng.u32(0..20), 5_000) };
+            let id = format!("r{i}");
+            cal.routed(&id, w, &hw(blocks, running), (u64::from((prompt - cached) / 16), 0), now);
+            cal.touch(w, &hw(blocks, running + 1), now);
+            let ttft = 20 + (prefill * f64::from(prompt - cached)) as u64 + rng.u64(0..5);
+            let steps = 50u32;
+            let itl = 5.0 + decode * f64::from(running + 1);
+            let total = ttft + (itl * f64::from(steps)) as u64;
+            cal.done(&report(&id, ttft, total, prompt, cached, steps + 1), now + total);
+            cal.touch(w, &hw(blocks, running), now + total);
+            now += total + 5;
+        }
+        let (f, s) = (
+            cal.timing(fast).unwrap_or(EngineTiming::linear(0.0, 0.0)),
+            cal.timing(slow).unwrap_or(EngineTiming::linear(0.0, 0.0)),
+        );
+        assert!((f.prefill_ms_per_token - 0.3).abs() < 0.03 && (f.decode_ms_per_seq - 1.0).abs() < 0.1, "{f:?}");
+        assert!((s.decode_ms_per_seq - 2.0).abs() < 0.2, "{s:?}");
+        assert!((s.prefill_ms_per_token - 0.6).abs() < 0.08, "borrowed ratio: {s:?}");
+        // Alone, the slow class would keep the priors' ratio (0.2).
+        let alone = cal.classes().find(|(k, _)| *k == "blocks=500,seqs=64").map(|(_, f)| f.timing());
+        assert!(alone.is_some_and(|t| (t.prefill_ms_per_token - 0.2 * t.decode_ms_per_seq).abs() < 1e-9), "{alone:?}");
     }
 
     #[test]
