@@ -256,6 +256,8 @@ impl EngineFit {
             .map_or(self.prior.prefill_ms_per_token / self.prior.decode_ms_per_seq, |r| {
                 r.prefill_ms_per_token / r.decode_ms_per_seq
             });
+        // A prior of 0 (or a non-finite one) gives no ratio.
+        let ratio = (ratio.is_finite() && ratio > 0.0).then_some(ratio);
         // Only a rate clearly above zero (three standard errors) sets the
         // clock: one that is truly about zero (`dynamo-mocker`'s decode cost
         // per request) says nothing about time's scale.
@@ -263,8 +265,8 @@ impl EngineFit {
         let (prior_p, prior_d) = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
         let (prefill, decode) = match (r.prefill, r.decode) {
             (Some(p), Some(d)) => (p.0, d.0),
-            (Some(p), None) => (p.0, if clear(p) { p.0 / ratio } else { prior_d }),
-            (None, Some(d)) => (if clear(d) { d.0 * ratio } else { prior_p }, d.0),
+            (Some(p), None) => (p.0, ratio.filter(|_| clear(p)).map_or(prior_d, |q| p.0 / q)),
+            (None, Some(d)) => (ratio.filter(|_| clear(d)).map_or(prior_p, |q| d.0 * q), d.0),
             (None, None) => (prior_p, prior_d),
         };
         let growth = |v: f64, samples: u64| if samples >= MIN_SAMPLES && v.is_finite() { v.max(0.0) / K } else { 0.0 };
