@@ -27,6 +27,7 @@ pub mod fit;
 pub mod rls;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use kvgate_index::WorkerIdx;
 use kvgate_protocol::pb;
@@ -66,7 +67,8 @@ struct Integrals {
 /// from), and its integrals.
 #[derive(Debug, Clone, Default)]
 struct Activity {
-    class: String,
+    /// Shared with its open requests (no allocation per Pick).
+    class: Arc<str>,
     hardware: (Option<u64>, Option<u32>),
     sums: Integrals,
 }
@@ -85,7 +87,7 @@ impl Integrals {
 #[derive(Debug, Clone)]
 struct Open {
     worker: WorkerIdx,
-    class: String,
+    class: Arc<str>,
     added_ms: u64,
     predicted_cached: f64,
     ahead_tokens: f64,
@@ -162,7 +164,7 @@ impl Calibration {
         if !self.learn {
             return None;
         }
-        let class = self.activity.get(&worker).map_or(UNKNOWN_CLASS, |a| a.class.as_str());
+        let class = self.activity.get(&worker).map_or(UNKNOWN_CLASS, |a| &*a.class);
         Some(
             self.timings
                 .get(self.class_key(class))
@@ -175,7 +177,7 @@ impl Calibration {
     /// old load up to `now_ms` and keeps the new one.
     pub fn touch(&mut self, worker: WorkerIdx, load: &Load, now_ms: u64) {
         let a = self.activity.entry(worker).or_insert_with(|| Activity {
-            class: String::new(),
+            class: Arc::from(""),
             hardware: (None, None),
             sums: Integrals { last_ms: now_ms, ..Integrals::default() },
         });
@@ -183,7 +185,7 @@ impl Calibration {
         // allocation on every Pick).
         let hardware = (load.capacity_blocks, load.max_running);
         if a.class.is_empty() || (hardware.0.is_some() && hardware != a.hardware) {
-            a.class = class_of(load);
+            a.class = class_of(load).into();
             a.hardware = hardware;
         }
         let a = &mut a.sums;
@@ -211,7 +213,7 @@ impl Calibration {
         self.touch(worker, before, now_ms);
         let Some(a) = self.activity.get_mut(&worker) else { return };
         a.sums.prefill_tokens += new_blocks as f64 * self.block_size;
-        let (class, start) = (a.class.clone(), a.sums);
+        let (class, start) = (Arc::clone(&a.class), a.sums);
         self.open.insert(
             request_id.to_owned(),
             Open {
