@@ -159,10 +159,17 @@ fn learned_ttft_ms(class: &Value, new: f64, cached: f64, running: f64) -> f64 {
 
 fn learned_step_ms(class: &Value, running: f64, fill: f64) -> f64 {
     let p = params(&class["decode"]);
-    p("step_base_ms")
-        + p("decode_ms_per_seq") * running
-        + p("step_ms_per_kv_fill") * fill
-        + p("step_ms_per_kv_fill_sq") * fill * fill
+    p("step_base_ms") + p("decode_ms_per_seq") * running + p("step_ms_per_kv_fill") * fill
+}
+
+/// Whether `x` is within ±25 % of `p`.
+fn near(x: u64, p: u64) -> bool {
+    x * 4 >= p * 3 && x * 4 <= p * 5
+}
+
+/// The mean of `v`, `None` when it is empty.
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
 /// (new, cached) pairs of the run's requests: the medians of the requests
@@ -189,8 +196,8 @@ fn grid(records: &[runner::Record]) -> Vec<(usize, usize)> {
         }
         // The cached median of the bucket's requests near its new median.
         let new = median(bucket.iter().map(|b| b.0).collect()).max(1);
-        let near = bucket.iter().filter(|b| b.0 * 4 >= new * 3 && b.0 * 4 <= new * 5).map(|b| b.1).collect();
-        let point = (new, median(near));
+        let close = bucket.iter().filter(|b| near(b.0 as u64, new as u64)).map(|b| b.1).collect();
+        let point = (new, median(close));
         if !out.contains(&point) {
             out.push(point);
         }
@@ -402,35 +409,31 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         if mine.is_empty() { all } else { mine }
     };
     let change_s = (windows.warmup + wall(a.phase_s)).as_secs_f64();
+    // A phase's load samples and its completed requests.
+    let samples_in = |slowed: bool| run.samples.iter().filter(move |s| (s.t >= change_s) == slowed);
+    let records_in =
+        |slowed: bool| run.records.iter().filter(move |r| r.error.is_none() && (r.start >= change_s) == slowed);
     // What the engines did (their own histograms, simulated time) per phase.
     let phase = |from: &[WorkerMetrics], to: &[WorkerMetrics], slowed: bool, ws: &[usize]| -> Value {
         let d = |f: fn(&WorkerMetrics) -> f64| -> f64 {
             ws.iter().filter_map(|&w| Some(f(to.get(w)?) - f(from.get(w)?))).sum()
         };
         let mean_ms = |sum: f64, n: f64| sum / n.max(1.0) * 1000.0;
-        let running: Vec<f64> = run
-            .samples
-            .iter()
-            .filter(|s| (s.t >= change_s) == slowed)
+        let running: Vec<f64> = samples_in(slowed)
             .map(|s| ws.iter().filter_map(|&w| s.inflight.get(w)).sum::<f64>() / ws.len().max(1) as f64)
             .collect();
         json!({
             "engine_ttft_ms": mean_ms(d(|m| m.ttft_sum_s), d(|m| m.ttft_count)),
             "engine_queue_ms": mean_ms(d(|m| m.queue_sum_s), d(|m| m.queue_count)),
             "engine_itl_ms": mean_ms(d(|m| m.itl_sum_s), d(|m| m.itl_count)),
-            "mean_running_per_worker": running.iter().sum::<f64>() / running.len().max(1) as f64,
+            "mean_running_per_worker": mean(&running).unwrap_or(0.0),
         })
     };
     // What the clients saw, and the gateway's share of it (client TTFT −
     // the engines' own, fleet-wide), per phase.
     let client = |slowed: bool| -> f64 {
-        let v: Vec<f64> = run
-            .records
-            .iter()
-            .filter(|r| r.error.is_none() && (r.start >= change_s) == slowed)
-            .filter_map(|r| r.ttft)
-            .collect();
-        v.iter().sum::<f64>() / v.len().max(1) as f64 * 1000.0 * a.speedup
+        let v: Vec<f64> = records_in(slowed).filter_map(|r| r.ttft).collect();
+        mean(&v).unwrap_or(0.0) * 1000.0 * a.speedup
     };
     let all: Vec<usize> = (0..kinds.len()).collect();
     let fleet_phase = |from: &[WorkerMetrics], to: &[WorkerMetrics], slowed: bool| {
@@ -445,10 +448,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     // fill), and the TTFT the clients saw near each grid point.
     let operating = |class: &str, slowed: bool| -> Operating {
         let ws = members(class);
-        let mut pairs: Vec<(f64, f64)> = run
-            .samples
-            .iter()
-            .filter(|s| (s.t >= change_s) == slowed)
+        let mut pairs: Vec<(f64, f64)> = samples_in(slowed)
             .flat_map(|s| ws.iter().filter_map(|&w| Some((*s.inflight.get(w)?, *s.kv_usage.get(w)?))))
             .collect();
         pairs.sort_by(|x, y| x.0.total_cmp(&y.0));
@@ -465,7 +465,6 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         // cached tokens). The client does not know which worker served a
         // request: in a fleet of several classes there is no per-class
         // measurement.
-        let near = |x: u64, p: usize| x * 4 >= p as u64 * 3 && x * 4 <= p as u64 * 5;
         let one_class = ws.len() == kinds.len();
         let ttft_ms = g
             .iter()
@@ -473,15 +472,12 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
                 if !one_class {
                     return None;
                 }
-                let v: Vec<f64> = run
-                    .records
-                    .iter()
-                    .filter(|r| r.error.is_none() && (r.start >= change_s) == slowed)
-                    .filter(|r| near(r.prompt_tokens - r.cached_tokens.min(r.prompt_tokens), n))
-                    .filter(|r| if c == 0 { r.cached_tokens < 64 } else { near(r.cached_tokens, c) })
+                let v: Vec<f64> = records_in(slowed)
+                    .filter(|r| near(r.prompt_tokens - r.cached_tokens.min(r.prompt_tokens), n as u64))
+                    .filter(|r| if c == 0 { r.cached_tokens < 64 } else { near(r.cached_tokens, c as u64) })
                     .filter_map(|r| r.ttft)
                     .collect();
-                (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64 * 1000.0 * a.speedup)
+                mean(&v).map(|m| m * 1000.0 * a.speedup)
             })
             .collect();
         Operating { points, ttft_ms }

@@ -253,9 +253,12 @@ impl Calibration {
             self.counters.unusable += 1;
             return;
         };
-        let key = self.class_key(&o.class).to_owned();
-        let prior = self.prior;
-        let fit = self.classes.entry(key).or_insert_with(|| EngineFit::new(prior));
+        // The class's fit (its name is copied only when the fit is new).
+        let key = self.class_key(&o.class);
+        if !self.classes.contains_key(key) {
+            self.classes.insert(key.to_owned(), EngineFit::new(self.prior));
+        }
+        let Some(fit) = self.classes.get_mut(key) else { return };
         if o.saturated {
             self.counters.queued += 1;
         } else {
