@@ -2,12 +2,13 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure setup-dynamo dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
 	@echo "make bench-doks - the full DOKS sweep (7 levels x 5 modes, ~35 min) -> bench/results/doks-multiturn.json"
 	@echo "make bench-workloads - Workato long prefix, shared-prefix groups, Mooncake replay (~35 min)"
+	@echo "make bench-cache-pressure - tenants' prefixes 3x the KV cache: kvgate vs sglang-router vs NVIDIA Dynamo (~60 min)"
 	@echo "make dashboard - live dashboard on http://127.0.0.1:8090/: kv, round robin, sglang under one slider"
 	@echo "make report - rewrite the .md/.html/.svg reports of bench/results/*.json from the JSON"
 	@echo "make test   - install tools, lint, build the Wasm target, run all tests"
@@ -61,6 +62,21 @@ bench-calibration: setup
 	cargo build -q --release -p kvgate -p kvgate-bench
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; target/release/kvgate-bench calibration $(ARGS)
+
+# NVIDIA Dynamo 1.6.1, the benchmark's peer (~700 MB into .tools/dynamo).
+setup-dynamo: setup
+	scripts/setup-dynamo.sh
+
+# Cache pressure (~60 min) on the dynamo-mocker preset, kvgate's modes beside
+# sglang-router and Dynamo's own frontend and mocker, in a private network
+# namespace with only loopback (Dynamo binds 0.0.0.0):
+# bench/results/cache-pressure.json. ARGS are added (e.g. --levels 8,16).
+BENCH_NETNS = unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"'
+bench-cache-pressure: setup setup-dynamo
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench cache-pressure --preset dynamo-mocker \
+	  --modes round_robin,approx,kv,sglang_cache_aware,dynamo,dynamo_round_robin --speedup 2 $(ARGS)
 
 # The request-level workloads (~35 min): workato-longprefix, prefix-groups, mooncake.
 bench-workloads: setup

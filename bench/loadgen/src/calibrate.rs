@@ -722,6 +722,7 @@ mod tests {
             completion_tokens: out,
             cached_tokens: cached,
             error: None,
+            route: None,
         }
     }
 

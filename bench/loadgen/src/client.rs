@@ -28,6 +28,31 @@ pub struct Reply {
     pub completion_tokens: u64,
     /// `usage.prompt_tokens_details.cached_tokens`.
     pub cached_tokens: u64,
+    /// The kvgate filter's debug headers, when it sends them: why the worker
+    /// was chosen (`x-kvgate-reason`: `kv`, `approx`, `load`, ...) and the
+    /// prompt blocks the control plane found cached there (`x-kvgate-blocks`).
+    pub route: Option<Route>,
+}
+
+/// What a kvgate router said about its choice.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Route {
+    pub reason: String,
+    pub matched_blocks: u32,
+}
+
+impl Route {
+    /// From the response headers; `None` without `x-kvgate-reason`.
+    fn from_headers(h: &hyper::HeaderMap) -> Option<Route> {
+        let reason = h.get("x-kvgate-reason")?.to_str().ok()?.to_owned();
+        let matched_blocks = h
+            .get("x-kvgate-blocks")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split('/').next())
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0);
+        Some(Route { reason, matched_blocks })
+    }
 }
 
 #[derive(Deserialize)]
@@ -110,12 +135,13 @@ impl ChatClient {
         let start = Instant::now();
         let resp = sender.send_request(req).await?;
         let status = resp.status();
+        let route = Route::from_headers(resp.headers());
         let mut body = resp.into_body();
         if !status.is_success() {
             let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
             bail!("HTTP {status}: {}", String::from_utf8_lossy(&bytes[..bytes.len().min(200)]));
         }
-        let mut reply = Reply::default();
+        let mut reply = Reply { route, ..Reply::default() };
         let mut buf: Vec<u8> = Vec::with_capacity(8192);
         let mut done = false;
         while let Some(frame) = body.frame().await {

@@ -30,6 +30,11 @@ enum Cli {
     /// Shared-prefix groups: 8 system prompts × 16 users, Poisson arrivals at
     /// 4, 8 and 12 requests/s (simulated), the DOKS fleet.
     Groups(ReqArgs),
+    /// Cache pressure, the shape of llm-d's precise-versus-approximate run:
+    /// tenants with ~6K-token prefixes, three times as many prefix tokens as
+    /// the fleet's KV cache holds, 5 users per tenant asking ~1.2K-token
+    /// questions, Poisson arrivals; levels are requests/s (simulated).
+    CachePressure(ReqArgs),
     /// Mooncake trace replay (../shared/traces/mooncake/conversation_trace.jsonl):
     /// 512-token block ids as messages, 4 workers; levels are arrival rates
     /// in percent of the recorded one (100 = as recorded, 50 = the recorded
@@ -303,7 +308,9 @@ impl Sweep {
         if let Some(p) = self.out.parent() {
             std::fs::create_dir_all(p)?;
         }
-        std::fs::write(&self.out, serde_json::to_string_pretty(doc)? + "\n")?;
+        let mut doc = doc.clone();
+        doc["slo_goodput"] = report::slo_goodput_json(rows);
+        std::fs::write(&self.out, serde_json::to_string_pretty(&doc)? + "\n")?;
         let md = report::publish(&self.out, title, context, level, rows)?;
         println!("\n{md}");
         println!(
@@ -356,6 +363,7 @@ fn main() -> Result<()> {
         Cli::Doks(a) => doks(a),
         Cli::Workato(a) => requests_sweep(Kind::Workato, a),
         Cli::Groups(a) => requests_sweep(Kind::Groups, a),
+        Cli::CachePressure(a) => requests_sweep(Kind::CachePressure, a),
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Dashboard(a) => dashboard(a),
         Cli::Vllm(a) => kvgate_bench::vllm_cell::run(&a),
@@ -373,6 +381,7 @@ fn main() -> Result<()> {
 enum Kind {
     Workato,
     Groups,
+    CachePressure,
     Mooncake,
 }
 
@@ -388,6 +397,13 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         Kind::Groups => {
             ("prefix-groups", "Shared-prefix groups (8 system prompts x 16 users, Poisson)", "qps", vec![4, 8, 12], 8.0)
         }
+        Kind::CachePressure => (
+            "cache-pressure",
+            "Cache pressure (tenants' ~6K-token prefixes 3x the fleet's KV cache, ~1.2K-token questions, Poisson)",
+            "qps",
+            vec![4, 8, 12, 16, 20],
+            1.0,
+        ),
         Kind::Mooncake => ("mooncake", "Mooncake conversation trace replay", "rate %", vec![50, 100], 2.0),
     };
     if a.levels.is_empty() {
@@ -407,16 +423,22 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         })
     });
     let mut sweep = Sweep::new(&a.sweep, speedup, a.measure_s, a.drain_s, out)?;
-    if kind != Kind::Groups {
+    if matches!(kind, Kind::Workato | Kind::Mooncake) {
         // A larger fleet; each worker holds several long documents.
         sweep.fleet.workers = 4;
         sweep.fleet.num_blocks = 20_000;
     }
     let horizon = a.sweep.warmup_s + a.measure_s;
+    let capacity_tokens: u64 =
+        sweep.fleet.kinds().iter().map(|(_, blocks)| *blocks as u64 * u64::from(sweep.fleet.block_size)).sum();
+    let tenants = Groups::tenants_for(capacity_tokens, 3.0);
     let workload_for = |level: usize| -> Result<(Requests, Load)> {
         Ok(match kind {
             Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
             Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
+            Kind::CachePressure => {
+                (Requests::Groups(Groups::cache_pressure(level as f64, horizon, tenants)), Load::Open { speedup })
+            }
             Kind::Mooncake => {
                 let path = kvgate_testkit::shared_dir()?.join("traces/mooncake/conversation_trace.jsonl");
                 let compress = level.max(1) as f64 / 100.0;
@@ -443,9 +465,20 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         let row = stats::summarize(mode, level, &run, speedup, block, stats::Oracle::Prefixes(wl), sw.cpu_limit);
         Ok((run, row))
     })?;
+    let tenants_note = if kind == Kind::CachePressure {
+        format!("; {tenants} tenants (their prefixes ~3x the fleet's {capacity_tokens} tokens of KV cache)")
+    } else {
+        String::new()
+    };
     let context = format!(
-        "commit {}, {}; {} workers; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured (simulated); levels: {level_name}",
-        sweep.commit, sweep.machine, sweep.fleet.workers, a.sweep.stream_interval, a.sweep.warmup_s, a.measure_s
+        "commit {}, {}; preset {}, {} workers{tenants_note}; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured (simulated); levels: {level_name}",
+        sweep.commit,
+        sweep.machine,
+        sweep.fleet.preset,
+        sweep.fleet.kinds().len(),
+        a.sweep.stream_interval,
+        a.sweep.warmup_s,
+        a.measure_s
     );
     let doc = sweep.doc(
         a.sweep.stream_interval,
@@ -538,9 +571,13 @@ fn dashboard(a: DashArgs) -> Result<()> {
 /// Rebuilds the reports of one result file from its JSON.
 fn rewrite_report(json: &std::path::Path) -> Result<()> {
     let text = std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
-    let doc: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
     let rows: Vec<stats::Row> = serde_json::from_value(doc["rows"].clone())
         .with_context(|| format!("{}: the rows do not have the result shape", json.display()))?;
+    // The SLO goodput is derived from the rows: older files gain it.
+    doc["slo_goodput"] = report::slo_goodput_json(&rows);
+    std::fs::write(json, serde_json::to_string_pretty(&doc)? + "\n")?;
     let title = doc["title"].as_str().map(str::to_owned).unwrap_or_else(|| match doc["workload"].as_str() {
         Some("doks-multiturn") | None => "DOKS multi-turn sweep".to_owned(),
         Some(w) => w.to_owned(),
@@ -558,7 +595,7 @@ fn rewrite_report(json: &std::path::Path) -> Result<()> {
     });
     let level = doc["level"].as_str().unwrap_or("conc.");
     report::publish(json, &title, &context, level, &rows)?;
-    println!("{}: .md, .html and {} charts rewritten", json.display(), kvgate_bench::plot::METRICS.len());
+    println!("{}: slo_goodput, .md, .html and {} charts rewritten", json.display(), kvgate_bench::plot::METRICS.len());
     Ok(())
 }
 

@@ -16,20 +16,53 @@ pub struct Metric {
     pub get: fn(&Row) -> f64,
     /// Higher is better (throughput, hit rate) rather than lower.
     pub higher_is_better: bool,
+    /// The SLO bound drawn as a dashed line (the DOKS demo's: TTFT ≤ 600 ms,
+    /// ITL ≤ 60 ms).
+    pub slo: Option<f64>,
 }
 
 /// The metrics every report plots.
 pub const METRICS: &[Metric] = &[
-    Metric { key: "ttft_p50_ms", title: "TTFT p50", unit: "ms", get: |r| r.ttft_p50_ms, higher_is_better: false },
-    Metric { key: "ttft_p95_ms", title: "TTFT p95", unit: "ms", get: |r| r.ttft_p95_ms, higher_is_better: false },
-    Metric { key: "itl_p50_ms", title: "ITL p50", unit: "ms", get: |r| r.itl_p50_ms, higher_is_better: false },
-    Metric { key: "e2e_p50_s", title: "E2E p50", unit: "s", get: |r| r.e2e_p50_s, higher_is_better: false },
+    Metric {
+        key: "ttft_p50_ms",
+        title: "TTFT p50",
+        unit: "ms",
+        get: |r| r.ttft_p50_ms,
+        higher_is_better: false,
+        slo: Some(crate::report::SLO_TTFT_MS),
+    },
+    Metric {
+        key: "ttft_p95_ms",
+        title: "TTFT p95",
+        unit: "ms",
+        get: |r| r.ttft_p95_ms,
+        higher_is_better: false,
+        slo: Some(crate::report::SLO_TTFT_MS),
+    },
+    Metric {
+        key: "itl_p50_ms",
+        title: "ITL p50",
+        unit: "ms",
+        get: |r| r.itl_p50_ms,
+        higher_is_better: false,
+        slo: None,
+    },
+    Metric {
+        key: "itl_p95_ms",
+        title: "ITL p95",
+        unit: "ms",
+        get: |r| r.itl_p95_ms,
+        higher_is_better: false,
+        slo: Some(crate::report::SLO_ITL_MS),
+    },
+    Metric { key: "e2e_p50_s", title: "E2E p50", unit: "s", get: |r| r.e2e_p50_s, higher_is_better: false, slo: None },
     Metric {
         key: "output_tok_per_s",
         title: "Output throughput",
         unit: "tokens/s",
         get: |r| r.output_tok_per_s,
         higher_is_better: true,
+        slo: None,
     },
     Metric {
         key: "hit_rate",
@@ -37,6 +70,7 @@ pub const METRICS: &[Metric] = &[
         unit: "%",
         get: |r| r.hit_rate * 100.0,
         higher_is_better: true,
+        slo: None,
     },
 ];
 
@@ -49,6 +83,9 @@ pub fn colour(mode: &str) -> &'static str {
         "least_load" => "#2ca02c",
         "sglang_cache_aware" => "#9467bd",
         "random" => "#8c564b",
+        "dynamo" => "#17becf",
+        "dynamo_round_robin" => "#bcbd22",
+        "kv_true_constants" => "#e377c2",
         _ => "#7f7f7f",
     }
 }
@@ -88,6 +125,9 @@ fn draw(out: &mut String, rows: &[Row], metric: &Metric, subtitle: &str, level: 
     xs.sort_unstable();
     xs.dedup();
     let ymax = rows.iter().map(metric.get).filter(|v| v.is_finite()).fold(0.0f64, f64::max).max(1e-9) * 1.1;
+    // The SLO line is drawn when it is inside the data's range or near it.
+    let slo = metric.slo.filter(|s| *s < ymax * 2.0);
+    let ymax = ymax.max(slo.map_or(0.0, |s| s * 1.1));
     let (x0, x1) = (xs.first().copied().unwrap_or(0) as f64, xs.last().copied().unwrap_or(1) as f64);
     let (x0, x1) = if x1 > x0 { (x0, x1) } else { (x0 - 1.0, x0 + 1.0) };
     let root = SVGBackend::with_string(out, SIZE).into_drawing_area();
@@ -110,6 +150,12 @@ fn draw(out: &mut String, rows: &[Row], metric: &Metric, subtitle: &str, level: 
         .x_label_formatter(&|x| format!("{x:.0}"))
         .light_line_style(RGBColor(238, 238, 238))
         .draw()?;
+    if let Some(slo) = slo {
+        let grey = RGBColor(120, 120, 120);
+        c.draw_series(DashedLineSeries::new([(x0, slo), (x1, slo)], 6, 4, grey.stroke_width(1)))?
+            .label(format!("SLO {slo:.0} {}", metric.unit))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(1)));
+    }
     for mode in &modes {
         let colour = rgb(colour(mode));
         let width = if *mode == "kv" { 3 } else { 2 };

@@ -28,6 +28,71 @@ fn levels(rows: &[Row]) -> Vec<usize> {
     v
 }
 
+/// The DOKS demo's SLO: TTFT at most 600 ms and time per output token at
+/// most 60 ms.
+pub const SLO_TTFT_MS: f64 = 600.0;
+pub const SLO_ITL_MS: f64 = 60.0;
+
+/// Which percentile the SLO is judged at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SloAt {
+    P50,
+    P95,
+}
+
+/// SLO goodput per mode, modes in order of first appearance: the highest
+/// level at which the mode met both bounds at `at`, at that level and at
+/// every lower level it ran (a level that fails ends the run of levels;
+/// `None`: not even the lowest).
+pub fn slo_goodput(rows: &[Row], at: SloAt) -> Vec<(String, Option<usize>)> {
+    let mut out: Vec<(String, Option<usize>)> = Vec::new();
+    for r in rows {
+        if !out.iter().any(|(m, _)| *m == r.mode) {
+            out.push((r.mode.clone(), None));
+        }
+    }
+    for (mode, best) in &mut out {
+        let mut mine: Vec<&Row> = rows.iter().filter(|r| r.mode == *mode).collect();
+        mine.sort_by_key(|r| r.concurrency);
+        for r in mine {
+            let (ttft, itl) = match at {
+                SloAt::P50 => (r.ttft_p50_ms, r.itl_p50_ms),
+                SloAt::P95 => (r.ttft_p95_ms, r.itl_p95_ms),
+            };
+            if !(ttft <= SLO_TTFT_MS && itl <= SLO_ITL_MS && r.errors == 0) {
+                break;
+            }
+            *best = Some(r.concurrency);
+        }
+    }
+    out
+}
+
+/// `{mode: level or null}` at p95, and the same at p50, for result files.
+pub fn slo_goodput_json(rows: &[Row]) -> serde_json::Value {
+    let map = |at| {
+        serde_json::Value::Object(slo_goodput(rows, at).into_iter().map(|(m, l)| (m, serde_json::json!(l))).collect())
+    };
+    serde_json::json!({"p95": map(SloAt::P95), "p50": map(SloAt::P50)})
+}
+
+/// The headline: each mode's SLO goodput at p95 and p50.
+pub fn slo_headline(rows: &[Row], level: &str) -> String {
+    let (p95, p50) = (slo_goodput(rows, SloAt::P95), slo_goodput(rows, SloAt::P50));
+    let show = |l: Option<usize>| l.map_or("none".to_owned(), |l| l.to_string());
+    let mut s = format!(
+        "**SLO goodput** (TTFT ≤ {SLO_TTFT_MS:.0} ms and ITL ≤ {SLO_ITL_MS:.0} ms, no errors; the highest {level} met at it and every lower level):
+
+"
+    );
+    let _ = writeln!(s, "| mode | at p95 | at p50 |");
+    let _ = writeln!(s, "|---|---:|---:|");
+    for ((mode, a), (_, b)) in p95.iter().zip(&p50) {
+        let _ = writeln!(s, "| {mode} | {} | {} |", show(*a), show(*b));
+    }
+    s
+}
+
 /// Whether `cand` beats `base` on one row pair, metric by metric: TTFT p50,
 /// TTFT p95, ITL p50, E2E p50 (lower wins) and output tokens/s (higher wins).
 pub fn wins(base: &Row, cand: &Row) -> [bool; 5] {
@@ -86,16 +151,17 @@ pub fn all_modes(rows: &[Row], level: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| {level} | mode | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | E2E p50 / p95 s | out tok/s | req/s | hit (oracle) | skew / spread p95 / max waiting | errors | host CPU |"
+        "| {level} | mode | TTFT p50 / p90 / p95 / p99 ms | ITL p50 / p95 ms | E2E p50 / p95 s | out tok/s | req/s | hit (oracle) | mispredicted | skew / spread p95 / max waiting | errors | host CPU |"
     );
-    let _ = writeln!(s, "|---:|---|---|---|---|---:|---:|---|---|---:|---:|");
+    let _ = writeln!(s, "|---:|---|---|---|---|---:|---:|---|---:|---|---:|---:|");
     for c in levels(rows) {
         for r in rows.iter().filter(|r| r.concurrency == c) {
             let _ = writeln!(
                 s,
-                "| {c} | {} | {:.0} / {:.0} / {:.0} | {:.1} / {:.1} | {:.1} / {:.1} | {:.0} | {:.2} | {:.1} % ({:.1} %) | {:.2} / {:.0} / {:.0} | {} | {:.0} %{} |",
+                "| {c} | {} | {:.0} / {:.0} / {:.0} / {:.0} | {:.1} / {:.1} | {:.1} / {:.1} | {:.0} | {:.2} | {:.1} % ({:.1} %) | {} | {:.2} / {:.0} / {:.0} | {} | {:.0} %{} |",
                 r.mode,
                 r.ttft_p50_ms,
+                r.ttft_p90_ms,
                 r.ttft_p95_ms,
                 r.ttft_p99_ms,
                 r.itl_p50_ms,
@@ -106,6 +172,10 @@ pub fn all_modes(rows: &[Row], level: &str) -> String {
                 r.rps,
                 r.hit_rate * 100.0,
                 r.oracle_hit_rate * 100.0,
+                match (r.mispredicted, r.predicted) {
+                    (Some(m), Some(p)) => format!("{m} of {p}"),
+                    _ => "–".to_owned(),
+                },
                 r.load_skew_mean,
                 r.inflight_spread_p95,
                 r.max_waiting,
@@ -123,8 +193,10 @@ pub fn all_modes(rows: &[Row], level: &str) -> String {
 /// ran) and the table of every mode.
 pub fn markdown(title: &str, context: &str, level: &str, rows: &[Row]) -> String {
     let mut md = format!("# {title}\n\n{context}\n\n");
+    md += &slo_headline(rows, level);
+    md.push('\n');
     let has = |m: &str| rows.iter().any(|r| r.mode == m);
-    for base in ["round_robin", "sglang_cache_aware"] {
+    for base in ["round_robin", "approx", "sglang_cache_aware", "dynamo"] {
         if has(base) && has("kv") {
             md += &comparison(rows, base, "kv", level);
             md.push('\n');
@@ -203,8 +275,34 @@ mod tests {
         // ITL and E2E are equal: not a win.
         assert!(t.contains("3 of 5: TTFT p50, TTFT p95, tok/s |"), "{t}");
         assert_eq!(all_modes(&rows, "conc.").lines().count(), 4);
+        assert!(all_modes(&rows, "conc.").contains("| 300 / 500 / 600 / 900 |"));
         // Mean 350 ms at the client, 330 at the worker: 20 ms in front.
         assert!(ttft_split(&rows, "conc.").contains("| 60 | kv | 350 | 330 | 20 |"));
+    }
+
+    #[test]
+    fn slo_goodput_is_the_highest_level_met_without_a_gap() {
+        let mut rows = Vec::new();
+        for (c, ttft) in [(60, 200.0), (90, 250.0), (120, 400.0), (150, 200.0)] {
+            rows.push(row("kv", c, ttft, 1.0)); // p95 = 2 × p50
+            rows.push(row("round_robin", c, ttft * 2.0, 1.0));
+        }
+        rows.push(row("dynamo", 60, 700.0, 1.0));
+        let p95 = slo_goodput(&rows, SloAt::P95);
+        // kv: p95 400, 500, 800 (fails at 120; 150 passes but comes after).
+        assert_eq!(p95[0], ("kv".to_owned(), Some(90)));
+        assert_eq!(p95[1], ("round_robin".to_owned(), None));
+        assert_eq!(p95[2], ("dynamo".to_owned(), None));
+        let p50 = slo_goodput(&rows, SloAt::P50);
+        assert_eq!(p50[0].1, Some(150));
+        assert_eq!(p50[1].1, Some(90), "800 ms at 120");
+        // ITL above the bound fails too.
+        rows.iter_mut().for_each(|r| r.itl_p95_ms = 61.0);
+        assert_eq!(slo_goodput(&rows, SloAt::P95)[0].1, None);
+        let j = slo_goodput_json(&rows);
+        assert_eq!(j["p50"]["kv"], 150);
+        assert!(j["p95"]["kv"].is_null());
+        assert!(slo_headline(&rows, "conc.").contains("| kv | none | 150 |"));
     }
 
     #[test]

@@ -54,6 +54,9 @@ pub struct Record {
     pub cached_tokens: u64,
     /// Why it failed.
     pub error: Option<String>,
+    /// What a kvgate router said about its choice (debug headers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub route: Option<crate::client::Route>,
 }
 
 /// Load on each worker at one moment.
@@ -228,6 +231,7 @@ async fn timed_chat(
         completion_tokens: 0,
         cached_tokens: 0,
         error: None,
+        route: None,
     };
     let text = match result {
         Ok(Ok(reply)) => {
@@ -236,6 +240,7 @@ async fn timed_chat(
             rec.prompt_tokens = reply.prompt_tokens;
             rec.completion_tokens = reply.completion_tokens;
             rec.cached_tokens = reply.cached_tokens;
+            rec.route = reply.route;
             Some(reply.text)
         }
         Ok(Err(e)) => {

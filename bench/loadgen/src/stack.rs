@@ -145,6 +145,10 @@ pub enum Frontend {
     /// Envoy with the kvgate filter; the control plane in `kv` mode told the
     /// preset's true constants, learning off ([`FleetSpec::true_constants`]).
     KvTrueConstants,
+    /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
+    /// `round-robin`) in front of Dynamo's own mocker workers
+    /// ([`Stack::start_dynamo`]).
+    Dynamo(String),
 }
 
 impl Frontend {
@@ -154,6 +158,8 @@ impl Frontend {
             Frontend::Kvgate(m) => m.clone(),
             Frontend::Sglang(p) => format!("sglang_{p}"),
             Frontend::KvTrueConstants => "kv_true_constants".into(),
+            Frontend::Dynamo(m) if m == "kv" => "dynamo".into(),
+            Frontend::Dynamo(m) => format!("dynamo_{}", m.replace('-', "_")),
         }
     }
 
@@ -162,10 +168,12 @@ impl Frontend {
         Ok(match s {
             "kv" | "approx" | "least_load" | "round_robin" | "random" => Frontend::Kvgate(s.into()),
             "kv_true_constants" => Frontend::KvTrueConstants,
+            "dynamo" => Frontend::Dynamo("kv".into()),
+            "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, approx, least_load, round_robin, random or sglang_cache_aware)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
                 ),
             },
         })
@@ -238,9 +246,12 @@ pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> Result<bo
 impl Stack {
     /// Starts the fleet and `front` in a fresh `dir`.
     pub fn start(dir: &Path, fleet: &FleetSpec, front: &Frontend) -> Result<Stack> {
+        std::fs::create_dir_all(dir)?;
+        if let Frontend::Dynamo(router_mode) = front {
+            return Stack::start_dynamo(dir, fleet, router_mode);
+        }
         let bin = &fleet.kvgate;
         ensure!(bin.exists(), "{} not built: run `cargo build --release -p kvgate`", bin.display());
-        std::fs::create_dir_all(dir)?;
         let tk = tokenizer_dir();
         let tk = tk.to_str().context("tokenizer dir is not UTF-8")?.to_owned();
         let mut procs = Vec::new();
@@ -317,6 +328,7 @@ impl Stack {
                 told.kv_settings.extend(fleet.true_constants()?);
                 stack.start_kvgate(&told, "kv", &tk, &zmq)?
             }
+            Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),
         }
         Ok(stack)
     }
@@ -387,7 +399,9 @@ impl Stack {
             Ok(v[MODEL].as_array().is_some_and(|a| a.len() == n && a.iter().all(|w| w["live"] == true)))
         })?;
         self.cp_admin = Some(admin);
-        let filter = serde_json::json!({"control_plane": {"timeout_ms": 200}}).to_string();
+        // Debug headers: the client records each decision's reason and
+        // matched blocks (for the `mispredicted` count).
+        let filter = serde_json::json!({"control_plane": {"timeout_ms": 200}, "debug_headers": true}).to_string();
         let config = self.dir.join("envoy.yaml");
         std::fs::write(&config, render_kvgate_envoy(0, 0, &self.workers, &[grpc.parse()?], &filter)?)?;
         let envoy = Envoy::start(&config, &self.dir)?;
@@ -395,6 +409,83 @@ impl Stack {
         self.pids.push(("envoy".into(), envoy.proc.pid()));
         self.envoy = Some(envoy);
         Ok(())
+    }
+
+    /// Dynamo 1.6.1's mocker (`fleet.workers` workers in one process, the
+    /// fleet's KV blocks, block size, batch limits and speedup; its own
+    /// published timing, which the `dynamo-mocker` preset implements) and
+    /// its frontend with `--router-mode router_mode`: file discovery, the
+    /// TCP request plane, the ZMQ event plane. Both bind sockets on
+    /// 0.0.0.0, so this runs only inside a network namespace whose only
+    /// interface is loopback ([`only_loopback`]).
+    fn start_dynamo(dir: &Path, fleet: &FleetSpec, router_mode: &str) -> Result<Stack> {
+        ensure!(
+            only_loopback(),
+            "the dynamo modes bind 0.0.0.0: run the benchmark inside a private network namespace \
+             (`make bench-cache-pressure` does: unshare -n with loopback up)"
+        );
+        ensure!(
+            fleet.timing == "dynamo-mocker" && fleet.extra.is_empty(),
+            "the dynamo modes run Dynamo's own mocker: use --preset dynamo-mocker (not {})",
+            fleet.preset
+        );
+        let python = dynamo_python();
+        ensure!(python.exists(), "{} not installed: run scripts/setup-dynamo.sh", python.display());
+        let model = tool_path("KVGATE_DYNAMO_MODEL_DIR", ".tools/models/dynamo-mocker");
+        let model = model.to_str().context("model dir is not UTF-8")?.to_owned();
+        let store = dir.join("dynamo-discovery");
+        let _ = std::fs::remove_dir_all(&store);
+        std::fs::create_dir_all(&store)?;
+        let env = |c: &mut Command| {
+            c.env("DYN_FILE_KV", &store).env("DYN_LOG", "warn").env("HF_HUB_OFFLINE", "1");
+        };
+        let planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"];
+        let mut mocker = Command::new(&python);
+        mocker.args(["-m", "dynamo.mocker", "--model-path", &model, "--model-name", MODEL]);
+        mocker.args(["--num-workers", &fleet.workers.to_string()]);
+        mocker.args(["--num-gpu-blocks-override", &fleet.num_blocks.to_string()]);
+        mocker.args(["--block-size", &fleet.block_size.to_string()]);
+        mocker.args(["--max-num-seqs", &fleet.max_num_seqs.to_string()]);
+        mocker.args(["--max-num-batched-tokens", &fleet.max_num_batched_tokens.to_string()]);
+        mocker.args(["--speedup-ratio", &fleet.speedup.to_string()]);
+        mocker.args(planes);
+        env(&mut mocker);
+        let mp = Proc::spawn("dynamo-mocker", mocker, dir)?;
+        let port = free_port()?;
+        let mut frontend = Command::new(&python);
+        frontend.args(["-m", "dynamo.frontend", "--router-mode", router_mode]);
+        frontend.args(["--http-host", "127.0.0.1", "--http-port", &port.to_string()]);
+        frontend.args(["--kv-cache-block-size", &fleet.block_size.to_string()]);
+        frontend.args(planes);
+        env(&mut frontend);
+        let fp = Proc::spawn("dynamo-frontend", frontend, dir)?;
+        let front = SocketAddr::from(([127, 0, 0, 1], port));
+        let mut stack = Stack {
+            front,
+            workers: Vec::new(),
+            cp_admin: None,
+            pids: vec![("dynamo-mocker".into(), mp.pid()), ("dynamo-frontend".into(), fp.pid())],
+            dir: dir.to_owned(),
+            procs: vec![mp, fp],
+            envoy: None,
+            _nats: None,
+        };
+        // Every worker registered: the file store holds one instance per
+        // worker endpoint; then a request must come back.
+        let n = fleet.workers;
+        wait_until("Dynamo's workers registered", 120, || {
+            stack.check()?;
+            Ok(dynamo_instances(&store) >= n
+                && http_request(front, "GET", "/v1/models", &[], b"")
+                    .is_ok_and(|r| r.status == 200 && String::from_utf8_lossy(&r.body).contains(MODEL)))
+        })?;
+        let body = crate::runner::chat_body(&[("user", "ready?".to_owned())], 2);
+        wait_until("Dynamo's frontend to answer", 60, || {
+            stack.check()?;
+            Ok(http_request(front, "POST", "/v1/chat/completions", &[("content-type", "application/json")], &body)
+                .is_ok_and(|r| r.status == 200))
+        })?;
+        Ok(stack)
     }
 
     fn start_sglang(&mut self, policy: &str) -> Result<()> {
@@ -432,6 +523,27 @@ impl Stack {
         }
         Ok(())
     }
+}
+
+/// The Python of the Dynamo install (scripts/setup-dynamo.sh).
+pub fn dynamo_python() -> PathBuf {
+    tool_path("KVGATE_DYNAMO_PYTHON", ".tools/dynamo/bin/python")
+}
+
+/// Whether this process's network namespace has no interface but loopback
+/// (a private namespace made with `unshare -n`). `/proc/self/net/dev` is
+/// the namespace's own list (`/sys/class/net` is the mount's).
+pub fn only_loopback() -> bool {
+    std::fs::read_to_string("/proc/self/net/dev")
+        .is_ok_and(|t| t.lines().skip(2).filter_map(|l| l.split(':').next()).all(|name| name.trim() == "lo"))
+}
+
+/// `generate` endpoints registered in Dynamo's file discovery store (one
+/// per worker, in `v1/instances`, names URL-encoded).
+fn dynamo_instances(store: &Path) -> usize {
+    std::fs::read_dir(store.join("v1/instances")).map_or(0, |d| {
+        d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains("%2Fgenerate%2F")).count()
+    })
 }
 
 /// Starts sglang-router with `policy` in front of `workers`; returns the

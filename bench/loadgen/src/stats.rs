@@ -25,8 +25,12 @@ use crate::runner::{CellRun, Record};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     pub mode: String,
+    /// The level: concurrency (closed loop) or requests per second (open).
+    #[serde(rename = "rate_or_concurrency", alias = "concurrency")]
     pub concurrency: usize,
     pub ttft_p50_ms: f64,
+    #[serde(default)]
+    pub ttft_p90_ms: f64,
     pub ttft_p95_ms: f64,
     pub ttft_p99_ms: f64,
     pub itl_p50_ms: f64,
@@ -40,6 +44,14 @@ pub struct Row {
     pub hit_rate: f64,
     pub oracle_hit_rate: f64,
     pub errors: usize,
+    /// Requests a router sent to a worker for a prefix it believed cached
+    /// there, of which the engine then reported less ([`mispredicted`]);
+    /// `None` for routers that do not say what they believed.
+    #[serde(default)]
+    pub mispredicted: Option<usize>,
+    /// Requests routed for a believed cached prefix (the denominator).
+    #[serde(default)]
+    pub predicted: Option<usize>,
     /// Mean TTFT at the client (ms, simulated time).
     #[serde(default)]
     pub ttft_mean_ms: f64,
@@ -119,6 +131,49 @@ fn prefix_oracle(records: &[Record], ok: &[&&Record], wl: &crate::workload::Requ
     })
 }
 
+/// (routed for a believed cached prefix, of which the engine reported less)
+/// over the `ok` records that carry a kvgate route, `None` when none does.
+///
+/// `kv` says how many prompt blocks it found cached on the chosen worker
+/// (whether the prefix or load decided): wrong when the engine reported a
+/// whole block fewer or less. `approx` believes
+/// the worker still holds the request's learned text prefix: with a
+/// request-level workload that is the prefix shared with earlier requests,
+/// estimated as [`prefix_oracle`] does; wrong when the engine reported less
+/// than half of it (the estimate is per word, not per token).
+fn mispredicted(ok: &[&&Record], oracle: Oracle<'_>, block: u64) -> Option<(usize, usize)> {
+    let routed: Vec<_> = ok.iter().filter_map(|r| r.route.as_ref().map(|x| (r, x))).collect();
+    if routed.is_empty() {
+        return None;
+    }
+    let (mut believed, mut wrong) = (0, 0);
+    for (r, route) in routed {
+        // The fewest cached tokens that would have proved the router right.
+        let at_least = match route.reason.as_str() {
+            "approx" => match oracle {
+                Oracle::Prefixes(wl) => (shared_prefix_tokens(r, wl) / 2).max(1),
+                Oracle::Doks(_) => 1,
+            },
+            _ if route.matched_blocks > 0 => (u64::from(route.matched_blocks) - 1) * block + 1,
+            _ => continue,
+        };
+        believed += 1;
+        if r.cached_tokens < at_least {
+            wrong += 1;
+        }
+    }
+    Some((believed, wrong))
+}
+
+/// The request's tokens before its last segment (what it can share with
+/// earlier requests of a request-level workload), by its share of words.
+fn shared_prefix_tokens(r: &Record, wl: &crate::workload::Requests) -> u64 {
+    let Some(req) = wl.request(r.conv) else { return 0 };
+    let words: Vec<usize> = req.segments().map(|s| s.words).collect();
+    let (total, last) = (words.iter().sum::<usize>(), words.last().copied().unwrap_or(0));
+    if total == 0 { 0 } else { (r.prompt_tokens as f64 * (total - last) as f64 / total as f64) as u64 }
+}
+
 /// The DOKS oracle: (reusable tokens, prompt tokens) of the `ok` records.
 fn doks_oracle(records: &[Record], ok: &[&&Record], starter_shared: &[u64], block: u64) -> (u64, u64) {
     let mut by_conv = std::collections::HashMap::new();
@@ -178,9 +233,17 @@ pub fn summarize(
         Oracle::Prefixes(wl) => prefix_oracle(&run.records, &ok, wl, block),
     };
 
+    let predictions = mispredicted(&ok, oracle, block);
+
     let (m0, m1) = &run.metrics;
-    let (dh, dq) =
+    let (mut dh, mut dq) =
         m0.iter().zip(m1).fold((0.0, 0.0), |(h, q), (a, b)| (h + b.hits - a.hits, q + b.queries - a.queries));
+    if m0.is_empty() {
+        // No worker metrics (a peer's own engines): the usage the server
+        // reported to the clients.
+        dh = ok.iter().map(|r| r.cached_tokens as f64).sum();
+        dq = ok.iter().map(|r| r.prompt_tokens as f64).sum();
+    }
     let (ts, tn) = m0
         .iter()
         .zip(m1)
@@ -206,6 +269,7 @@ pub fn summarize(
         mode: mode.to_owned(),
         concurrency,
         ttft_p50_ms: r3(quantile(&ttft, 0.50)),
+        ttft_p90_ms: r3(quantile(&ttft, 0.90)),
         ttft_p95_ms: r3(quantile(&ttft, 0.95)),
         ttft_p99_ms: r3(quantile(&ttft, 0.99)),
         itl_p50_ms: r3(quantile(&itl, 0.50)),
@@ -219,6 +283,8 @@ pub fn summarize(
         hit_rate: r3(if dq > 0.0 { dh / dq } else { 0.0 }),
         oracle_hit_rate: r3(if prompt_sum > 0 { oracle_hits as f64 / prompt_sum as f64 } else { 0.0 }),
         errors: inside.len() - ok.len(),
+        mispredicted: predictions.map(|p| p.1),
+        predicted: predictions.map(|p| p.0),
         ttft_mean_ms: r3(ttft_mean),
         worker_ttft_mean_ms: r3(if tn > 0.0 { ts / tn * 1e3 } else { 0.0 }),
         requests: inside.len(),
@@ -228,7 +294,8 @@ pub fn summarize(
             ok.iter().map(|r| r.prompt_tokens as f64).sum::<f64>() / ok.len() as f64
         }),
         load_skew_mean: r3(if skews.is_empty() { 1.0 } else { skews.iter().sum::<f64>() / skews.len() as f64 }),
-        inflight_spread_p95: r3(quantile(&spreads, 0.95)),
+        // No samples (a peer's engines have no vLLM metrics): 0, not NaN.
+        inflight_spread_p95: r3(if spreads.is_empty() { 0.0 } else { quantile(&spreads, 0.95) }),
         max_waiting,
         host_cpu: r3(run.host_cpu),
         valid: run.host_cpu < cpu_limit,
@@ -249,6 +316,7 @@ pub(crate) mod tests {
             mode: mode.into(),
             concurrency: c,
             ttft_p50_ms: 300.0,
+            ttft_p90_ms: 500.0,
             ttft_p95_ms: 600.0,
             ttft_p99_ms: 900.0,
             itl_p50_ms: 30.0,
@@ -262,6 +330,8 @@ pub(crate) mod tests {
             hit_rate: 0.9,
             oracle_hit_rate: 0.97,
             errors: 0,
+            mispredicted: None,
+            predicted: None,
             ttft_mean_ms: 350.0,
             worker_ttft_mean_ms: 330.0,
             requests: 100,
@@ -287,7 +357,42 @@ pub(crate) mod tests {
             completion_tokens: c,
             cached_tokens: 0,
             error: None,
+            route: None,
         }
+    }
+
+    #[test]
+    fn a_router_is_wrong_when_the_engine_reported_less_than_it_believed() {
+        use crate::client::Route;
+        let routed = |reason: &str, matched: u32, cached: u64| Record {
+            cached_tokens: cached,
+            route: Some(Route { reason: reason.into(), matched_blocks: matched }),
+            ..rec(0, 0, 0.0, 0.1, 1.0, 1_000, 10)
+        };
+        let wl = crate::workload::Requests::Groups(crate::workload::Groups::cache_pressure(8.0, 10.0, 10));
+        let rs = [
+            routed("kv", 10, 320),   // as predicted
+            routed("kv", 10, 300),   // a partial block short: right
+            routed("load", 10, 288), // a whole block short: wrong, whoever decided
+            routed("load", 0, 0),    // no belief
+            routed("round_robin", 0, 500),
+        ];
+        let ok: Vec<&Record> = rs.iter().collect();
+        let ok: Vec<&&Record> = ok.iter().collect();
+        assert_eq!(mispredicted(&ok, Oracle::Prefixes(&wl), 32), Some((3, 1)));
+        // approx believes the shared prefix (~5/6 of this request's words):
+        // wrong below half of it.
+        let shared = shared_prefix_tokens(&rs[0], &wl);
+        assert!((700..=900).contains(&shared), "{shared}");
+        let ax = [routed("approx", 0, shared / 2), routed("approx", 0, shared / 2 - 1)];
+        let ok: Vec<&Record> = ax.iter().collect();
+        let ok: Vec<&&Record> = ok.iter().collect();
+        assert_eq!(mispredicted(&ok, Oracle::Prefixes(&wl), 32), Some((2, 1)));
+        // A router that does not say what it believed: no count.
+        let plain = [rec(0, 0, 0.0, 0.1, 1.0, 1_000, 10)];
+        let ok: Vec<&Record> = plain.iter().collect();
+        let ok: Vec<&&Record> = ok.iter().collect();
+        assert_eq!(mispredicted(&ok, Oracle::Prefixes(&wl), 32), None);
     }
 
     #[test]

@@ -278,9 +278,12 @@ impl Default for Workato {
 }
 
 /// Shared-prefix groups: `groups` system prompts, `users` per group each
-/// with a context of their own, Poisson arrivals at `qps` (simulated).
+/// with a context of their own (none when `context_tokens` is `(0, 0)`),
+/// Poisson arrivals at `qps` (simulated).
 #[derive(Debug, Clone)]
 pub struct Groups {
+    /// The file stem of its results.
+    pub name: &'static str,
     pub groups: usize,
     pub users: usize,
     pub system_tokens: (u64, u64),
@@ -298,17 +301,8 @@ impl Groups {
     /// 300–800 tokens, 200–400 output tokens, arrivals up to `horizon_s`.
     pub fn new(qps: f64, horizon_s: f64) -> Groups {
         let seed = 0x6A0F;
-        let mut arrivals = Vec::new();
-        let mut t = 0.0;
-        let mut i = 0u64;
-        while t < horizon_s && qps > 0.0 {
-            // Exponential gaps from a uniform in (0, 1].
-            let u = ((mix(seed ^ 0xA11, i) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-            t += -u.ln() / qps;
-            arrivals.push(t);
-            i += 1;
-        }
         Groups {
+            name: "prefix-groups",
             groups: 8,
             users: 16,
             system_tokens: (2_000, 4_000),
@@ -317,9 +311,53 @@ impl Groups {
             output_tokens: (200, 400),
             qps,
             seed,
-            arrivals: std::sync::Arc::new(arrivals),
+            arrivals: std::sync::Arc::new(poisson(seed, qps, horizon_s)),
         }
     }
+
+    /// The `cache-pressure` workload, the shape of llm-d's precise-versus-
+    /// approximate benchmark (REFERENCE-RESULTS.md): `tenants` tenants with
+    /// a shared prefix of 5,500–6,500 tokens each, 5 users per tenant asking
+    /// questions of 1,100–1,300 tokens (new text every time), 200–400
+    /// output tokens, the tenant of each request uniform at random, Poisson
+    /// arrivals at `qps`. Size `tenants` with [`Groups::tenants_for`] so
+    /// that the fleet's KV cache holds about a third of all prefixes:
+    /// prefixes are evicted and come back.
+    pub fn cache_pressure(qps: f64, horizon_s: f64, tenants: usize) -> Groups {
+        let seed = 0xCA7E;
+        Groups {
+            name: "cache-pressure",
+            groups: tenants.max(1),
+            users: 5,
+            system_tokens: (5_500, 6_500),
+            context_tokens: (0, 0),
+            question_tokens: (1_100, 1_300),
+            output_tokens: (200, 400),
+            qps,
+            seed,
+            arrivals: std::sync::Arc::new(poisson(seed, qps, horizon_s)),
+        }
+    }
+
+    /// Tenants whose prefixes (6,000 tokens on average) are `times` the
+    /// fleet's KV capacity of `capacity_tokens`.
+    pub fn tenants_for(capacity_tokens: u64, times: f64) -> usize {
+        ((capacity_tokens as f64 * times / 6_000.0).ceil() as usize).max(1)
+    }
+}
+
+/// Poisson arrival times (simulated seconds) at `qps` up to `horizon_s`.
+fn poisson(seed: u64, qps: f64, horizon_s: f64) -> Vec<f64> {
+    let mut arrivals = Vec::new();
+    let (mut t, mut i) = (0.0, 0u64);
+    while t < horizon_s && qps > 0.0 {
+        // Exponential gaps from a uniform in (0, 1].
+        let u = ((mix(seed ^ 0xA11, i) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        t += -u.ln() / qps;
+        arrivals.push(t);
+        i += 1;
+    }
+    arrivals
 }
 
 /// One request of a trace.
@@ -432,16 +470,18 @@ impl Requests {
                     between(mix(g.seed, 0x5750 + group as u64), g.system_tokens),
                 );
                 let uid = group as u64 * 1_000_003 + user;
-                let ctx = Segment::of_tokens(seg_id(4, uid), between(mix(g.seed, 0xC070 + uid), g.context_tokens));
                 let q = Segment::of_tokens(seg_id(5, i), between(h >> 16, g.question_tokens));
+                let parts = if g.context_tokens.1 == 0 {
+                    vec![q]
+                } else {
+                    let ctx = Segment::of_tokens(seg_id(4, uid), between(mix(g.seed, 0xC070 + uid), g.context_tokens));
+                    vec![ctx, q]
+                };
                 let (lo, hi) = g.output_tokens;
                 Some(Req {
                     group,
                     at_s,
-                    messages: vec![
-                        Message { role: "system", parts: vec![sys] },
-                        Message { role: "user", parts: vec![ctx, q] },
-                    ],
+                    messages: vec![Message { role: "system", parts: vec![sys] }, Message { role: "user", parts }],
                     max_tokens: between(h >> 32, (u64::from(lo), u64::from(hi))) as u32,
                 })
             }
@@ -480,7 +520,7 @@ impl Requests {
     pub fn name(&self) -> &'static str {
         match self {
             Requests::Workato(_) => "workato-longprefix",
-            Requests::Groups(_) => "prefix-groups",
+            Requests::Groups(g) => g.name,
             Requests::Trace(_) => "mooncake",
         }
     }
@@ -529,6 +569,29 @@ mod request_tests {
             assert!(at > prev);
             prev = at;
         }
+    }
+
+    #[test]
+    fn cache_pressure_tenants_share_a_6k_prefix_and_ask_new_1k_questions() {
+        assert_eq!(Groups::tenants_for(1_104_000, 3.0), 552);
+        let w = Requests::Groups(Groups::cache_pressure(8.0, 100.0, 552));
+        assert_eq!(w.name(), "cache-pressure");
+        let reqs: Vec<Req> = (0..400).map(|i| w.request(i).unwrap()).collect();
+        let tokens = |s: &Segment| s.words as f64 * TOKENS_PER_WORD;
+        for r in &reqs {
+            assert_eq!(r.messages.len(), 2);
+            assert_eq!(r.messages[1].parts.len(), 1, "no per-user context");
+            assert!((5_490.0..=6_510.0).contains(&tokens(&r.messages[0].parts[0])));
+            assert!((1_090.0..=1_310.0).contains(&tokens(&r.messages[1].parts[0])));
+            assert!((200..=400).contains(&r.max_tokens));
+        }
+        let twice = reqs.iter().find(|a| reqs.iter().filter(|r| r.group == a.group).count() >= 2);
+        let a = twice.expect("400 requests over 552 tenants repeat some");
+        let same: Vec<&Req> = reqs.iter().filter(|r| r.group == a.group).collect();
+        assert_eq!(same[0].messages[0], same[1].messages[0], "the tenant's prefix");
+        assert_ne!(same[0].messages[1], same[1].messages[1], "a new question");
+        let tenants: std::collections::HashSet<usize> = reqs.iter().map(|r| r.group).collect();
+        assert!(tenants.len() > 200 && tenants.iter().all(|t| *t < 552), "{}", tenants.len());
     }
 
     #[test]
