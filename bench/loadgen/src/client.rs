@@ -29,8 +29,9 @@ pub struct Reply {
     /// `usage.prompt_tokens_details.cached_tokens`.
     pub cached_tokens: u64,
     /// The kvgate filter's debug headers, when it sends them: why the worker
-    /// was chosen (`x-kvgate-reason`: `kv`, `approx`, `load`, ...) and the
-    /// prompt blocks the control plane found cached there (`x-kvgate-blocks`).
+    /// was chosen (`x-kvgate-reason`: `kv`, `approx`, `load`, ...), the
+    /// prompt blocks the control plane found cached there (`x-kvgate-blocks`)
+    /// and the worker (`x-kvgate-worker`).
     pub route: Option<Route>,
 }
 
@@ -39,6 +40,13 @@ pub struct Reply {
 pub struct Route {
     pub reason: String,
     pub matched_blocks: u32,
+    /// The chosen worker's id (`x-kvgate-worker`).
+    #[serde(default)]
+    pub worker: String,
+    /// More matched blocks on a worker passed over (`x-kvgate-passed-over`),
+    /// 0 when none was.
+    #[serde(default)]
+    pub passed_over_blocks: u32,
 }
 
 impl Route {
@@ -51,7 +59,14 @@ impl Route {
             .and_then(|v| v.split('/').next())
             .and_then(|m| m.parse().ok())
             .unwrap_or(0);
-        Some(Route { reason, matched_blocks })
+        let worker = h.get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+        let passed_over_blocks = h
+            .get("x-kvgate-passed-over")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split('@').next())
+            .and_then(|b| b.parse().ok())
+            .unwrap_or(0);
+        Some(Route { reason, matched_blocks, worker, passed_over_blocks })
     }
 }
 

@@ -35,6 +35,10 @@ enum Cli {
     /// the fleet's KV cache holds, 5 users per tenant asking ~1.2K-token
     /// questions, Poisson arrivals; levels are requests/s (simulated).
     CachePressure(ReqArgs),
+    /// Agent fan-out: bursts of 8–64 sibling requests on a new 4K–32K-token
+    /// prefix within milliseconds, and their follow-ups; levels are bursts
+    /// per minute (simulated).
+    Fanout(ReqArgs),
     /// Mooncake trace replay (../shared/traces/mooncake/conversation_trace.jsonl):
     /// 512-token block ids as messages, 4 workers; levels are arrival rates
     /// in percent of the recorded one (100 = as recorded, 50 = the recorded
@@ -313,6 +317,7 @@ impl Sweep {
         std::fs::write(&self.out, serde_json::to_string_pretty(&doc)? + "\n")?;
         let md = report::publish(&self.out, title, context, level, rows)?;
         println!("\n{md}");
+        println!("{}\n", report::slo_line(rows, level));
         println!(
             "results: {} (and .md, .html, charts in {}/); logs: {}",
             self.out.display(),
@@ -364,6 +369,7 @@ fn main() -> Result<()> {
         Cli::Workato(a) => requests_sweep(Kind::Workato, a),
         Cli::Groups(a) => requests_sweep(Kind::Groups, a),
         Cli::CachePressure(a) => requests_sweep(Kind::CachePressure, a),
+        Cli::Fanout(a) => requests_sweep(Kind::Fanout, a),
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Dashboard(a) => dashboard(a),
         Cli::Vllm(a) => kvgate_bench::vllm_cell::run(&a),
@@ -382,6 +388,7 @@ enum Kind {
     Workato,
     Groups,
     CachePressure,
+    Fanout,
     Mooncake,
 }
 
@@ -389,7 +396,7 @@ enum Kind {
 /// stack, as `doks` does.
 fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     use kvgate_bench::runner::Load;
-    use kvgate_bench::workload::{Groups, Requests, Trace, Workato};
+    use kvgate_bench::workload::{Fanout, Groups, Requests, Trace, Workato};
     let (name, title, level_name, default_levels, default_speedup) = match kind {
         Kind::Workato => {
             ("workato-longprefix", "Workato long prefix (24 documents of 10K-100K tokens)", "conc.", vec![16, 32], 4.0)
@@ -402,6 +409,13 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             "Cache pressure (tenants' ~6K-token prefixes 3x the fleet's KV cache, ~1.2K-token questions, Poisson)",
             "qps",
             vec![4, 8, 12, 16, 20],
+            1.0,
+        ),
+        Kind::Fanout => (
+            "fanout",
+            "Agent fan-out (bursts of 8-64 siblings on a new 4K-32K-token prefix within ms, follow-ups 20 s later)",
+            "bursts/min",
+            vec![4, 8, 16],
             1.0,
         ),
         Kind::Mooncake => ("mooncake", "Mooncake conversation trace replay", "rate %", vec![50, 100], 2.0),
@@ -436,6 +450,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         Ok(match kind {
             Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
             Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
+            Kind::Fanout => (Requests::Fanout(Fanout::new(level as f64, horizon)), Load::Open { speedup }),
             Kind::CachePressure => {
                 (Requests::Groups(Groups::cache_pressure(level as f64, horizon, tenants)), Load::Open { speedup })
             }

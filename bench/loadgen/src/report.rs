@@ -76,6 +76,23 @@ pub fn slo_goodput_json(rows: &[Row]) -> serde_json::Value {
     serde_json::json!({"p95": map(SloAt::P95), "p50": map(SloAt::P50)})
 }
 
+/// One line for the end of a run: every mode's goodput at p95, and `kv`'s
+/// over `round_robin`'s when both met the SLO somewhere.
+pub fn slo_line(rows: &[Row], level: &str) -> String {
+    let p95 = slo_goodput(rows, SloAt::P95);
+    let show = |l: Option<usize>| l.map_or("none".to_owned(), |l| l.to_string());
+    let modes: Vec<String> = p95.iter().map(|(m, l)| format!("{m} {}", show(*l))).collect();
+    let get = |m: &str| p95.iter().find(|(x, _)| x == m).and_then(|(_, l)| *l);
+    let ratio = match (get("kv"), get("round_robin")) {
+        (Some(k), Some(r)) if r > 0 => format!("; kv / round_robin {:.2}x", k as f64 / r as f64),
+        _ => String::new(),
+    };
+    format!(
+        "SLO goodput (highest {level} with TTFT p95 <= {SLO_TTFT_MS:.0} ms and ITL p95 <= {SLO_ITL_MS:.0} ms): {}{ratio}",
+        modes.join(", ")
+    )
+}
+
 /// The headline: each mode's SLO goodput at p95 and p50.
 pub fn slo_headline(rows: &[Row], level: &str) -> String {
     let (p95, p50) = (slo_goodput(rows, SloAt::P95), slo_goodput(rows, SloAt::P50));
@@ -303,6 +320,11 @@ mod tests {
         assert_eq!(j["p50"]["kv"], 150);
         assert!(j["p95"]["kv"].is_null());
         assert!(slo_headline(&rows, "conc.").contains("| kv | none | 150 |"));
+        rows.iter_mut().for_each(|r| r.itl_p95_ms = 40.0);
+        rows.retain(|r| r.mode != "round_robin" || r.concurrency == 60);
+        rows.iter_mut().filter(|r| r.mode == "round_robin").for_each(|r| r.ttft_p95_ms = 500.0);
+        let line = slo_line(&rows, "conc.");
+        assert!(line.contains("kv 90, round_robin 60, dynamo none; kv / round_robin 1.50x"), "{line}");
     }
 
     #[test]

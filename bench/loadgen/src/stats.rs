@@ -7,8 +7,14 @@
 //! - ITL per request is `(e2e - ttft) / (output tokens - 1)`, as genai-perf
 //!   computes it; percentiles are over requests.
 //! - Throughput counts requests *completed* inside the window.
-//! - Hit rate is the workers' own `vllm:prefix_cache_hits_total /
-//!   vllm:prefix_cache_queries_total` over the window.
+//! - Hit rate is what the engines reported to the clients: the sum of
+//!   `usage.prompt_tokens_details.cached_tokens` over the sum of prompt
+//!   tokens, of the requests started in the window (the oracle's basis; it
+//!   exists for every frontend, Dynamo's too). The workers' own
+//!   `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over
+//!   the window is `engine_hit_rate`: vLLM counts a lookup each time it
+//!   tries to schedule a waiting request, so with requests waiting it
+//!   weighs them by how often they were retried, not by their tokens.
 //! - The oracle hit rate is what one infinite cache shared by every worker
 //!   would hit on the same requests: a later turn can reuse the previous
 //!   turn's prompt and output, a first turn its starter (after the first
@@ -43,6 +49,10 @@ pub struct Row {
     pub rps: f64,
     pub hit_rate: f64,
     pub oracle_hit_rate: f64,
+    /// The workers' own prefix-cache hit rate over the window (`None`
+    /// without worker metrics).
+    #[serde(default)]
+    pub engine_hit_rate: Option<f64>,
     pub errors: usize,
     /// Requests a router sent to a worker for a prefix it believed cached
     /// there, of which the engine then reported less ([`mispredicted`]);
@@ -236,14 +246,10 @@ pub fn summarize(
     let predictions = mispredicted(&ok, oracle, block);
 
     let (m0, m1) = &run.metrics;
-    let (mut dh, mut dq) =
+    let (dh, dq) =
         m0.iter().zip(m1).fold((0.0, 0.0), |(h, q), (a, b)| (h + b.hits - a.hits, q + b.queries - a.queries));
-    if m0.is_empty() {
-        // No worker metrics (a peer's own engines): the usage the server
-        // reported to the clients.
-        dh = ok.iter().map(|r| r.cached_tokens as f64).sum();
-        dq = ok.iter().map(|r| r.prompt_tokens as f64).sum();
-    }
+    let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
+    let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
     let (ts, tn) = m0
         .iter()
         .zip(m1)
@@ -280,7 +286,8 @@ pub fn summarize(
         e2e_p99_s: r3(quantile(&e2e, 0.99)),
         output_tok_per_s: r3(out_tokens as f64 / sim_s),
         rps: r3(done.len() as f64 / sim_s),
-        hit_rate: r3(if dq > 0.0 { dh / dq } else { 0.0 }),
+        hit_rate: r3(if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 }),
+        engine_hit_rate: (dq > 0.0).then(|| r3(dh / dq)),
         oracle_hit_rate: r3(if prompt_sum > 0 { oracle_hits as f64 / prompt_sum as f64 } else { 0.0 }),
         errors: inside.len() - ok.len(),
         mispredicted: predictions.map(|p| p.1),
@@ -329,6 +336,7 @@ pub(crate) mod tests {
             rps: 3.0,
             hit_rate: 0.9,
             oracle_hit_rate: 0.97,
+            engine_hit_rate: None,
             errors: 0,
             mispredicted: None,
             predicted: None,
@@ -366,7 +374,7 @@ pub(crate) mod tests {
         use crate::client::Route;
         let routed = |reason: &str, matched: u32, cached: u64| Record {
             cached_tokens: cached,
-            route: Some(Route { reason: reason.into(), matched_blocks: matched }),
+            route: Some(Route { reason: reason.into(), matched_blocks: matched, ..Route::default() }),
             ..rec(0, 0, 0.0, 0.1, 1.0, 1_000, 10)
         };
         let wl = crate::workload::Requests::Groups(crate::workload::Groups::cache_pressure(8.0, 10.0, 10));
@@ -411,7 +419,7 @@ pub(crate) mod tests {
             // Warm-up: conversation 1's first turn (the starter's first use).
             rec(1, 0, 0.2, 0.05, 0.7, 1000, 100),
             // In the window: conversation 1's second turn, conversation 2's first.
-            rec(1, 1, 1.2, 0.02, 0.5, 1150, 101),
+            Record { cached_tokens: 1088, ..rec(1, 1, 1.2, 0.02, 0.5, 1150, 101) },
             rec(2, 0, 1.5, 0.04, 1.0, 1010, 51),
             // Started after the window: not measured.
             rec(2, 1, 3.1, 0.01, 0.1, 1100, 10),
@@ -473,7 +481,10 @@ pub(crate) mod tests {
         assert!(close(r.e2e_p95_s, 10.0), "{}", r.e2e_p95_s);
         // Completed inside [1, 3): conv 1 turn 2 (ends 1.7) and conv 2 turn 1 (ends 2.5): 152 tokens in 20 s.
         assert_eq!((r.output_tok_per_s, r.rps), (7.6, 0.1));
-        assert_eq!(r.hit_rate, 0.9);
+        // What the clients were told: 1088 cached of 2160 prompt tokens;
+        // the workers' own counters say 0.9.
+        assert_eq!(r.hit_rate, (1088.0 / 2160.0 * 1000.0_f64).round() / 1000.0);
+        assert_eq!(r.engine_hit_rate, Some(0.9));
         // Oracle: turn 2 reuses 1000 + 100 - 1 -> 1088 of 1150; the first
         // turn of conversation 2 reuses the starter's 900 -> 896 of 1010.
         assert_eq!(r.oracle_hit_rate, ((1088.0 + 896.0) / 2160.0 * 1000.0_f64).round() / 1000.0);

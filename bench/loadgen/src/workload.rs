@@ -427,15 +427,75 @@ impl Trace {
     }
 }
 
+/// Agent-style fan-out: bursts of `siblings` requests that share a new
+/// long prefix (a plan, a retrieved document) and arrive within a few
+/// milliseconds, each with a short task of its own; every sibling sends a
+/// follow-up on the same prefix and task `followup_s` later. Bursts start
+/// as a Poisson process at `bursts_per_min` (simulated). What it shows:
+/// where a router sends siblings before the first KV event of their prefix
+/// exists.
+#[derive(Debug, Clone)]
+pub struct Fanout {
+    pub bursts_per_min: f64,
+    /// Siblings per burst, lowest and highest.
+    pub siblings: (u64, u64),
+    /// Tokens of the shared prefix, lowest and highest.
+    pub prefix_tokens: (u64, u64),
+    /// Tokens of each sibling's task.
+    pub task_tokens: (u64, u64),
+    pub output_tokens: (u32, u32),
+    /// Siblings of a burst arrive this far apart, simulated ms.
+    pub spacing_ms: f64,
+    /// A sibling's follow-up arrives this long after it, simulated s.
+    pub followup_s: f64,
+    pub seed: u64,
+    /// (arrival s, burst, sibling, is follow-up), in arrival order.
+    pub arrivals: std::sync::Arc<Vec<(f64, u64, u64, bool)>>,
+}
+
+impl Fanout {
+    /// 8–64 siblings on a 4K–32K-token prefix, tasks of 100–300 tokens,
+    /// 100–300 output tokens, 1 ms apart, follow-ups 20 s later; bursts up
+    /// to `horizon_s`.
+    pub fn new(bursts_per_min: f64, horizon_s: f64) -> Fanout {
+        let seed = 0xFA_0A;
+        let siblings = (8, 64);
+        let (spacing_ms, followup_s) = (1.0, 20.0);
+        let mut arrivals = Vec::new();
+        for (b, t) in poisson(seed, bursts_per_min / 60.0, horizon_s).into_iter().enumerate() {
+            let n = between(mix(seed ^ 0x5B, b as u64), siblings);
+            for k in 0..n {
+                let at = t + k as f64 * spacing_ms / 1000.0;
+                arrivals.push((at, b as u64, k, false));
+                arrivals.push((at + followup_s, b as u64, k, true));
+            }
+        }
+        arrivals.retain(|a| a.0 < horizon_s);
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+        Fanout {
+            bursts_per_min,
+            siblings,
+            prefix_tokens: (4_000, 32_000),
+            task_tokens: (100, 300),
+            output_tokens: (100, 300),
+            spacing_ms,
+            followup_s,
+            seed,
+            arrivals: std::sync::Arc::new(arrivals),
+        }
+    }
+}
+
 /// A request-level workload.
 #[derive(Debug, Clone)]
 pub enum Requests {
     Workato(Workato),
     Groups(Groups),
     Trace(Trace),
+    Fanout(Fanout),
 }
 
-/// Segment ids of the three kinds never collide (top byte).
+/// Segment ids of different kinds never collide (top byte).
 fn seg_id(kind: u64, n: u64) -> u64 {
     (kind << 56) | (n & ((1 << 56) - 1))
 }
@@ -485,6 +545,28 @@ impl Requests {
                     max_tokens: between(h >> 32, (u64::from(lo), u64::from(hi))) as u32,
                 })
             }
+            Requests::Fanout(f) => {
+                let &(at_s, burst, sibling, followup) = f.arrivals.get(usize::try_from(i).ok()?)?;
+                let prefix = Segment::of_tokens(seg_id(8, burst), between(mix(f.seed, 0xB0 + burst), f.prefix_tokens));
+                let sib = burst * 64 + sibling;
+                let task = Segment::of_tokens(seg_id(9, sib), between(mix(f.seed, 0x7A5C + sib), f.task_tokens));
+                let mut messages =
+                    vec![Message { role: "system", parts: vec![prefix] }, Message { role: "user", parts: vec![task] }];
+                if followup {
+                    // The sibling's earlier exchange, then a new question
+                    // (the answer is a stand-in: requests carry no history).
+                    let answer = Segment::of_tokens(seg_id(10, sib), 150);
+                    messages.push(Message { role: "assistant", parts: vec![answer] });
+                    messages.push(Message { role: "user", parts: vec![Segment::of_tokens(seg_id(11, sib), 40)] });
+                }
+                let (lo, hi) = f.output_tokens;
+                Some(Req {
+                    group: burst as usize,
+                    at_s,
+                    messages,
+                    max_tokens: between(mix(f.seed ^ u64::from(followup), sib), (u64::from(lo), u64::from(hi))) as u32,
+                })
+            }
             Requests::Trace(t) => {
                 let TraceReq { ms, blocks: ids, output: out } = t.reqs.get(usize::try_from(i).ok()?)?;
                 // One message per block: system, then user and assistant in
@@ -522,6 +604,7 @@ impl Requests {
             Requests::Workato(_) => "workato-longprefix",
             Requests::Groups(g) => g.name,
             Requests::Trace(_) => "mooncake",
+            Requests::Fanout(_) => "fanout",
         }
     }
 }
@@ -592,6 +675,34 @@ mod request_tests {
         assert_ne!(same[0].messages[1], same[1].messages[1], "a new question");
         let tenants: std::collections::HashSet<usize> = reqs.iter().map(|r| r.group).collect();
         assert!(tenants.len() > 200 && tenants.iter().all(|t| *t < 552), "{}", tenants.len());
+    }
+
+    #[test]
+    fn fanout_siblings_arrive_together_on_a_new_prefix_and_follow_up_later() {
+        let f = Fanout::new(6.0, 600.0);
+        let bursts = f.arrivals.iter().filter(|a| !a.3 && a.2 == 0).count();
+        assert!((40..=80).contains(&bursts), "{bursts} bursts in 10 min at 6/min");
+        let w = Requests::Fanout(f.clone());
+        let reqs: Vec<Req> = (0..f.arrivals.len() as u64).map(|i| w.request(i).unwrap()).collect();
+        assert!(reqs.windows(2).all(|p| p[0].at_s <= p[1].at_s), "in arrival order");
+        // Burst 0: its siblings within a few ms, on one prefix, tasks of their own.
+        let first: Vec<&Req> = reqs.iter().filter(|r| r.group == 0 && r.messages.len() == 2).collect();
+        assert!((8..=64).contains(&first.len()), "{}", first.len());
+        let span = first.last().unwrap().at_s - first[0].at_s;
+        assert!(span < 0.064, "{span}");
+        assert!(first.iter().all(|r| r.messages[0] == first[0].messages[0]));
+        assert_ne!(first[0].messages[1], first[1].messages[1]);
+        let tokens = first[0].messages[0].parts[0].words as f64 * TOKENS_PER_WORD;
+        assert!((3_990.0..=32_010.0).contains(&tokens), "{tokens}");
+        // Its follow-ups 20 s later share prefix and task.
+        let follow: Vec<&Req> = reqs.iter().filter(|r| r.group == 0 && r.messages.len() == 4).collect();
+        assert_eq!(follow.len(), first.len());
+        assert!((follow[0].at_s - first[0].at_s - 20.0).abs() < 1e-9);
+        assert_eq!(follow[0].messages[..2], first[0].messages[..]);
+        // Another burst has another prefix.
+        let other = reqs.iter().find(|r| r.group == 1).unwrap();
+        assert_ne!(other.messages[0], first[0].messages[0]);
+        assert_eq!(w.name(), "fanout");
     }
 
     #[test]
