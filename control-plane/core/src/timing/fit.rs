@@ -55,6 +55,9 @@ pub struct Reference {
 struct Rates {
     prefill: Option<(f64, f64)>,
     decode: Option<(f64, f64)>,
+    /// The prefill rate's growth per 1,000 tokens of chunk and of cached
+    /// context, ms per token; 0 where not known.
+    growth: (f64, f64),
 }
 
 /// One first-token observation.
@@ -226,9 +229,19 @@ impl EngineFit {
         };
         let p_prior = self.prior.prefill_ms_per_token * K;
         let d_prior = self.prior.decode_ms_per_seq * 10.0;
+        let prefill = (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then(|| (ft[1] / K, fse[1] / K));
+        // A growth term's scale is the prefill rate's: on a workload whose
+        // prompts fall in two groups (long and cold, short after a long
+        // cached prefix) the linear rate, the growth with the chunk and the
+        // growth with the context are nearly collinear, and each alone can
+        // wander far from zero with a large standard error.
+        let growth = |i: usize| {
+            if prefill.is_some() && known(ft[i], fse[i], fshare[i], fs, p_prior) { ft[i].max(0.0) / K } else { 0.0 }
+        };
         Rates {
-            prefill: (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then(|| (ft[1] / K, fse[1] / K)),
+            prefill,
             decode: known(dt[1], dse[1], dshare[1], ds, d_prior).then(|| (dt[1].max(0.0) / 10.0, dse[1] / 10.0)),
+            growth: (growth(2), growth(3)),
         }
     }
 
@@ -243,9 +256,11 @@ impl EngineFit {
     /// ratio to it so that the two are on the same clock: the ratio of
     /// `reference` (another class of the same model with both rates
     /// learned) when there is one, else the priors' ratio. With neither
-    /// known, the priors. Growth terms fall back to 0.
+    /// known, the priors. The growth terms (with the chunk, with the cached
+    /// context) are used only beside a learned prefill rate (the same fit,
+    /// the same clock) and only when each is known by the same rule;
+    /// otherwise 0.
     pub fn timing_with(&self, reference: Option<Reference>) -> EngineTiming {
-        let (ft, fs) = (self.first.theta(), self.first.samples());
         let r = self.rates();
         // A workload whose prompts are all cached never pins the prefill
         // rate down, and a prior in another time scale than the learned
@@ -269,11 +284,11 @@ impl EngineFit {
             (None, Some(d)) => (ratio.filter(|_| clear(d)).map_or(prior_p, |q| d.0 * q), d.0),
             (None, None) => (prior_p, prior_d),
         };
-        let growth = |v: f64, samples: u64| if samples >= MIN_SAMPLES && v.is_finite() { v.max(0.0) / K } else { 0.0 };
+        let (per_ktok, per_kctx) = r.growth;
         EngineTiming {
             prefill_ms_per_token: prefill,
-            prefill_ms_per_token_per_ktok: growth(ft[2], fs),
-            prefill_ms_per_token_per_kctx: growth(ft[3], fs),
+            prefill_ms_per_token_per_ktok: per_ktok,
+            prefill_ms_per_token_per_kctx: per_kctx,
             decode_ms_per_seq: decode,
         }
     }
@@ -417,6 +432,35 @@ mod tests {
         }
         let t = fast.timing();
         assert!((t.prefill_ms_per_token - 0.005).abs() < 0.001, "{t:?}");
+    }
+
+    /// The cache-pressure workload's prompts fall in two groups: cold
+    /// (7,200 new tokens) or a short question after a cached 6,000-token
+    /// prefix (1,200 new). There the linear rate and the two growth terms
+    /// are nearly collinear; with queueing noise the prefill rate stays
+    /// unknown, and its growth terms, however the fit split them, must not
+    /// be priced beside the prior rate (they once made a hit look dearer
+    /// than a miss, and kv scattered every tenant).
+    #[test]
+    fn growth_terms_are_not_used_without_a_learned_prefill_rate() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(7);
+        for i in 0..300 {
+            let hit = i % 3 == 0;
+            let (n, c) = if hit { (1200.0, 6000.0) } else { (7200.0, 0.0) };
+            // Hits waited longer here (their workers were busier).
+            let ttft = 60.0 + 0.01 * n + if hit { 300.0 } else { 0.0 } + noise(&mut rng, 150.0);
+            let running = 30.0 + rng.f64() * 10.0;
+            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: c, ahead_tokens: 0.0, running };
+            assert!(fit.observe_first_token(&o));
+        }
+        let t = fit.timing();
+        let learned = fit.first_token();
+        assert!(learned.params[3].value > 0.01, "the fit did put the hits' wait on the context: {learned:?}");
+        assert_eq!(t.prefill_ms_per_token, PRIOR.prefill_ms_per_token, "{learned:?}");
+        assert_eq!((t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx), (0.0, 0.0), "{learned:?}");
+        let cost = |n: f64, c: f64| t.prefill_ms_per_token_at(n, c) * n;
+        assert!(cost(1200.0, 6000.0) < cost(7200.0, 0.0) / 5.0);
     }
 
     #[test]
