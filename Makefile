@@ -2,12 +2,13 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
 	@echo "make bench-doks - the full DOKS sweep (7 levels x 5 modes, ~35 min) -> bench/results/doks-multiturn.json"
 	@echo "make bench-workloads - Workato long prefix, shared-prefix groups, Mooncake replay (~35 min)"
+	@echo "make bench-fanout - agent fan-out bursts on a new long prefix: kvgate vs round robin vs approx vs NVIDIA Dynamo (~20 min)"
 	@echo "make bench-cache-pressure - tenants' prefixes 3x the KV cache: kvgate vs sglang-router vs NVIDIA Dynamo (~60 min)"
 	@echo "make dashboard - live dashboard on http://127.0.0.1:8090/: kv, round robin, sglang under one slider"
 	@echo "make report - rewrite the .md/.html/.svg reports of bench/results/*.json from the JSON"
@@ -73,6 +74,14 @@ bench-cache-pressure: setup
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench cache-pressure --preset dynamo-mocker \
 	  --modes round_robin,approx,kv,sglang_cache_aware,dynamo,dynamo_round_robin --speedup 2 $(ARGS)
+
+# Agent fan-out bursts (~20 min), the same fleet and peers as bench-cache-pressure:
+# bench/results/fanout.json.
+bench-fanout: setup
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench fanout --preset dynamo-mocker \
+	  --modes round_robin,approx,kv,dynamo --speedup 2 --levels 4,8 --warmup-s 40 --measure-s 120 $(ARGS)
 
 # The request-level workloads (~35 min): workato-longprefix, prefix-groups, mooncake.
 bench-workloads: setup
