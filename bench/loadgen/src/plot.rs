@@ -115,15 +115,8 @@ pub fn chart(rows: &[Row], metric: &Metric, subtitle: &str, level: &str) -> Stri
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
 fn draw(out: &mut String, rows: &[Row], metric: &Metric, subtitle: &str, level: &str) -> DrawResult {
-    let mut modes: Vec<&str> = Vec::new();
-    for r in rows {
-        if !modes.contains(&r.mode.as_str()) {
-            modes.push(&r.mode);
-        }
-    }
-    let mut xs: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
-    xs.sort_unstable();
-    xs.dedup();
+    let modes = crate::report::modes(rows);
+    let xs = crate::report::levels(rows);
     let ymax = rows.iter().map(metric.get).filter(|v| v.is_finite()).fold(0.0f64, f64::max).max(1e-9) * 1.1;
     // The SLO line is drawn when it is inside the data's range or near it.
     let slo = metric.slo.filter(|s| *s < ymax * 2.0);

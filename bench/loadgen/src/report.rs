@@ -21,11 +21,28 @@ fn find<'a>(rows: &'a [Row], mode: &str, c: usize) -> Option<&'a Row> {
     rows.iter().find(|r| r.mode == mode && r.concurrency == c)
 }
 
-fn levels(rows: &[Row]) -> Vec<usize> {
+/// The levels the rows ran, ascending.
+pub(crate) fn levels(rows: &[Row]) -> Vec<usize> {
     let mut v: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
     v.sort_unstable();
     v.dedup();
     v
+}
+
+/// The modes of the rows, in order of first appearance.
+pub(crate) fn modes(rows: &[Row]) -> Vec<&str> {
+    let mut v: Vec<&str> = Vec::new();
+    for r in rows {
+        if !v.contains(&r.mode.as_str()) {
+            v.push(&r.mode);
+        }
+    }
+    v
+}
+
+/// A goodput level as shown: the level, or "none".
+fn level_or_none(l: Option<usize>) -> String {
+    l.map_or("none".to_owned(), |l| l.to_string())
 }
 
 /// The DOKS demo's SLO: TTFT at most 600 ms and time per output token at
@@ -45,12 +62,7 @@ pub enum SloAt {
 /// every lower level it ran (a level that fails ends the run of levels;
 /// `None`: not even the lowest).
 pub fn slo_goodput(rows: &[Row], at: SloAt) -> Vec<(String, Option<usize>)> {
-    let mut out: Vec<(String, Option<usize>)> = Vec::new();
-    for r in rows {
-        if !out.iter().any(|(m, _)| *m == r.mode) {
-            out.push((r.mode.clone(), None));
-        }
-    }
+    let mut out: Vec<(String, Option<usize>)> = modes(rows).into_iter().map(|m| (m.to_owned(), None)).collect();
     for (mode, best) in &mut out {
         let mut mine: Vec<&Row> = rows.iter().filter(|r| r.mode == *mode).collect();
         mine.sort_by_key(|r| r.concurrency);
@@ -80,8 +92,7 @@ pub fn slo_goodput_json(rows: &[Row]) -> serde_json::Value {
 /// over `round_robin`'s when both met the SLO somewhere.
 pub fn slo_line(rows: &[Row], level: &str) -> String {
     let p95 = slo_goodput(rows, SloAt::P95);
-    let show = |l: Option<usize>| l.map_or("none".to_owned(), |l| l.to_string());
-    let modes: Vec<String> = p95.iter().map(|(m, l)| format!("{m} {}", show(*l))).collect();
+    let modes: Vec<String> = p95.iter().map(|(m, l)| format!("{m} {}", level_or_none(*l))).collect();
     let get = |m: &str| p95.iter().find(|(x, _)| x == m).and_then(|(_, l)| *l);
     let ratio = match (get("kv"), get("round_robin")) {
         (Some(k), Some(r)) if r > 0 => format!("; kv / round_robin {:.2}x", k as f64 / r as f64),
@@ -96,7 +107,6 @@ pub fn slo_line(rows: &[Row], level: &str) -> String {
 /// The headline: each mode's SLO goodput at p95 and p50.
 pub fn slo_headline(rows: &[Row], level: &str) -> String {
     let (p95, p50) = (slo_goodput(rows, SloAt::P95), slo_goodput(rows, SloAt::P50));
-    let show = |l: Option<usize>| l.map_or("none".to_owned(), |l| l.to_string());
     let mut s = format!(
         "**SLO goodput** (TTFT ≤ {SLO_TTFT_MS:.0} ms and ITL ≤ {SLO_ITL_MS:.0} ms, no errors; the highest {level} met at it and every lower level):
 
@@ -105,7 +115,7 @@ pub fn slo_headline(rows: &[Row], level: &str) -> String {
     let _ = writeln!(s, "| mode | at p95 | at p50 |");
     let _ = writeln!(s, "|---|---:|---:|");
     for ((mode, a), (_, b)) in p95.iter().zip(&p50) {
-        let _ = writeln!(s, "| {mode} | {} | {} |", show(*a), show(*b));
+        let _ = writeln!(s, "| {mode} | {} | {} |", level_or_none(*a), level_or_none(*b));
     }
     s
 }
