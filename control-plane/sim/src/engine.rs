@@ -1,18 +1,22 @@
 //! One simulated engine: vLLM's continuous batching over the block pool.
 //!
-//! Each [`Engine::step`]:
-//! 1. admits waiting requests in arrival order while fewer than
-//!    `max_num_seqs` run and the pool can hold their prompt (prefix hits
-//!    included, as vLLM allocates at admission);
-//! 2. gives every running request that finished its prefill one decode
+//! Each [`Engine::step`], as vLLM V1's scheduler:
+//! 1. gives every running request that finished its prefill one decode
 //!    token;
-//! 3. spends what is left of `max_num_batched_tokens` on prefill chunks of
-//!    requests still prefilling (chunked prefill), oldest first;
+//! 2. spends what is left of `max_num_batched_tokens` on prefill chunks of
+//!    running requests still prefilling (chunked prefill), oldest first;
+//! 3. while budget and seats (`max_num_seqs`) remain, admits waiting
+//!    requests in arrival order, each with its first chunk. A request's
+//!    cache lookup sees the blocks of every chunk scheduled before it in
+//!    the same step: vLLM registers the hashes of the blocks a step will
+//!    compute when it allocates them (`KVCacheManager.allocate_slots`), so
+//!    siblings that arrive together share one computation of their prefix;
 //! 4. takes the timing model's time for that mix, and reports first tokens
 //!    and completions at the step's end time.
 //!
 //! If a decode token needs a block and none is free, the newest running
-//! request is preempted (freed and re-queued at the front), as vLLM does.
+//! request is preempted (freed and re-queued at the front), as vLLM does,
+//! and nothing is admitted in that step.
 //! Generated tokens are deterministic (a function of the request and
 //! position), so output text is reproducible.
 //!
@@ -208,26 +212,51 @@ impl Engine {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
+    /// Computes the next prefill chunk of running request `k` within
+    /// `budget` and the free blocks, registering the blocks it fills; the
+    /// chunk that completes the prompt samples the first token.
+    fn prefill_chunk(&mut self, k: usize, budget: &mut usize, step: &mut Step, shape: &mut StepShape) {
+        let first = self.token(self.running[k].req.id, 0);
+        let bs = self.config.block_size.max(1);
+        let room = self.pool.free_blocks() * bs;
+        let r = &mut self.running[k];
+        let left = r.req.prompt.len() - r.prefilled;
+        // Tokens that fit: the budget, and the held blocks' free slots plus
+        // the free blocks (a chunk is all or nothing, never half-appended).
+        let slack = r.seq.blocks() * bs - r.seq.len();
+        let n = left.min(*budget).min(slack + room);
+        if n == 0 {
+            return;
+        }
+        let chunk = r.req.prompt[r.prefilled..r.prefilled + n].to_vec();
+        if !self.pool.extend(&mut r.seq, &chunk) {
+            return;
+        }
+        shape.add_chunk(r.prefilled, n);
+        r.prefilled += n;
+        *budget -= n;
+        step.prefill_tokens += n;
+        if r.prefilled == r.req.prompt.len() {
+            // The step that completes the prefill samples the first token.
+            if self.pool.extend(&mut r.seq, &[first]) {
+                step.outputs.push(Output::Token {
+                    id: r.req.id,
+                    token: first,
+                    index: 0,
+                    cached_tokens: r.cached_tokens,
+                });
+                r.generated = 1;
+            }
+        }
+    }
+
     /// Runs one step.
     pub fn step(&mut self) -> Step {
         let mut step = Step::default();
         let mut shape = StepShape::default();
-        // 1. Admission.
-        while self.running.len() < self.config.max_num_seqs {
-            let Some(req) = self.waiting.front() else { break };
-            // Reserve the prompt plus one block of headroom for decoding.
-            match self.pool.admit_prefix(&req.prompt) {
-                Ok(seq) => {
-                    let Some(req) = self.waiting.pop_front() else { break };
-                    let cached = seq.hit_tokens;
-                    step.admitted.push(req.id);
-                    self.running.push(Running { req, prefilled: cached, generated: 0, cached_tokens: cached, seq });
-                }
-                Err(_) => break,
-            }
-        }
-        // 2. Decode tokens for requests past their prefill.
+        // 1. Decode tokens for requests past their prefill.
         let mut budget = self.config.max_num_batched_tokens;
+        let mut preempted = false;
         let mut i = 0;
         while i < self.running.len() {
             let (id, generated) = (self.running[i].req.id, self.running[i].generated);
@@ -242,6 +271,7 @@ impl Engine {
                 if let Some(victim) = self.running.pop() {
                     self.pool.free(victim.seq);
                     self.waiting.push_front(victim.req);
+                    preempted = true;
                 }
                 continue;
             }
@@ -257,34 +287,25 @@ impl Engine {
             r.generated += 1;
             i += 1;
         }
-        // 3. Prefill chunks, oldest first.
+        // 2. Prefill chunks of running requests, oldest first.
         for k in 0..self.running.len() {
             if budget == 0 {
                 break;
             }
-            let first = self.token(self.running[k].req.id, 0);
-            let r = &mut self.running[k];
-            let left = r.req.prompt.len() - r.prefilled;
-            if left == 0 {
-                continue;
-            }
-            let n = left.min(budget);
-            let chunk = r.req.prompt[r.prefilled..r.prefilled + n].to_vec();
-            if !self.pool.extend(&mut r.seq, &chunk) {
-                continue;
-            }
-            shape.add_chunk(r.prefilled, n);
-            r.prefilled += n;
-            budget -= n;
-            step.prefill_tokens += n;
-            if r.prefilled == r.req.prompt.len() {
-                // The step that completes the prefill samples the first token.
-                let token = first;
-                if self.pool.extend(&mut r.seq, &[token]) {
-                    step.outputs.push(Output::Token { id: r.req.id, token, index: 0, cached_tokens: r.cached_tokens });
-                    r.generated = 1;
-                }
-            }
+            self.prefill_chunk(k, &mut budget, &mut step, &mut shape);
+        }
+        // 3. Admission with a first chunk each (vLLM admits none in a step
+        //    that preempted).
+        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(req) = self.waiting.front() else { break };
+            // Reserve the prompt plus one block of headroom for decoding.
+            let Ok(seq) = self.pool.admit_prefix(&req.prompt) else { break };
+            let Some(req) = self.waiting.pop_front() else { break };
+            let cached = seq.hit_tokens;
+            step.admitted.push(req.id);
+            self.running.push(Running { req, prefilled: cached, generated: 0, cached_tokens: cached, seq });
+            let k = self.running.len() - 1;
+            self.prefill_chunk(k, &mut budget, &mut step, &mut shape);
         }
         // Completions.
         let mut k = 0;

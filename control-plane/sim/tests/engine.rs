@@ -75,7 +75,7 @@ fn a_repeated_prompt_hits_the_prefix_cache() {
 fn running_is_bounded_by_max_num_seqs_and_everything_finishes() {
     let mut e = engine(64, 100_000);
     for id in 0..100 {
-        e.submit(Request { id, prompt: (0..200).map(|t| t + id as u32 * 1000).collect(), max_tokens: 20 });
+        e.submit(Request { id, prompt: (0..100).map(|t| t + id as u32 * 1000).collect(), max_tokens: 20 });
     }
     e.step();
     assert_eq!((e.num_running(), e.num_waiting()), (64, 36));
@@ -83,6 +83,61 @@ fn running_is_bounded_by_max_num_seqs_and_everything_finishes() {
     let finished = log.iter().filter(|(_, o)| matches!(o, Output::Finished { .. })).count();
     assert_eq!(finished, 100);
     assert_eq!(e.pool().free_blocks(), 100_000);
+}
+
+/// vLLM admits a waiting request only with a chunk of the step's token
+/// budget: 100 prompts of 200 tokens and 8,192 tokens per step admit 40
+/// whole prompts and the first 192 tokens of a 41st.
+#[test]
+fn admission_stops_when_the_step_budget_is_spent() {
+    let mut e = engine(64, 100_000);
+    for id in 0..100 {
+        e.submit(Request { id, prompt: (0..200).map(|t| t + id as u32 * 1000).collect(), max_tokens: 20 });
+    }
+    let s = e.step();
+    assert_eq!((e.num_running(), e.num_waiting()), (41, 59));
+    assert_eq!(s.prefill_tokens, 8192);
+    assert_eq!(s.admitted.len(), 41);
+}
+
+/// Siblings that arrive together with a new shared prefix compute it once:
+/// vLLM registers a block's hash when it schedules the block's tokens, so
+/// the second request scheduled in the same step (or a later one) finds
+/// the first one's blocks as cached, although they are still being computed.
+#[test]
+fn siblings_arriving_together_compute_their_shared_prefix_once() {
+    for prefix_len in [4_000u32, 20_000] {
+        let mut e = engine(64, 100_000);
+        let prefix: Vec<u32> = (0..prefix_len).collect();
+        for id in 0..8u64 {
+            let mut prompt = prefix.clone();
+            prompt.extend((0..100).map(|t| 1_000_000 + t + id as u32 * 1000));
+            e.submit(Request { id, prompt, max_tokens: 4 });
+        }
+        let mut prefill = 0;
+        let mut cached = std::collections::HashMap::new();
+        for _ in 0..100 {
+            if e.is_idle() {
+                break;
+            }
+            let s = e.step();
+            prefill += s.prefill_tokens;
+            for o in s.outputs {
+                if let Output::Token { id, index: 0, cached_tokens, .. } = o {
+                    cached.insert(id, cached_tokens);
+                }
+            }
+        }
+        assert!(e.is_idle());
+        // The prefix once, then each sibling's suffix and the partial block
+        // before it (the prefix does not end on a block boundary).
+        let full = (prefix_len as usize / 32) * 32;
+        assert_eq!(prefill, prefix_len as usize + 100 + 7 * (prefix_len as usize - full + 100), "prefix {prefix_len}");
+        assert_eq!(cached[&0], 0);
+        for id in 1..8 {
+            assert_eq!(cached[&id], full, "sibling {id} of prefix {prefix_len}");
+        }
+    }
 }
 
 #[test]
