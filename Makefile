@@ -81,7 +81,7 @@ bench-fanout: setup
 	cargo build -q --release -p kvgate -p kvgate-bench
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench fanout --preset dynamo-mocker \
-	  --modes round_robin,approx,kv,dynamo --speedup 2 --levels 4,8 --warmup-s 40 --measure-s 120 $(ARGS)
+	  --modes round_robin,approx,kv,dynamo,dynamo_round_robin --speedup 2 --levels 4,8 --warmup-s 40 --measure-s 120 $(ARGS)
 
 # The request-level workloads (~35 min): workato-longprefix, prefix-groups, mooncake.
 bench-workloads: setup
