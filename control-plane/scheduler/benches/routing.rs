@@ -137,6 +137,7 @@ fn routing(c: &mut Criterion) {
                             overlap_blocks: 0,
                             overlap_any_tier_blocks: 0,
                             inflight_overlap_blocks: f.tracker.inflight_prefix(*w, &seqs),
+                            inflight_computing_blocks: 0,
                             load: f.tracker.load(*w),
                             timing: None,
                             excluded: false,

@@ -40,11 +40,12 @@
 //! block_ms   = p × B                                          a block of someone else's prefill
 //! own first token   T × own_ms                      weighted as first-token time
 //! stall of others   own_ms × running_w              every running request waits for that prefill
+//! joining           T × block_ms × computing_w      its first token waits for shared blocks still being computed
 //! pending           block_ms × pending_w            it waits for the prefill queued before it
 //! decode            d·O × (2·running_w + 1)         it decodes among running_w, and slows each of them
 //! waiting           block_ms × queue_penalty × (f(ρ_w) + queued_w)
 //!                   ρ_w = max((running_w + 1) / (max_running + 1), (active_w + added_w) / capacity_w)
-//! cost_w = (overlap_weight × own_ms × (T + running_w) + pending_weight × pending
+//! cost_w = (overlap_weight × own_ms × (T + running_w) + joining + pending_weight × pending
 //!           + decode_weight × decode + waiting) / (p_fastest × B)
 //! ```
 //!
@@ -91,7 +92,14 @@
 //!    makes it look expensive. The load tracker knows the prompt blocks of
 //!    every request in flight per worker; the leading ones this request
 //!    shares count as overlap (the engine caches them chunk by chunk), and
-//!    the pending prefill they stand for is not charged twice.
+//!    the pending prefill they stand for is not charged twice. Those still
+//!    being computed (`inflight_computing_blocks`: the sharing request has
+//!    no first token yet) are a wait for this request's first token, priced
+//!    like its own prefill (`inflight_wait_weight`): joining a prefix that
+//!    another request started a moment ago is no faster than computing it
+//!    on an idle worker, so a burst of siblings spreads over idle workers
+//!    (each computes the prefix once, in parallel) and stays together on
+//!    busy ones, where a recompute would stall the running requests.
 //! 4. **Measured load is fused with predicted load** (maximum of the two), so
 //!    traffic the router did not route, and undercounting between replicas,
 //!    still count.
@@ -179,6 +187,15 @@ pub struct KvConfig {
     /// is computed, so a follower reuses what is done and the rest is done
     /// once; 0 ignores in-flight prompts (Dynamo's behaviour).
     pub inflight_hit_weight: f64,
+    /// Share of the in-flight blocks this request shares that are still
+    /// being computed, priced as a wait for its first token (time units,
+    /// weighted like its own prefill by `ttft_weight`). 1.0: a sibling
+    /// that joins a prefix still prefilling gets its first token no sooner
+    /// than that prefill ends, so on an idle worker recomputing the prefix
+    /// costs it no more time, and only the stall of the busy worker's other
+    /// requests decides (bursts spread over idle workers and stay together
+    /// on busy ones); 0 prices in-flight blocks like cached ones.
+    pub inflight_wait_weight: f64,
     /// Cost of one request ahead in the worker's queue, in blocks. 200: at
     /// the DOKS operating point a batch slot frees about every 0.5 s, and a
     /// 32-token block of prefill takes about 2.5 ms (Llama-3.1-70B FP8 on
@@ -207,6 +224,7 @@ impl Default for KvConfig {
             decode_weight: 1.0,
             host_hit_weight: 0.5,
             inflight_hit_weight: 1.0,
+            inflight_wait_weight: 1.0,
             queue_penalty_blocks: 200.0,
             tie_epsilon: 0.5,
             temperature: 0.0,
@@ -328,7 +346,12 @@ impl KvPolicy {
                 // M/M/1 queue at this utilization, in slot waits. The
                 // utilization is the larger of batch slots and KV blocks.
                 let slots = k.queue_penalty_blocks * wait_factor(self.utilization(request, c));
+                // Shared blocks still being computed there: its first token
+                // waits for them (no stall: that prefill runs anyway).
+                let computing = k.inflight_hit_weight * f64::from(c.inflight_computing_blocks.min(n));
+                let wait_ms = k.inflight_wait_weight * computing * block_ms;
                 let ms = k.overlap_weight * own_ms * (k.ttft_weight + running)
+                    + k.ttft_weight * wait_ms
                     + k.pending_weight * pending * block_ms
                     + k.decode_weight * decode_ms * (2.0 * running + 1.0)
                     + (slots + queue) * block_ms;

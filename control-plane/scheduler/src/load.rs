@@ -8,7 +8,7 @@
 //! | [`LoadTracker::done`] | O(prompt blocks) |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
-//! | [`LoadTracker::inflight_prefix`] | O(shared leading blocks + 1) |
+//! | [`LoadTracker::inflight_prefix`], [`LoadTracker::inflight_share`] | O(shared leading blocks + 1) |
 //!
 //! Active blocks are deduplicated per worker: a multiset of the prompt's
 //! sequence hashes, so ten requests sharing a 4,000-token system prompt count
@@ -46,6 +46,9 @@ struct WorkerLoad {
     inflight: u32,
     prefill_pending_blocks: u64,
     prompt_blocks: Map<SequenceHash, u32>,
+    /// Blocks that requests still prefilling compute themselves (their
+    /// prompt after the overlap they were routed with).
+    computing: Map<SequenceHash, u32>,
     counted_prompt_blocks: u64,
     output_blocks: u64,
     measured: Option<Measured>,
@@ -55,11 +58,34 @@ struct WorkerLoad {
 struct Inflight {
     worker: WorkerIdx,
     prompt: Box<[SequenceHash]>,
+    /// Where its own prefill starts in `prompt` (the overlap it was routed with).
+    own_from: usize,
     counted_prompt_blocks: u64,
     new_prefill_blocks: u64,
     output_blocks: u64,
     prefilling: bool,
     added_ms: u64,
+}
+
+/// What a worker's requests in flight share with a new prompt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InflightShare {
+    /// Leading prompt blocks that requests in flight there share.
+    pub blocks: u32,
+    /// Of those, blocks a request still prefilling there computes itself.
+    pub computing: u32,
+}
+
+/// Takes one count of each hash out of a multiset.
+fn uncount(set: &mut Map<SequenceHash, u32>, hashes: &[SequenceHash]) {
+    for h in hashes {
+        if let Entry::Occupied(mut o) = set.entry(*h) {
+            *o.get_mut() -= 1;
+            if *o.get() == 0 {
+                o.remove();
+            }
+        }
+    }
 }
 
 /// In-flight requests and the load they put on each worker.
@@ -98,7 +124,8 @@ impl LoadTracker {
         now_ms: u64,
     ) -> Result<(), LifecycleError> {
         let new_prefill_blocks = (prompt.len() as u64).saturating_sub(u64::from(overlap_blocks));
-        self.insert(request_id, worker, prompt.into(), 0, new_prefill_blocks, output_blocks, now_ms)
+        let own_from = (overlap_blocks as usize).min(prompt.len());
+        self.insert(request_id, worker, prompt.into(), own_from, 0, new_prefill_blocks, output_blocks, now_ms)
     }
 
     /// Leading blocks of `prompt` that requests in flight on `worker` share
@@ -110,6 +137,22 @@ impl LoadTracker {
             return 0;
         }
         prompt.iter().take_while(|h| w.prompt_blocks.contains_key(h)).count() as u32
+    }
+
+    /// [`LoadTracker::inflight_prefix`], and how many of those shared
+    /// blocks a request on `worker` that has no first token yet is still
+    /// computing (a follower's first token waits for them).
+    pub fn inflight_share(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> InflightShare {
+        let Some(w) = self.workers.get(&worker) else { return InflightShare::default() };
+        if w.prompt_blocks.is_empty() {
+            return InflightShare::default();
+        }
+        let mut share = InflightShare::default();
+        for h in prompt.iter().take_while(|h| w.prompt_blocks.contains_key(h)) {
+            share.blocks += 1;
+            share.computing += u32::from(w.computing.contains_key(h));
+        }
+        share
     }
 
     /// A request routed by another control-plane replica, known only by its
@@ -126,7 +169,7 @@ impl LoadTracker {
     ) -> Result<(), LifecycleError> {
         let new_prefill_blocks = u64::from(prompt_blocks.saturating_sub(overlap_blocks));
         let counted = u64::from(prompt_blocks);
-        self.insert(request_id, worker, Box::new([]), counted, new_prefill_blocks, output_blocks, now_ms)
+        self.insert(request_id, worker, Box::new([]), 0, counted, new_prefill_blocks, output_blocks, now_ms)
     }
 
     /// Starts tracking a request: its prompt blocks either by hash
@@ -137,6 +180,7 @@ impl LoadTracker {
         request_id: &str,
         worker: WorkerIdx,
         prompt: Box<[SequenceHash]>,
+        own_from: usize,
         counted_prompt_blocks: u64,
         new_prefill_blocks: u64,
         output_blocks: u64,
@@ -153,9 +197,13 @@ impl LoadTracker {
         for h in prompt.iter() {
             *w.prompt_blocks.entry(*h).or_insert(0) += 1;
         }
+        for h in prompt.get(own_from..).unwrap_or_default() {
+            *w.computing.entry(*h).or_insert(0) += 1;
+        }
         slot.insert(Inflight {
             worker,
             prompt,
+            own_from,
             counted_prompt_blocks,
             new_prefill_blocks,
             output_blocks,
@@ -172,6 +220,7 @@ impl LoadTracker {
             && let Some(w) = self.workers.get_mut(&r.worker)
         {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
+            uncount(&mut w.computing, r.prompt.get(r.own_from..).unwrap_or_default());
         }
         Ok(())
     }
@@ -188,17 +237,11 @@ impl LoadTracker {
         w.inflight = w.inflight.saturating_sub(1);
         if r.prefilling {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
+            uncount(&mut w.computing, r.prompt.get(r.own_from..).unwrap_or_default());
         }
         w.output_blocks = w.output_blocks.saturating_sub(r.output_blocks);
         w.counted_prompt_blocks = w.counted_prompt_blocks.saturating_sub(r.counted_prompt_blocks);
-        for h in r.prompt.iter() {
-            if let Entry::Occupied(mut o) = w.prompt_blocks.entry(*h) {
-                *o.get_mut() -= 1;
-                if *o.get() == 0 {
-                    o.remove();
-                }
-            }
-        }
+        uncount(&mut w.prompt_blocks, &r.prompt);
     }
 
     /// Drops requests added more than `ttl_ms` ago whose end was never seen

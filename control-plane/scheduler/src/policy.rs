@@ -65,6 +65,10 @@ pub struct Candidate {
     /// flight share with this one: blocks it is computing (or holds without
     /// its events having arrived yet). 0 when unknown.
     pub inflight_overlap_blocks: u32,
+    /// Of `inflight_overlap_blocks`, those a request there still computes
+    /// (it has no first token yet): a follower's first token waits for them.
+    /// 0 when unknown.
+    pub inflight_computing_blocks: u32,
     /// Its load.
     pub load: Load,
     /// How fast its engine is, as the control plane learned it for the

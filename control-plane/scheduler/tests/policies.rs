@@ -18,6 +18,7 @@ fn cand(w: u32, overlap: u32, load: Load) -> Candidate {
         overlap_blocks: overlap,
         overlap_any_tier_blocks: overlap,
         inflight_overlap_blocks: 0,
+        inflight_computing_blocks: 0,
         load,
         timing: None,
         excluded: false,
@@ -77,6 +78,56 @@ fn a_prefix_still_prefilling_draws_its_followers() {
     assert_eq!(t.inflight_prefix(WorkerIdx(1), &other), 0);
     t.done("a").unwrap();
     assert_eq!(t.inflight_prefix(WorkerIdx(0), &other), 0, "gone when the request is done");
+}
+
+/// A sibling of a prefix that another request started a moment ago waits
+/// for that prefill as long as it would take to compute it: on idle workers
+/// the burst spreads (each computes the prefix once, in parallel), on busy
+/// ones it stays together (a recompute would stall their running requests).
+/// Once the prefill is done (first token), the shared blocks are a plain hit.
+#[test]
+fn siblings_of_a_prefix_still_computing_spread_over_idle_workers_only() {
+    // 1,000 shared blocks still being computed on worker 0 for one request.
+    let producer = Load { inflight: 1, prefill_pending_blocks: 1_000, active_blocks: 1_010, ..Load::default() };
+    let mut first = cand(0, 0, producer);
+    first.inflight_overlap_blocks = 1_000;
+    first.inflight_computing_blocks = 1_000;
+    let sibling = request(1_006);
+    let mut rng = fastrand::Rng::with_seed(5);
+    let idle = cand(1, 0, Load::default());
+    let d = KvPolicy::default().pick(&sibling, &[first, idle], &mut rng).unwrap();
+    assert_eq!(d.chosen, 1, "an idle worker computes the prefix as soon as the producer does");
+    let old = KvConfig { inflight_wait_weight: 0.0, ..KvConfig::default() };
+    assert_eq!(KvPolicy::new(old).pick(&sibling, &[first, idle], &mut rng).unwrap().chosen, 0);
+
+    // The other worker runs 20 requests: recomputing would stall them.
+    let busy = cand(1, 0, Load { inflight: 20, active_blocks: 2_000, ..Load::default() });
+    let mut busier_first = first;
+    busier_first.load.inflight = 20;
+    busier_first.load.active_blocks = 3_000;
+    let d = KvPolicy::default().pick(&sibling, &[busier_first, busy], &mut rng).unwrap();
+    assert_eq!(d.chosen, 0, "on busy workers the sibling joins the prefill");
+
+    // The producer's prefill is done: a hit, whatever the other worker does.
+    let mut done = first;
+    done.inflight_computing_blocks = 0;
+    done.load.prefill_pending_blocks = 0;
+    assert_eq!(KvPolicy::default().pick(&sibling, &[done, idle], &mut rng).unwrap().chosen, 0);
+
+    // The tracker: blocks a request computes itself are "computing" until its
+    // first token; blocks it was routed onto as overlap are not.
+    let mut t = LoadTracker::new();
+    let doc: Vec<SequenceHash> = (0..50).map(SequenceHash).collect();
+    t.added("a", WorkerIdx(0), &doc, 10, 10, 0).unwrap();
+    let share = t.inflight_share(WorkerIdx(0), &doc[..40]);
+    assert_eq!((share.blocks, share.computing), (40, 30));
+    t.added("b", WorkerIdx(0), &doc, 50, 10, 0).unwrap();
+    t.first_token("a").unwrap();
+    assert_eq!(t.inflight_share(WorkerIdx(0), &doc).computing, 0, "b computes nothing; a is done");
+    t.done("a").unwrap();
+    assert_eq!(t.inflight_share(WorkerIdx(0), &doc).blocks, 50, "b still holds the prompt");
+    t.done("b").unwrap();
+    assert_eq!(t.inflight_share(WorkerIdx(0), &doc), Default::default());
 }
 
 /// Time units: a cache miss is priced by the request time it costs on the
@@ -391,7 +442,7 @@ proptest! {
     ) {
         let cands: Vec<Candidate> = cands.into_iter().enumerate().map(|(i, (o, extra, load, excluded))| Candidate {
             worker: WorkerIdx(i as u32), overlap_blocks: o, overlap_any_tier_blocks: o + extra,
-            inflight_overlap_blocks: extra, load, timing: None, excluded,
+            inflight_overlap_blocks: extra, inflight_computing_blocks: extra / 2, load, timing: None, excluded,
         }).collect();
         let any_eligible = cands.iter().any(|c| !c.excluded);
         let keys = [1u64, 2, 3, 4];

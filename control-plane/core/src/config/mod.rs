@@ -88,6 +88,8 @@ pub struct RawKv {
     pub host_hit_weight: Option<f64>,
     /// See [`KvConfig::inflight_hit_weight`].
     pub inflight_hit_weight: Option<f64>,
+    /// See [`KvConfig::inflight_wait_weight`].
+    pub inflight_wait_weight: Option<f64>,
     /// See [`KvConfig::queue_penalty_blocks`].
     pub queue_penalty_blocks: Option<f64>,
     /// See [`KvConfig::tie_epsilon`].

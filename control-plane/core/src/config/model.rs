@@ -82,6 +82,7 @@ fn kv_config(f: &dyn Fn(&str) -> String, k: RawKv) -> Result<KvConfig, ConfigErr
         decode_weight: w!(decode_weight),
         host_hit_weight: w!(host_hit_weight),
         inflight_hit_weight: w!(inflight_hit_weight),
+        inflight_wait_weight: w!(inflight_wait_weight),
         queue_penalty_blocks: w!(queue_penalty_blocks),
         tie_epsilon: w!(tie_epsilon),
         temperature: w!(temperature),
@@ -95,6 +96,9 @@ fn kv_config(f: &dyn Fn(&str) -> String, k: RawKv) -> Result<KvConfig, ConfigErr
     }
     if kv.inflight_hit_weight > 1.0 {
         return Err(err(f("kv.inflight_hit_weight"), kv.inflight_hit_weight, "must be in [0, 1]"));
+    }
+    if kv.inflight_wait_weight > 1.0 {
+        return Err(err(f("kv.inflight_wait_weight"), kv.inflight_wait_weight, "must be in [0, 1]"));
     }
     Ok(kv)
 }

@@ -180,13 +180,15 @@ impl ModelState {
             }
             let d = device.get(&w.idx).copied().unwrap_or(0);
             let h = any.get(&w.idx).copied().unwrap_or(0);
-            let inflight = if self.mode == Mode::Kv { self.tracker.inflight_prefix(w.idx, hashes) } else { 0 };
+            let inflight =
+                if self.mode == Mode::Kv { self.tracker.inflight_share(w.idx, hashes) } else { Default::default() };
             let excluded = allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
             let cand = Candidate {
                 worker: w.idx,
                 overlap_blocks: d,
                 overlap_any_tier_blocks: d.max(h),
-                inflight_overlap_blocks: inflight,
+                inflight_overlap_blocks: inflight.blocks,
+                inflight_computing_blocks: inflight.computing,
                 load: self.tracker.load(w.idx),
                 timing: self.calibration.timing(w.idx),
                 excluded,
