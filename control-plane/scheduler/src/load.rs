@@ -132,11 +132,7 @@ impl LoadTracker {
     /// (their prompt hashes, deduplicated). Stops at the first block none of
     /// them has, so a worker sharing nothing costs one lookup.
     pub fn inflight_prefix(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> u32 {
-        let Some(w) = self.workers.get(&worker) else { return 0 };
-        if w.prompt_blocks.is_empty() {
-            return 0;
-        }
-        prompt.iter().take_while(|h| w.prompt_blocks.contains_key(h)).count() as u32
+        self.inflight_share(worker, prompt).blocks
     }
 
     /// [`LoadTracker::inflight_prefix`], and how many of those shared
