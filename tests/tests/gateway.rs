@@ -547,6 +547,44 @@ fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
     fleet.check();
 }
 
+/// Session affinity through real Envoy: with it on in the control plane
+/// (round robin here, so that only the pin keeps a request in place), the
+/// filter sends `x-session-id` with the Pick and every request of the
+/// session lands on one worker, with reason `session` where round robin
+/// would have moved it; requests without the header keep rotating.
+#[test]
+fn a_session_header_keeps_a_conversation_on_its_worker() {
+    let dir = scratch_dir("gw-session").unwrap();
+    let mut fleet = Fleet::start_full(&dir, 2, "20", None, &["--mode", "round_robin", "--session-affinity", "true"]);
+    let gw = start_gateway(
+        &dir,
+        &fleet.http,
+        fleet.grpc,
+        &json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}),
+    );
+    let worker = |r: &HttpResponse| {
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        (r.header("x-kvgate-worker").unwrap().to_owned(), r.header("x-kvgate-reason").unwrap().to_owned())
+    };
+    let mut session = Vec::new();
+    let mut others = BTreeSet::new();
+    for i in 0..4 {
+        let body = chat_body(&format!("Turn {i} of a conversation about Envoy."));
+        session.push(worker(&gw.post("/v1/chat/completions", &[("x-session-id", "conv-1")], &body)));
+        // Two in between, so that round robin's turn and the pin disagree.
+        for _ in 0..2 {
+            others.insert(worker(&gw.post("/v1/chat/completions", &[], &body)).0);
+        }
+    }
+    let first = session[0].0.clone();
+    assert!(session.iter().all(|(w, _)| *w == first), "{session:?}");
+    assert!(session.iter().any(|(_, reason)| reason == "session"), "{session:?}");
+    assert_eq!(others.len(), 2, "without the header round robin rotates: {others:?}");
+    let m = fleet.metrics();
+    assert_eq!(prom(&m, &format!("kvgate_sessions{{model=\"{MODEL}\"}}")), Some(1.0), "{m}");
+    fleet.check();
+}
+
 // ------------------------------------------------------- monitoring --
 
 /// Metric names in a Prometheus text exposition (`name{...} v` or `name v`).

@@ -176,6 +176,7 @@ impl App {
             max_tokens: req.max_tokens,
             by_load,
             allowed,
+            session: &req.session_id,
         };
         let mut answer = self.decide(model, &input, t0)?;
         answer.retained_chain_hashes = retained;
@@ -200,6 +201,7 @@ impl App {
             max_tokens: None,
             by_load: Some(ByLoad::NoPrompt),
             allowed,
+            session: "",
         };
         self.decide(m, &input, Instant::now())
     }

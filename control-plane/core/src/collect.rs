@@ -121,6 +121,9 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
         let n = st.index().distinct_blocks(t) as u64;
         s.gauge("kvgate_index_blocks", "Distinct blocks in the index, by tier.", l(&[("tier", tier)]), n);
     }
+    let (pinned, refused) = st.sessions();
+    s.gauge("kvgate_sessions", "Sessions pinned to a worker (session affinity).", l(&[]), pinned as u64);
+    s.counter("kvgate_sessions_refused", "Sessions not pinned because the table was full.", l(&[]), refused);
     let heap = st.index().approx_heap_bytes() as u64;
     s.gauge("kvgate_index_heap_bytes", "Approximate heap bytes of the index.", l(&[]), heap);
     for mode in kvgate_scheduler::Mode::ALL {

@@ -21,6 +21,7 @@ fn state() -> ModelState {
             suspect_after_failures: 2,
             suspect_ms: 3000,
             allowed_endpoints: Vec::new(),
+            session: Default::default(),
         },
         1,
     )
@@ -53,6 +54,7 @@ fn picked(st: &mut ModelState, now: u64) -> Vec<String> {
             max_tokens: Some(1),
             by_load: None,
             allowed: None,
+            session: "",
         };
         match st.pick(&input, now) {
             Ok(o) => {
@@ -178,6 +180,7 @@ fn prediction_accuracy_judges_only_predictions_that_were_made() {
             max_tokens: Some(1),
             by_load: None,
             allowed: None,
+            session: "",
         };
         let out = st.pick(&input, 1).unwrap();
         let report = pb::CompletionReport {
@@ -229,6 +232,7 @@ fn a_move_for_load_names_the_overlap_it_passed_over() {
             max_tokens: Some(16),
             by_load: None,
             allowed: None,
+            session: "",
         };
         st.pick(&input, 2).unwrap()
     };

@@ -44,6 +44,8 @@ pub(crate) struct Exchange {
     method: String,
     path: String,
     request_id: String,
+    /// `x-session-id`, when usable as a session key.
+    session: String,
     subset: Option<Vec<String>>,
     /// The request body, while it is read.
     body: Vec<u8>,
@@ -77,6 +79,7 @@ impl Exchange {
             method: String::new(),
             path: String::new(),
             request_id: String::new(),
+            session: String::new(),
             subset: None,
             body: Vec::new(),
             holding_headers: false,
@@ -138,6 +141,13 @@ impl Exchange {
                 ":method" => self.method = value,
                 ":path" => self.path = value,
                 "x-request-id" => self.request_id = value,
+                // The filter's default session header, with its rules.
+                "x-session-id"
+                    if value.len() <= kvgate_filter_core::filter::MAX_SESSION_BYTES
+                        && value.bytes().all(|b| (b' '..=b'~').contains(&b)) =>
+                {
+                    self.session = value
+                }
                 _ => {}
             }
         }
@@ -283,6 +293,7 @@ impl Exchange {
             lora_name: "",
             model: &e.model,
             body_bytes: u32::try_from(body.len()).unwrap_or(u32::MAX),
+            session_id: &self.session,
         };
         let req = pick_request(&e, api, &meta, &hashes);
         let model = e.model.clone().into_owned();

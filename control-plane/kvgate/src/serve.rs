@@ -55,6 +55,14 @@ pub(crate) struct ServeArgs {
     /// Heartbeat timeout of --model in ms (0 = 3 intervals).
     #[arg(long, env = "KVGATE_HEARTBEAT_TIMEOUT_MS")]
     heartbeat_timeout_ms: Option<u64>,
+    /// Session affinity of --model (`true` / `false`, default false): keep a
+    /// session (the filter's session header) on its worker unless that
+    /// worker is saturated or gone.
+    #[arg(long, env = "KVGATE_SESSION_AFFINITY")]
+    session_affinity: Option<bool>,
+    /// How long a session stays pinned after its last request, ms (--model).
+    #[arg(long, env = "KVGATE_SESSION_TTL_MS")]
+    session_ttl_ms: Option<u64>,
     /// Static workers of --model, `id=ip:port`, repeatable.
     #[arg(long = "worker", requires = "model")]
     workers: Vec<String>,
@@ -71,6 +79,8 @@ pub(crate) fn model_flags_without_model(m: &clap::ArgMatches) -> Vec<&'static st
         ("block_size", "--block-size"),
         ("mode", "--mode"),
         ("heartbeat_timeout_ms", "--heartbeat-timeout-ms"),
+        ("session_affinity", "--session-affinity"),
+        ("session_ttl_ms", "--session-ttl-ms"),
         ("workers", "--worker"),
     ]
     .into_iter()
@@ -114,6 +124,13 @@ fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
             mode: a.mode,
             heartbeat_timeout_ms: a.heartbeat_timeout_ms,
             workers,
+            session: (a.session_affinity.is_some() || a.session_ttl_ms.is_some()).then_some(
+                kvgate_server::config::RawSession {
+                    enabled: a.session_affinity,
+                    ttl_ms: a.session_ttl_ms,
+                    max_sessions: None,
+                },
+            ),
             ..Default::default()
         };
         match raw.models.iter_mut().find(|x| x.name == m.name) {

@@ -186,3 +186,55 @@ async fn two_replicas_share_in_flight_load() {
     ha.stop().await.unwrap();
     hbh.stop().await.unwrap();
 }
+
+/// Session affinity across replicas: the pin one replica makes reaches the
+/// other over NATS (with the in-flight event), so a conversation whose
+/// requests Envoy spreads over both replicas stays on one worker, while
+/// requests without a session keep rotating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_keep_a_session_on_one_worker() {
+    let dir = kvgate_testkit::scratch_dir("cp-sessions").unwrap();
+    let nats = NatsServer::start(&dir).unwrap();
+    let with_sessions = |replica: &str| {
+        let mut raw = raw_config(nats.port, "round_robin", replica);
+        raw.models[0].session = Some(kvgate_server::config::RawSession { enabled: Some(true), ..Default::default() });
+        kvgate_server::Config::validate(raw).unwrap()
+    };
+    let (ba, app_a, ha) = kvgate_server::spawn(with_sessions("cp-a")).await.unwrap();
+    let (bb, app_b, hbh) = kvgate_server::spawn(with_sessions("cp-b")).await.unwrap();
+    let mut ws = Vec::new();
+    for (w, endpoint, epoch) in
+        [("w0", "127.0.0.1:9000", 50), ("w1", "127.0.0.1:9001", 51), ("w2", "127.0.0.1:9002", 52)]
+    {
+        ws.push(Arc::new(Mutex::new(TestRelay::start(nats.port, w, endpoint, epoch).await)));
+    }
+    let hb = heartbeats(ws.clone());
+    until(5, "workers live on both", || async {
+        ["w0", "w1", "w2"].iter().all(|w| worker_live(&app_a, w) && worker_live(&app_b, w))
+    })
+    .await;
+    let (mut ca, mut cb) = (client(ba.grpc).await, client(bb.grpc).await);
+    let req = |id: &str, session: &str| pb::PickRequest { session_id: session.into(), ..pick_req(id, &prompt(64, 1)) };
+    let first = ca.pick(req("a0", "chat-7")).await.unwrap().into_inner();
+    done(&mut ca, "a0", &first.worker_id).await;
+    let pinned = |app: &App| metric(&app.render_metrics(), "kvgate_sessions{model=\"m\"}");
+    until(5, "B learns A's pin", || async { pinned(&app_b) == 1.0 }).await;
+    let mut rotated = std::collections::BTreeSet::new();
+    for i in 0..6 {
+        let id = format!("b{i}");
+        let r = cb.pick(req(&id, "chat-7")).await.unwrap().into_inner();
+        assert_eq!(r.worker_id, first.worker_id, "request {i} of the session on the other replica");
+        done(&mut cb, &id, &r.worker_id).await;
+        let id = format!("n{i}");
+        let n = cb.pick(req(&id, "")).await.unwrap().into_inner();
+        rotated.insert(n.worker_id.clone());
+        done(&mut cb, &id, &n.worker_id).await;
+    }
+    assert_eq!(rotated.len(), 3, "requests without a session rotate: {rotated:?}");
+    let m = app_b.render_metrics();
+    assert!(metric(&m, "kvgate_pick_decisions_total{model=\"m\",mode=\"round_robin\",reason=\"session\"}") >= 1.0);
+    assert_eq!(pinned(&app_a), 1.0);
+    hb.abort();
+    ha.stop().await.unwrap();
+    hbh.stop().await.unwrap();
+}

@@ -13,6 +13,7 @@
 //!   "max_fallbacks": 2,
 //!   "debug_headers": false,
 //!   "retained_conversations": 4096,
+//!   "session_header": "x-session-id",
 //!   "lora_adapters": { "sql-lora": "llama-3-8b" },
 //!   "reports": { "enabled": true, "interval_ms": 1000, "max_batch": 512, "max_queue": 8192, "tail_bytes": 16384 }
 //! }
@@ -77,6 +78,10 @@ pub struct Config {
     pub retained_conversations: usize,
     /// LoRA adapter name → base model.
     pub lora_adapters: BTreeMap<String, String>,
+    /// Request header whose value is the session key sent with the Pick
+    /// (lowercase; "" = none sent). The control plane uses it only when
+    /// its session affinity is on.
+    pub session_header: String,
     /// Completion reports.
     pub reports: Reports,
     /// The serialized `envoy.config.core.v3.GrpcService` handed to Envoy
@@ -134,6 +139,7 @@ struct RawConfig {
     max_fallbacks: Option<usize>,
     debug_headers: Option<bool>,
     retained_conversations: Option<usize>,
+    session_header: Option<String>,
     #[serde(default)]
     lora_adapters: BTreeMap<String, String>,
     #[serde(default)]
@@ -250,6 +256,11 @@ impl Config {
                 return Err(err("lora_adapters", adapter, "adapter and base model names must be non-empty and differ"));
             }
         }
+        let session_header = raw.session_header.unwrap_or_else(|| "x-session-id".into());
+        let token = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b);
+        if !session_header.bytes().all(token) || session_header.len() > 128 {
+            return Err(err("session_header", &session_header, "must be a lowercase header name (or \"\" for none)"));
+        }
         let r = raw.reports;
         let reports = Reports {
             enabled: r.enabled.unwrap_or(true),
@@ -298,6 +309,7 @@ impl Config {
             debug_headers: raw.debug_headers.unwrap_or(false),
             retained_conversations,
             lora_adapters: raw.lora_adapters,
+            session_header,
             reports,
             grpc_service,
         })
@@ -351,6 +363,9 @@ mod tests {
         assert_eq!(f.lora_adapters.get("a").map(String::as_str), Some("b"));
         assert_eq!(f.reports.max_queue, 3);
         assert!(f.grpc_service.ends_with(b"cp.kvgate:9000"));
+        assert_eq!(d.session_header, "x-session-id");
+        assert_eq!(Config::parse(br#"{"session_header":""}"#).unwrap().session_header, "");
+        assert_eq!(Config::parse(br#"{"session_header":"x-conv"}"#).unwrap().session_header, "x-conv");
     }
 
     #[test]
@@ -364,6 +379,8 @@ mod tests {
         assert_eq!(e(r#"{"chat_paths":["/a"],"completions_paths":["/a"]}"#).field, "completions_paths");
         assert_eq!(e(r#"{"reports":{"max_batch":10,"max_queue":5}}"#).field, "reports.max_batch");
         assert_eq!(e(r#"{"lora_adapters":{"x":""}}"#).field, "lora_adapters");
+        assert_eq!(e(r#"{"session_header":"X-Session"}"#).field, "session_header");
+        assert_eq!(e(r#"{"session_header":"a b"}"#).field, "session_header");
         assert_eq!(e(r#"{"nope":1}"#).field, "(document)");
         assert!(e(r#"{"nope":1}"#).value.contains("nope"));
         assert!(e(r#"{"failure_mode":"maybe"}"#).to_string().contains("must be"));

@@ -39,6 +39,9 @@ use crate::usage::{Tail, find_usage};
 /// timeout{response_timeout}` in Envoy 1.40).
 const TIMEOUT_MARK: &str = "{response_timeout}";
 
+/// Longest session header value sent to the control plane (bytes).
+pub const MAX_SESSION_BYTES: usize = 256;
+
 /// Debug response headers (`debug_headers: true`).
 pub const DEBUG_ENDPOINT: &str = "x-kvgate-endpoint";
 /// Worker id of the primary endpoint.
@@ -74,6 +77,8 @@ pub struct RequestFilter {
     state: State,
     api: Api,
     request_id: String,
+    /// The session header's value, when usable (visible ASCII, ≤ 256 bytes).
+    session: String,
     model: String,
     stream: bool,
     decision: Option<Decision>,
@@ -109,6 +114,7 @@ impl RequestFilter {
             state: State::Ignored,
             api: Api::Chat,
             request_id: String::new(),
+            session: String::new(),
             model: String::new(),
             stream: false,
             decision: None,
@@ -162,6 +168,14 @@ impl RequestFilter {
         self.api = api;
         self.t_start = host.now_ns();
         self.request_id = host.request_header("x-request-id").unwrap_or_default();
+        if !self.cfg.session_header.is_empty() {
+            // A value that could not be a key (too long, control bytes) is
+            // not sent: the request is routed as if it had none.
+            self.session = host
+                .request_header(&self.cfg.session_header)
+                .filter(|v| v.len() <= MAX_SESSION_BYTES && v.bytes().all(|b| (b' '..=b'~').contains(&b)))
+                .unwrap_or_default();
+        }
         host.metric(Metric::Requests, 1);
         if end_of_stream {
             return self.fail(host, Cause::Malformed, false);
@@ -219,6 +233,7 @@ impl RequestFilter {
             lora_name: lora,
             model,
             body_bytes: u32::try_from(body_size).unwrap_or(u32::MAX),
+            session_id: &self.session,
         };
         let hashes = chain_hashes(&e);
         let through = if elide { self.retained.as_ref().and_then(|r| r.last_retained(&hashes)) } else { None };
@@ -575,6 +590,24 @@ mod tests {
         assert_eq!((r.ttfb_us, r.total_us), (1300, 6300));
         assert_eq!((r.prompt_tokens, r.output_tokens, r.cached_tokens), (Some(9), Some(4), Some(0)));
         assert!(r.stream);
+    }
+
+    #[test]
+    fn the_session_header_goes_with_the_pick_when_usable() {
+        let sent = |config: &str, value: Option<&str>| {
+            let h = MockHost::post("/v1/chat/completions");
+            h.set_request_header("x-session-id", value);
+            h.set_request_header("x-conv", Some("c-9"));
+            let mut f = RequestFilter::new(cfg(config));
+            to_pick(&mut f, &h, CHAT);
+            pb::PickRequest::decode(h.picks()[0].as_slice()).unwrap().session_id
+        };
+        assert_eq!(sent("", Some("chat-42")), "chat-42");
+        assert_eq!(sent("", None), "");
+        assert_eq!(sent("", Some(&"s".repeat(MAX_SESSION_BYTES + 1))), "", "too long: not a key");
+        assert_eq!(sent("", Some("a\u{7f}b")), "", "control bytes: not a key");
+        assert_eq!(sent(r#","session_header":"x-conv""#, Some("chat-42")), "c-9");
+        assert_eq!(sent(r#","session_header":"""#, Some("chat-42")), "", "none configured");
     }
 
     #[test]

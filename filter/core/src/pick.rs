@@ -35,6 +35,8 @@ pub struct RequestMeta<'a> {
     pub model: &'a str,
     /// Body length.
     pub body_bytes: u32,
+    /// The session header's value ("" = none or not configured).
+    pub session_id: &'a str,
 }
 
 /// The chained segment hash of every message.
@@ -72,7 +74,8 @@ pub fn encode_pick(
         + len_field(meta.lora_name.len())
         + 6
         + 2
-        + 6;
+        + 6
+        + len_field(meta.session_id.len());
     for (i, m) in e.messages.iter().enumerate() {
         let l = seg_len(i, &m.role, if elided(i) { &[] } else { m.json });
         n += 1 + encoded_len_varint(l as u64) + l;
@@ -147,6 +150,7 @@ pub fn encode_pick(
         encode_key(12, WireType::Varint, &mut buf);
         encode_varint(u64::from(meta.body_bytes), &mut buf);
     }
+    put_bytes(13, meta.session_id.as_bytes(), &mut buf);
     buf
 }
 
@@ -183,6 +187,7 @@ pub fn pick_request(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>, hashes:
         max_tokens: e.max_tokens,
         stream: e.stream,
         body_bytes: meta.body_bytes,
+        session_id: meta.session_id.into(),
     }
 }
 
@@ -231,6 +236,7 @@ pub fn reason_name(r: i32) -> &'static str {
         pb::PickReason::RoundRobin => "round_robin",
         pb::PickReason::Random => "random",
         pb::PickReason::Fallback => "fallback",
+        pb::PickReason::Session => "session",
     }
 }
 
@@ -294,6 +300,7 @@ mod tests {
             msgs in prop::collection::vec(("[a-z]{0,8}", ".{0,300}"), 1..6),
             tools in any::<bool>(), stream in any::<bool>(), mt in prop::option::of(any::<u32>()),
             salt in "[a-z]{0,4}", id in "[a-z0-9-]{0,40}", lora in "[a-z]{0,5}", bytes in any::<u32>(),
+            session in "[ -~]{0,20}",
             elide in prop::option::of(0usize..7),
             prompt in prop::option::of(prop_oneof![
                 ".{0,200}".prop_map(|s| serde_json::json!(s)),
@@ -307,7 +314,7 @@ mod tests {
             let api = if let Some(p) = prompt { body["prompt"] = p; Api::Completions } else { Api::Chat };
             let text = serde_json::to_vec(&body).unwrap();
             let e = match extract(&text, api) { Ok(e) => e, Err(_) => return Ok(()) };
-            let meta = RequestMeta { request_id: &id, lora_name: &lora, model: "m", body_bytes: bytes };
+            let meta = RequestMeta { request_id: &id, lora_name: &lora, model: "m", body_bytes: bytes, session_id: &session };
             let hashes = chain_hashes(&e);
             let ours = encode_pick(&e, api, &meta, &hashes, elide);
             let mut theirs = pick_request(&e, api, &meta, &hashes);

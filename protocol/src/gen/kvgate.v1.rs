@@ -78,6 +78,11 @@ pub struct PickRequest {
     /// Length in bytes of the request body, for limits and metrics.
     #[prost(uint32, tag = "12")]
     pub body_bytes: u32,
+    /// The request's session key: the value of the filter's session header
+    /// (`x-session-id` by default), "" = none. With session affinity on, the
+    /// control plane keeps a session on the worker it last chose for it.
+    #[prost(string, tag = "13")]
+    pub session_id: ::prost::alloc::string::String,
     /// The prompt of a /v1/completions request (API_KIND_COMPLETIONS only).
     #[prost(oneof = "pick_request::Prompt", tags = "6, 7")]
     pub prompt: ::core::option::Option<pick_request::Prompt>,
@@ -262,6 +267,8 @@ pub enum PickReason {
     /// The model's preferred path failed (e.g. tokenization) and a load-only
     /// choice was made instead.
     Fallback = 6,
+    /// Session affinity kept the request on its session's worker.
+    Session = 7,
 }
 impl PickReason {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -277,6 +284,7 @@ impl PickReason {
             Self::RoundRobin => "PICK_REASON_ROUND_ROBIN",
             Self::Random => "PICK_REASON_RANDOM",
             Self::Fallback => "PICK_REASON_FALLBACK",
+            Self::Session => "PICK_REASON_SESSION",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -289,6 +297,7 @@ impl PickReason {
             "PICK_REASON_ROUND_ROBIN" => Some(Self::RoundRobin),
             "PICK_REASON_RANDOM" => Some(Self::Random),
             "PICK_REASON_FALLBACK" => Some(Self::Fallback),
+            "PICK_REASON_SESSION" => Some(Self::Session),
             _ => None,
         }
     }
@@ -568,6 +577,10 @@ pub struct InflightEvent {
     /// When the step happened, unix nanoseconds.
     #[prost(uint64, tag = "7")]
     pub ts_unix_nanos: u64,
+    /// The request's session key (ADDED only; "" = none): the other replicas
+    /// pin the session to `worker_id` too.
+    #[prost(string, tag = "8")]
+    pub session_id: ::prost::alloc::string::String,
 }
 /// Lifecycle steps of one replica, batched. Subject: `<prefix>.inflight.<model>`.
 /// Every replica subscribes and ignores its own `replica_id`.

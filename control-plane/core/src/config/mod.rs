@@ -30,6 +30,10 @@
 //! suspect_ms = 3000                     #   take a worker out of routing this long; 0 = off
 //! allowed_endpoints = ["10.0.0.0/8"]    # endpoints relays may claim (ip:port, ip, ip/len); default: any
 //! workers = [{ id = "w0", endpoint = "10.0.0.5:8000" }]   # optional static workers
+//! [models.session]                      # session affinity (x-session-id, see the filter)
+//! enabled = false                       # keep a session on its worker unless saturated or gone
+//! ttl_ms = 600000                       # a pin lapses this long after the session's last request
+//! max_sessions = 1000000                # sessions pinned at once; more are routed by the policy
 //! [models.kv]                           # optional weights (kvgate_scheduler::KvConfig)
 //! unit = "time"                         # time | blocks (Dynamo's cost)
 //! learn_timing = true                  # learn the engine's timing online (below: priors)
@@ -142,6 +146,21 @@ pub struct RawModel {
     pub workers: Vec<RawWorker>,
     /// `kv` weights.
     pub kv: Option<RawKv>,
+    /// Session affinity.
+    pub session: Option<RawSession>,
+}
+
+/// Optional `[models.session]` table: session affinity.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RawSession {
+    /// Keep a session on its worker (default false).
+    pub enabled: Option<bool>,
+    /// A pin lapses this long after the session's last request (default
+    /// 600000 ms).
+    pub ttl_ms: Option<u64>,
+    /// Most sessions pinned at once (default 1000000).
+    pub max_sessions: Option<usize>,
 }
 
 /// The file as parsed, before validation. Flags and environment variables

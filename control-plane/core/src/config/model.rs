@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use kvgate_protocol::BlockSize;
 use kvgate_scheduler::{CostUnit, KvConfig, Mode};
 
-use super::{ConfigError, ModelSettings, RawKv, RawModel, RawWorker, err, weight};
+use super::{ConfigError, ModelSettings, RawKv, RawModel, RawSession, RawWorker, err, weight};
 use crate::endpoints::EndpointRule;
-use crate::model::ModelConfig;
+use crate::model::{ModelConfig, SessionConfig};
 
 /// Validates `models[i]`.
 pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigError> {
@@ -36,6 +36,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
         let rule = EndpointRule::parse(e).map_err(|why| err(format!("models[{i}].allowed_endpoints[{j}]"), e, why))?;
         allowed_endpoints.push(rule);
     }
+    let session = session_config(&f, m.session.clone().unwrap_or_default())?;
     let suspect_ms = m.suspect_ms.unwrap_or(3000);
     if !(100..=600_000).contains(&suspect_ms) {
         return Err(err(f("suspect_ms"), suspect_ms, "must be between 100 and 600000"));
@@ -54,6 +55,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
             suspect_after_failures: m.suspect_after_failures.unwrap_or(2),
             suspect_ms,
             allowed_endpoints,
+            session,
         },
         tokenizer_dir: m.tokenizer_dir,
     })
@@ -101,6 +103,20 @@ fn kv_config(f: &dyn Fn(&str) -> String, k: RawKv) -> Result<KvConfig, ConfigErr
         return Err(err(f("kv.inflight_wait_weight"), kv.inflight_wait_weight, "must be in [0, 1]"));
     }
     Ok(kv)
+}
+
+/// Session affinity: a TTL of 1 s to 7 days, at least one session.
+fn session_config(f: &dyn Fn(&str) -> String, s: RawSession) -> Result<SessionConfig, ConfigError> {
+    let d = SessionConfig::default();
+    let ttl_ms = s.ttl_ms.unwrap_or(d.ttl_ms);
+    if !(1000..=7 * 86_400_000).contains(&ttl_ms) {
+        return Err(err(f("session.ttl_ms"), ttl_ms, "must be between 1000 and 604800000 (7 days)"));
+    }
+    let max = s.max_sessions.unwrap_or(d.max);
+    if max == 0 {
+        return Err(err(f("session.max_sessions"), max, "must be > 0"));
+    }
+    Ok(SessionConfig { enabled: s.enabled.unwrap_or(d.enabled), ttl_ms, max })
 }
 
 /// Workers routed to without relays: non-empty ids, `ip:port` endpoints.

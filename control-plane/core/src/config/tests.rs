@@ -109,3 +109,20 @@ fn tls_files_come_together_and_hold_pem() {
     assert!(e.reason.starts_with("cannot read"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn session_affinity_is_off_by_default_and_validated() {
+    let c = Config::validate(RawConfig { models: vec![model("m")], ..Default::default() }).unwrap();
+    assert_eq!(c.models[0].routing.session, crate::model::SessionConfig::default());
+    assert!(!c.models[0].routing.session.enabled);
+    let text = "[[models]]\nname = \"m\"\nblock_size = 16\n[models.session]\nenabled = true\nttl_ms = 60000\n";
+    let on = Config::validate(RawConfig::from_toml(text, "config.toml").unwrap()).unwrap();
+    assert!(on.models[0].routing.session.enabled);
+    assert_eq!(on.models[0].routing.session.ttl_ms, 60_000);
+    let short = Config::validate(RawConfig::from_toml(&text.replace("60000", "10"), "c").unwrap()).unwrap_err();
+    assert_eq!((short.field.as_str(), short.value.as_str()), ("models[0].session.ttl_ms", "10"), "{short}");
+    let none = text.replace("ttl_ms = 60000", "max_sessions = 0");
+    let e = Config::validate(RawConfig::from_toml(&none, "c").unwrap()).unwrap_err();
+    assert_eq!(e.field, "models[0].session.max_sessions");
+    assert!(RawConfig::from_toml(&text.replace("enabled", "on"), "c").is_err(), "unknown fields are errors");
+}

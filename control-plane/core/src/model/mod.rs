@@ -8,6 +8,7 @@
 //! | `mod.rs` | the state; KV event batches, snapshots, reports, replica events |
 //! | [`sync`] | the stream-sync state machine (one `accept` per batch) |
 //! | [`pick`] | candidates, the policy's decision, its bookkeeping |
+//! | [`sessions`] | session affinity: session key → worker, sliding TTL |
 //! | [`workers`] | registry, liveness, heartbeats, expiry, admin view |
 //! | [`counters`] | the model's counters and their metric labels |
 //!
@@ -20,6 +21,7 @@
 
 pub mod counters;
 pub mod pick;
+pub mod sessions;
 pub mod sync;
 pub mod workers;
 
@@ -34,6 +36,8 @@ use crate::timing::{Calibration, Prior};
 
 pub use counters::ModelCounters;
 pub use pick::{BY_LOAD, ByLoad, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
+pub use sessions::SessionConfig;
+use sessions::Sessions;
 use sync::{Accept, Resync, StreamSync};
 use workers::Worker;
 pub use workers::{WorkerView, reached_another};
@@ -69,6 +73,8 @@ pub struct ModelConfig {
     pub suspect_ms: u64,
     /// Endpoints relays may claim; empty = any (see [`crate::endpoints`]).
     pub allowed_endpoints: Vec<crate::endpoints::EndpointRule>,
+    /// Session affinity (off by default).
+    pub session: SessionConfig,
 }
 
 /// Something the adapters must do for this model.
@@ -90,6 +96,7 @@ pub struct ModelState {
     names: HashMap<WorkerIdx, String>,
     /// Predicted cached tokens and pick time, by request id (kv mode).
     predicted: HashMap<String, (u32, u64)>,
+    sessions: Sessions,
     rng: fastrand::Rng,
     counters: ModelCounters,
     scratch: Vec<Overlap>,
@@ -129,6 +136,7 @@ impl ModelState {
             workers: HashMap::new(),
             names: HashMap::new(),
             predicted: HashMap::new(),
+            sessions: Sessions::new(config.session),
             rng: fastrand::Rng::with_seed(seed),
             counters: ModelCounters::default(),
             scratch: Vec::new(),
@@ -172,6 +180,11 @@ impl ModelState {
     /// Requests in flight (all replicas).
     pub fn inflight(&self) -> usize {
         self.tracker.inflight()
+    }
+
+    /// Sessions pinned now, and sessions refused a pin (table full).
+    pub fn sessions(&self) -> (usize, u64) {
+        (self.sessions.len(), self.sessions.refused)
     }
 
     /// Switches the routing mode (learned state of the old policy is dropped).
@@ -380,6 +393,7 @@ impl ModelState {
         let idx = w.idx;
         let r = match pb::InflightPhase::try_from(ev.phase) {
             Ok(pb::InflightPhase::Added) => {
+                self.sessions.pin(&ev.session_id, idx, now_ms);
                 let out = u64::from(ev.expected_output_tokens.div_ceil(self.config.block_size.get()));
                 self.tracker.added_counted(&ev.request_id, idx, ev.prompt_blocks, ev.overlap_blocks, out, now_ms)
             }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use kvgate_index::{Tier, WorkerIdx};
 use kvgate_protocol::pb;
 use kvgate_protocol::{BlockSeed, SequenceHash, sequence_hashes};
-use kvgate_scheduler::{Candidate, Decision, Mode, Policy as _, Reason, RequestView};
+use kvgate_scheduler::{Candidate, Decision, KvConfig, KvPolicy, Mode, Policy as _, Reason, RequestView};
 
 use super::ModelState;
 
@@ -34,6 +34,8 @@ pub struct PickInput<'a> {
     /// hint); `None` = every live worker. Workers outside it are excluded
     /// from the pick, so the ranking is made among the allowed ones.
     pub allowed: Option<&'a [String]>,
+    /// The request's session key ("" = none); see [`super::sessions`].
+    pub session: &'a str,
 }
 
 /// Why a request is routed by load instead of by its prompt.
@@ -114,8 +116,33 @@ pub fn reason_label(r: pb::PickReason) -> &'static str {
         pb::PickReason::RoundRobin => "round_robin",
         pb::PickReason::Random => "random",
         pb::PickReason::Fallback => "fallback",
+        pb::PickReason::Session => "session",
         pb::PickReason::Unspecified => "unspecified",
     }
+}
+
+/// The policy's `decision`, unless the session's worker `pinned` can take
+/// the request: then that worker, with the policy's choice first among the
+/// fallbacks. A pinned worker that is gone (not a candidate), excluded or
+/// saturated (its running limit reached, or its KV blocks would overflow,
+/// as `kv` judges it) is passed over. Returns whether the pin changed the
+/// policy's choice (the decision's reason is then `session`).
+fn keep_session(
+    decision: Decision,
+    cands: &[Candidate],
+    pinned: WorkerIdx,
+    view: &RequestView<'_>,
+) -> (Decision, bool) {
+    let judge = KvPolicy::new(KvConfig::default());
+    let Some(p) = cands.iter().position(|c| c.worker == pinned && !c.excluded && !judge.saturated(view, c)) else {
+        return (decision, false);
+    };
+    if p == decision.chosen {
+        return (decision, false);
+    }
+    let n = decision.fallbacks.len();
+    let fallbacks = std::iter::once(decision.chosen).chain(decision.fallbacks).filter(|i| *i != p).take(n).collect();
+    (Decision { chosen: p, fallbacks, reason: decision.reason }, true)
 }
 
 impl ModelState {
@@ -138,7 +165,12 @@ impl ModelState {
             self.policy.pick(&view, &c.cands, &mut self.rng)
         };
         let decision = decision.ok_or(if c.cands.is_empty() { NoWorker::NoneLive } else { NoWorker::NoneAllowed })?;
+        let (decision, pinned) = match self.sessions.get(input.session, now_ms) {
+            Some(w) => keep_session(decision, &c.cands, w, &view),
+            None => (decision, false),
+        };
         let chosen = c.cands[decision.chosen];
+        self.sessions.pin(input.session, chosen.worker, now_ms);
         self.policy.observe(&view, chosen.worker, now_ms);
         let output_blocks = u64::from(expected_output_tokens.div_ceil(bs.get()));
         // Its new prefill excludes what requests in flight there compute.
@@ -159,7 +191,11 @@ impl ModelState {
         if self.mode == Mode::Kv && input.by_load.is_none() {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
-        Ok(self.output(input, &c, &decision, hashes.len() as u32, expected_output_tokens))
+        let mut out = self.output(input, &c, &decision, hashes.len() as u32, expected_output_tokens);
+        if pinned {
+            out.reason = pb::PickReason::Session;
+        }
+        Ok(out)
     }
 
     /// The live workers with their overlaps and loads; those outside
@@ -239,6 +275,7 @@ impl ModelState {
                 overlap_blocks: chosen.overlap_blocks,
                 expected_output_tokens,
                 ts_unix_nanos: 0,
+                session_id: input.session.to_owned(),
             },
         }
     }

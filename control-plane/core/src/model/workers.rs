@@ -237,6 +237,7 @@ impl ModelState {
                 self.calibration.touch(w.idx, &self.tracker.load(w.idx), now_ms);
             }
         }
+        self.sessions.expire(now_ms);
         let ttl = self.config.inflight_ttl_ms;
         self.predicted.retain(|_, (_, t)| now_ms.saturating_sub(*t) <= ttl);
         dead

@@ -152,7 +152,12 @@ impl Drop for TestRelay {
 }
 
 pub fn config(nats_port: u16, mode: &str, replica: &str) -> Config {
-    Config::validate(RawConfig {
+    Config::validate(raw_config(nats_port, mode, replica)).unwrap()
+}
+
+/// The configuration of [`config`], before validation.
+pub fn raw_config(nats_port: u16, mode: &str, replica: &str) -> RawConfig {
+    RawConfig {
         listen_grpc: Some("127.0.0.1:0".into()),
         listen_admin: Some("127.0.0.1:0".into()),
         nats_url: Some(format!("nats://127.0.0.1:{nats_port}")),
@@ -167,8 +172,7 @@ pub fn config(nats_port: u16, mode: &str, replica: &str) -> Config {
             ..Default::default()
         }],
         ..Default::default()
-    })
-    .unwrap()
+    }
 }
 
 pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
