@@ -123,7 +123,7 @@ struct ReqArgs {
 /// The flags every sweep shares (`doks` and the request workloads).
 #[derive(clap::Args)]
 struct SweepArgs {
-    /// Modes: kv, kv_true_constants, approx, least_load, round_robin
+    /// Modes: kv, kv_true_constants, kv_no_speculation, approx, least_load, round_robin
     /// (kvgate), sglang_cache_aware (peer). Default: round_robin, kv,
     /// approx, least_load, sglang_cache_aware (with --quick: round_robin,
     /// kv, sglang_cache_aware).
@@ -282,6 +282,7 @@ impl Sweep {
                 "control_plane": "defaults, plus kv_settings; no engine timing passed (learn_timing defaults to true)",
                 "kv_settings": fleet.kv_settings,
                 "kv_true_constants": fleet.true_constants().unwrap_or_default(),
+                "kv_no_speculation": stack::NO_SPECULATION,
             },
             "cpu_limit": self.cpu_limit,
             "fleet": {

@@ -86,6 +86,7 @@ pub fn colour(mode: &str) -> &'static str {
         "dynamo" => "#17becf",
         "dynamo_round_robin" => "#bcbd22",
         "kv_true_constants" => "#e377c2",
+        "kv_no_speculation" => "#ff9896",
         _ => "#7f7f7f",
     }
 }

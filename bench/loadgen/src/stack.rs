@@ -135,6 +135,9 @@ impl FleetSpec {
     }
 }
 
+/// The `[models.kv]` lines of the `kv_no_speculation` mode.
+pub const NO_SPECULATION: [&str; 2] = ["inflight_hit_weight = 0", "inflight_wait_weight = 0"];
+
 /// What fronts the fleet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frontend {
@@ -145,6 +148,12 @@ pub enum Frontend {
     /// Envoy with the kvgate filter; the control plane in `kv` mode told the
     /// preset's true constants, learning off ([`FleetSpec::true_constants`]).
     KvTrueConstants,
+    /// Envoy with the kvgate filter; the control plane in `kv` mode without
+    /// its speculative index: requests in flight lend no overlap
+    /// (`inflight_hit_weight = 0`, `inflight_wait_weight = 0`), so a worker
+    /// counts as holding a prefix only once its KV events say so, as
+    /// Dynamo's router does.
+    KvNoSpeculation,
     /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
     /// `round-robin`) in front of Dynamo's own mocker workers
     /// ([`Stack::start_dynamo`]).
@@ -158,6 +167,7 @@ impl Frontend {
             Frontend::Kvgate(m) => m.clone(),
             Frontend::Sglang(p) => format!("sglang_{p}"),
             Frontend::KvTrueConstants => "kv_true_constants".into(),
+            Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::Dynamo(m) if m == "kv" => "dynamo".into(),
             Frontend::Dynamo(m) => format!("dynamo_{}", m.replace('-', "_")),
         }
@@ -168,12 +178,13 @@ impl Frontend {
         Ok(match s {
             "kv" | "approx" | "least_load" | "round_robin" | "random" => Frontend::Kvgate(s.into()),
             "kv_true_constants" => Frontend::KvTrueConstants,
+            "kv_no_speculation" => Frontend::KvNoSpeculation,
             "dynamo" => Frontend::Dynamo("kv".into()),
             "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
                 ),
             },
         })
@@ -326,6 +337,11 @@ impl Stack {
             Frontend::KvTrueConstants => {
                 let mut told = fleet.clone();
                 told.kv_settings.extend(fleet.true_constants()?);
+                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+            }
+            Frontend::KvNoSpeculation => {
+                let mut told = fleet.clone();
+                told.kv_settings.extend(NO_SPECULATION.iter().map(|l| (*l).to_owned()));
                 stack.start_kvgate(&told, "kv", &tk, &zmq)?
             }
             Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),

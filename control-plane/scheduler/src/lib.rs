@@ -26,7 +26,7 @@ pub mod round_robin;
 pub use approx::{ApproxConfig, ApproxPolicy};
 pub use kv::{CostUnit, KvConfig, KvPolicy};
 pub use least_load::LeastLoadPolicy;
-pub use load::{InflightShare, LifecycleError, LoadTracker, Measured};
+pub use load::{InflightShare, LifecycleError, LoadTracker, Measured, SHARED_PROMPT_BLOCKS};
 pub use policy::{Candidate, Decision, EngineTiming, Load, Policy, Reason, RequestView};
 pub use random::RandomPolicy;
 pub use round_robin::RoundRobinPolicy;

@@ -26,6 +26,11 @@ use crate::policy::Load;
 
 type Map<K, V> = HashMap<K, V, RandomState>;
 
+/// Most leading prompt block hashes a replica shares per request (64 K
+/// tokens at block size 16; 32 KiB on the wire): enough for the prefixes a
+/// burst shares, bounded for NATS.
+pub const SHARED_PROMPT_BLOCKS: usize = 4096;
+
 /// A worker's last heartbeat.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Measured {
@@ -151,21 +156,28 @@ impl LoadTracker {
         share
     }
 
-    /// A request routed by another control-plane replica, known only by its
-    /// block counts (replica sync carries no hashes): its prompt blocks are
-    /// counted without deduplication against other requests.
-    pub fn added_counted(
+    /// A request routed by another control-plane replica: `prompt_blocks`
+    /// in all, of which the leading `prompt` are known by hash (the replica
+    /// shares up to [`SHARED_PROMPT_BLOCKS`] of them; none from an older
+    /// replica). The hashed blocks are deduplicated and count as in-flight
+    /// overlap here as they do on the replica that routed it; the rest are
+    /// counted.
+    #[allow(clippy::too_many_arguments)]
+    pub fn added_shared(
         &mut self,
         request_id: &str,
         worker: WorkerIdx,
+        prompt: &[SequenceHash],
         prompt_blocks: u32,
         overlap_blocks: u32,
         output_blocks: u64,
         now_ms: u64,
     ) -> Result<(), LifecycleError> {
+        let prompt = prompt.get(..prompt.len().min(prompt_blocks as usize)).unwrap_or_default();
         let new_prefill_blocks = u64::from(prompt_blocks.saturating_sub(overlap_blocks));
-        let counted = u64::from(prompt_blocks);
-        self.insert(request_id, worker, Box::new([]), 0, counted, new_prefill_blocks, output_blocks, now_ms)
+        let counted = u64::from(prompt_blocks).saturating_sub(prompt.len() as u64);
+        let own_from = (overlap_blocks as usize).min(prompt.len());
+        self.insert(request_id, worker, prompt.into(), own_from, counted, new_prefill_blocks, output_blocks, now_ms)
     }
 
     /// Starts tracking a request: its prompt blocks either by hash

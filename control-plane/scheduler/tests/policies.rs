@@ -490,3 +490,31 @@ proptest! {
         prop_assert_eq!(a, b);
     }
 }
+
+/// A request another replica routed, known by its leading block hashes
+/// (capped) and its block count: the hashed blocks are in-flight overlap
+/// and deduplicated like this replica's own; the rest are counted.
+#[test]
+fn a_replicas_request_lends_its_hashed_blocks_and_counts_the_rest() {
+    let mut t = LoadTracker::new();
+    let doc: Vec<SequenceHash> = (0..100).map(SequenceHash).collect();
+    // 100 blocks, of which the first 60 are shared by hash; 20 were cached.
+    t.added_shared("r", WorkerIdx(0), &doc[..60], 100, 20, 4, 0).unwrap();
+    let share = t.inflight_share(WorkerIdx(0), &doc);
+    assert_eq!((share.blocks, share.computing), (60, 40));
+    let load = t.load(WorkerIdx(0));
+    assert_eq!((load.prefill_pending_blocks, load.active_blocks), (80, 60 + 40 + 4));
+    // A local request on the same document: the hashed part counts once.
+    t.added("l", WorkerIdx(0), &doc[..60], 60, 4, 0).unwrap();
+    assert_eq!(t.load(WorkerIdx(0)).active_blocks, 60 + 40 + 8);
+    // Without hashes (an older replica) everything is counted.
+    t.added_shared("old", WorkerIdx(1), &[], 100, 0, 0, 0).unwrap();
+    assert_eq!((t.inflight_share(WorkerIdx(1), &doc).blocks, t.load(WorkerIdx(1)).active_blocks), (0, 100));
+    // More hashes than blocks is a malformed event: only `prompt_blocks` are used.
+    t.added_shared("odd", WorkerIdx(2), &doc, 10, 0, 0, 0).unwrap();
+    assert_eq!(t.inflight_share(WorkerIdx(2), &doc).blocks, 10);
+    for id in ["r", "l", "old", "odd"] {
+        t.done(id).unwrap();
+    }
+    assert_eq!(t.load(WorkerIdx(0)).active_blocks, 0);
+}

@@ -77,11 +77,13 @@ pub(crate) async fn nats_task(
                     if v.len() >= 512 { break; }
                 }
                 for (model, events) in by_model {
-                    let batch = pb::InflightBatch { replica_id: app.config.replica_id.clone(), model: model.clone(), events };
-                    match client.publish(app.subjects.inflight(&model), batch.encode_to_vec().into()).await {
-                        Ok(()) => app.metrics.global.inflight_published.inc(),
-                        Err(_) => app.metrics.global.inflight_publish_errors.inc(),
-                    };
+                    for events in in_batches(events, MAX_INFLIGHT_BATCH_BYTES) {
+                        let batch = pb::InflightBatch { replica_id: app.config.replica_id.clone(), model: model.clone(), events };
+                        match client.publish(app.subjects.inflight(&model), batch.encode_to_vec().into()).await {
+                            Ok(()) => app.metrics.global.inflight_published.inc(),
+                            Err(_) => app.metrics.global.inflight_publish_errors.inc(),
+                        };
+                    }
                 }
             }
             _ = state_poll.tick() => {
@@ -163,5 +165,59 @@ pub async fn fetch_snapshot(
             let _ = sub.unsubscribe().await;
             return Ok(chunks.into_iter().flatten().collect());
         }
+    }
+}
+
+/// Largest in-flight batch published, in encoded event bytes: well under
+/// NATS's default 1 MiB payload limit (an event carries up to 4096 block
+/// hashes, 32 KiB).
+const MAX_INFLIGHT_BATCH_BYTES: usize = 256 << 10;
+
+/// `events` in order, cut into batches of at most `max_bytes` of encoded
+/// events each (an event larger than that alone in its batch).
+fn in_batches(events: Vec<pb::InflightEvent>, max_bytes: usize) -> Vec<Vec<pb::InflightEvent>> {
+    let mut out: Vec<Vec<pb::InflightEvent>> = Vec::new();
+    let mut bytes = 0;
+    for e in events {
+        let n = e.encoded_len() + 4;
+        match out.last_mut() {
+            Some(last) if bytes + n <= max_bytes => last.push(e),
+            _ => {
+                out.push(vec![e]);
+                bytes = 0;
+            }
+        }
+        bytes += n;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inflight_events_are_cut_into_bounded_batches_in_order() {
+        let ev = |i: u64, hashes: usize| pb::InflightEvent {
+            request_id: format!("r{i}"),
+            block_hashes: (0..hashes as u64).collect(),
+            ..Default::default()
+        };
+        let events: Vec<_> = (0..100).map(|i| ev(i, 4096)).collect();
+        let batches = in_batches(events, MAX_INFLIGHT_BATCH_BYTES);
+        assert!(batches.len() > 1);
+        let mut seen = 0;
+        for b in &batches {
+            let batch = pb::InflightBatch { events: b.clone(), ..Default::default() };
+            assert!(batch.encoded_len() <= MAX_INFLIGHT_BATCH_BYTES, "{}", batch.encoded_len());
+            for e in b {
+                assert_eq!(e.request_id, format!("r{seen}"));
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 100);
+        // Small events share one batch; an oversized one stands alone.
+        assert_eq!(in_batches((0..10).map(|i| ev(i, 0)).collect(), 1024).len(), 1);
+        assert_eq!(in_batches(vec![ev(0, 0), ev(1, 1000), ev(2, 0)], 1024).len(), 3);
     }
 }

@@ -238,3 +238,46 @@ async fn two_replicas_keep_a_session_on_one_worker() {
     ha.stop().await.unwrap();
     hbh.stop().await.unwrap();
 }
+
+/// Speculative index across replicas: the prompt a replica just routed is
+/// credited to its worker on the other replica too (its block hashes ride
+/// the in-flight event), before any KV event exists. A replica that knew
+/// only the block count would send the same document to the idle worker
+/// and compute it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_credits_the_prompt_another_replica_routed() {
+    let dir = kvgate_testkit::scratch_dir("cp-speculation").unwrap();
+    let nats = NatsServer::start(&dir).unwrap();
+    let (ba, app_a, ha) = kvgate_server::spawn(config(nats.port, "kv", "cp-a")).await.unwrap();
+    let (bb, app_b, hbh) = kvgate_server::spawn(config(nats.port, "kv", "cp-b")).await.unwrap();
+    let w0 = Arc::new(Mutex::new(TestRelay::start(nats.port, "w0", "127.0.0.1:9000", 60).await));
+    let w1 = Arc::new(Mutex::new(TestRelay::start(nats.port, "w1", "127.0.0.1:9001", 61).await));
+    let hb = heartbeats(vec![w0.clone(), w1.clone()]);
+    until(5, "workers live on both", || async {
+        ["w0", "w1"].iter().all(|w| worker_live(&app_a, w) && worker_live(&app_b, w))
+    })
+    .await;
+    let (mut ca, mut cb) = (client(ba.grpc).await, client(bb.grpc).await);
+    let doc = prompt(256 * BS as usize, 9);
+    let ra = ca.pick(pick_req("a", &doc)).await.unwrap().into_inner();
+    // Its first token: the document is computed there (no event sent).
+    let first = pb::CompletionReport {
+        request_id: "a".into(),
+        model: MODEL.into(),
+        worker_id: ra.worker_id.clone(),
+        status_code: 200,
+        ttfb_us: 1000,
+        ..Default::default()
+    };
+    ca.report(pb::CompletionReportBatch { reporter_id: "t".into(), reports: vec![first] }).await.unwrap();
+    let m = |app: &App| metric(&app.render_metrics(), "kvgate_model_events_total{model=\"m\",kind=\"replica_event\"}");
+    until(5, "B sees A's request and its first token", || async { m(&app_b) >= 2.0 }).await;
+    let rb = cb.pick(pick_req("b", &doc)).await.unwrap().into_inner();
+    assert_eq!(rb.worker_id, ra.worker_id, "B follows the document A's worker holds");
+    assert_eq!(app_b.index_json()[MODEL]["device_blocks"], 0, "no KV event was involved");
+    done(&mut ca, "a", &ra.worker_id).await;
+    done(&mut cb, "b", &rb.worker_id).await;
+    hb.abort();
+    ha.stop().await.unwrap();
+    hbh.stop().await.unwrap();
+}

@@ -581,6 +581,11 @@ pub struct InflightEvent {
     /// pin the session to `worker_id` too.
     #[prost(string, tag = "8")]
     pub session_id: ::prost::alloc::string::String,
+    /// ADDED only: the sequence hashes of the prompt's leading blocks (at most
+    /// 4096), so that the other replicas credit `worker_id` with them at once,
+    /// as the deciding replica does, before the worker's KV events arrive.
+    #[prost(fixed64, repeated, tag = "9")]
+    pub block_hashes: ::prost::alloc::vec::Vec<u64>,
 }
 /// Lifecycle steps of one replica, batched. Subject: `<prefix>.inflight.<model>`.
 /// Every replica subscribes and ignores its own `replica_id`.

@@ -29,7 +29,7 @@ use std::collections::HashMap;
 
 use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Overlap, Stored, Tier, WorkerIdx};
 use kvgate_protocol::pb;
-use kvgate_protocol::{BlockSeed, BlockSize};
+use kvgate_protocol::{BlockSeed, BlockSize, SequenceHash};
 use kvgate_scheduler::{KvConfig, KvPolicy, LoadTracker, Mode, Policy};
 
 use crate::timing::{Calibration, Prior};
@@ -395,7 +395,9 @@ impl ModelState {
             Ok(pb::InflightPhase::Added) => {
                 self.sessions.pin(&ev.session_id, idx, now_ms);
                 let out = u64::from(ev.expected_output_tokens.div_ceil(self.config.block_size.get()));
-                self.tracker.added_counted(&ev.request_id, idx, ev.prompt_blocks, ev.overlap_blocks, out, now_ms)
+                let hashes: Vec<SequenceHash> = ev.block_hashes.iter().map(|h| SequenceHash(*h)).collect();
+                let (prompt, overlap) = (ev.prompt_blocks, ev.overlap_blocks);
+                self.tracker.added_shared(&ev.request_id, idx, &hashes, prompt, overlap, out, now_ms)
             }
             Ok(pb::InflightPhase::FirstToken) => self.tracker.first_token(&ev.request_id),
             Ok(pb::InflightPhase::Done) => self.tracker.done(&ev.request_id),

@@ -192,6 +192,9 @@ impl ModelState {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
         let mut out = self.output(input, &c, &decision, hashes.len() as u32, expected_output_tokens);
+        // The other replicas credit the worker with these blocks at once.
+        let shared = hashes.len().min(kvgate_scheduler::SHARED_PROMPT_BLOCKS);
+        out.inflight.block_hashes = hashes.iter().take(shared).map(|h| h.0).collect();
         if pinned {
             out.reason = pb::PickReason::Session;
         }
@@ -276,6 +279,7 @@ impl ModelState {
                 expected_output_tokens,
                 ts_unix_nanos: 0,
                 session_id: input.session.to_owned(),
+                block_hashes: Vec::new(),
             },
         }
     }
