@@ -35,6 +35,12 @@ enum Cli {
     /// the fleet's KV cache holds, 5 users per tenant asking ~1.2K-token
     /// questions, Poisson arrivals; levels are requests/s (simulated).
     CachePressure(ReqArgs),
+    /// KV tiers (issue #24): the cache-pressure workload on a fleet whose
+    /// workers offload evicted blocks to host memory (twice the device
+    /// cache: device + host hold every tenant's prefix), so a prefix found
+    /// in host memory is loaded back instead of recomputed; modes kv,
+    /// kv_tier_blind, round_robin by default.
+    Tiers(ReqArgs),
     /// Agent fan-out: bursts of 8–64 sibling requests on a new 4K–32K-token
     /// prefix within milliseconds, and their follow-ups; levels are bursts
     /// per minute (simulated).
@@ -123,7 +129,7 @@ struct ReqArgs {
 /// The flags every sweep shares (`doks` and the request workloads).
 #[derive(clap::Args)]
 struct SweepArgs {
-    /// Modes: kv, kv_true_constants, kv_no_speculation, approx, least_load, round_robin
+    /// Modes: kv, kv_true_constants, kv_no_speculation, kv_tier_blind, approx, least_load, round_robin
     /// (kvgate), sglang_cache_aware (peer). Default: round_robin, kv,
     /// approx, least_load, sglang_cache_aware (with --quick: round_robin,
     /// kv, sglang_cache_aware).
@@ -283,12 +289,14 @@ impl Sweep {
                 "kv_settings": fleet.kv_settings,
                 "kv_true_constants": fleet.true_constants().unwrap_or_default(),
                 "kv_no_speculation": stack::NO_SPECULATION,
+                "kv_tier_blind": [stack::TIER_BLIND],
             },
             "cpu_limit": self.cpu_limit,
             "fleet": {
                 "preset": fleet.preset,
                 "workers": fleet.workers, "timing": fleet.timing, "block_size": fleet.block_size,
                 "num_blocks": fleet.num_blocks, "extra_workers": fleet.extra, "max_num_seqs": fleet.max_num_seqs,
+                "host_blocks": fleet.host_blocks,
                 "max_num_batched_tokens": fleet.max_num_batched_tokens,
             },
             "unix_time": self.stamp,
@@ -370,6 +378,7 @@ fn main() -> Result<()> {
         Cli::Workato(a) => requests_sweep(Kind::Workato, a),
         Cli::Groups(a) => requests_sweep(Kind::Groups, a),
         Cli::CachePressure(a) => requests_sweep(Kind::CachePressure, a),
+        Cli::Tiers(a) => requests_sweep(Kind::Tiers, a),
         Cli::Fanout(a) => requests_sweep(Kind::Fanout, a),
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Dashboard(a) => dashboard(a),
@@ -389,6 +398,7 @@ enum Kind {
     Workato,
     Groups,
     CachePressure,
+    Tiers,
     Fanout,
     Mooncake,
 }
@@ -412,6 +422,13 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             vec![4, 8, 12, 16, 20],
             1.0,
         ),
+        Kind::Tiers => (
+            "tiers",
+            "KV tiers (cache pressure with host-memory offloading: device cache 1/3 of the tenants' prefixes, host memory twice the device cache)",
+            "qps",
+            vec![10],
+            1.0,
+        ),
         Kind::Fanout => (
             "fanout",
             "Agent fan-out (bursts of 8-64 siblings on a new 4K-32K-token prefix within ms, follow-ups 20 s later)",
@@ -423,6 +440,9 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     };
     if a.levels.is_empty() {
         a.levels = default_levels;
+    }
+    if kind == Kind::Tiers && a.sweep.modes.is_empty() {
+        a.sweep.modes = ["kv", "kv_tier_blind", "round_robin"].iter().map(|m| (*m).to_owned()).collect();
     }
     a.sweep.default_modes(a.quick);
     if a.quick {
@@ -443,6 +463,9 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         sweep.fleet.workers = 4;
         sweep.fleet.num_blocks = 20_000;
     }
+    if kind == Kind::Tiers {
+        sweep.fleet.host_blocks = 2 * sweep.fleet.num_blocks;
+    }
     let horizon = a.sweep.warmup_s + a.measure_s;
     let capacity_tokens: u64 =
         sweep.fleet.kinds().iter().map(|(_, blocks)| *blocks as u64 * u64::from(sweep.fleet.block_size)).sum();
@@ -452,7 +475,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
             Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
             Kind::Fanout => (Requests::Fanout(Fanout::new(level as f64, horizon)), Load::Open { speedup }),
-            Kind::CachePressure => {
+            Kind::CachePressure | Kind::Tiers => {
                 (Requests::Groups(Groups::cache_pressure(level as f64, horizon, tenants)), Load::Open { speedup })
             }
             Kind::Mooncake => {
@@ -481,8 +504,10 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         let row = stats::summarize(mode, level, &run, speedup, block, stats::Oracle::Prefixes(wl), sw.cpu_limit);
         Ok((run, row))
     })?;
-    let tenants_note = if kind == Kind::CachePressure {
-        format!("; {tenants} tenants (their prefixes ~3x the fleet's {capacity_tokens} tokens of KV cache)")
+    let tenants_note = if matches!(kind, Kind::CachePressure | Kind::Tiers) {
+        let host = sweep.fleet.host_blocks;
+        let host = if host > 0 { format!(", host memory {host} blocks per worker") } else { String::new() };
+        format!("; {tenants} tenants (their prefixes ~3x the fleet's {capacity_tokens} tokens of KV cache{host})")
     } else {
         String::new()
     };

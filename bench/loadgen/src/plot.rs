@@ -87,6 +87,7 @@ pub fn colour(mode: &str) -> &'static str {
         "dynamo_round_robin" => "#bcbd22",
         "kv_true_constants" => "#e377c2",
         "kv_no_speculation" => "#ff9896",
+        "kv_tier_blind" => "#c49c94",
         _ => "#7f7f7f",
     }
 }

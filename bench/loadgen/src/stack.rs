@@ -40,6 +40,8 @@ pub struct FleetSpec {
     pub extra: Vec<(String, usize)>,
     /// vLLM's `max_num_seqs`.
     pub max_num_seqs: usize,
+    /// Host-memory KV blocks per worker (CPU offloading); 0 = none.
+    pub host_blocks: usize,
     /// vLLM's `max_num_batched_tokens`.
     pub max_num_batched_tokens: usize,
     /// Simulated time runs this many times faster than the wall clock.
@@ -84,6 +86,7 @@ impl FleetSpec {
             num_blocks: 11_500,
             extra: Vec::new(),
             max_num_seqs: 64,
+            host_blocks: 0,
             max_num_batched_tokens: 16_384,
             speedup,
             stream_interval,
@@ -138,6 +141,9 @@ impl FleetSpec {
 /// The `[models.kv]` lines of the `kv_no_speculation` mode.
 pub const NO_SPECULATION: [&str; 2] = ["inflight_hit_weight = 0", "inflight_wait_weight = 0"];
 
+/// The `[models.kv]` line of the `kv_tier_blind` mode.
+pub const TIER_BLIND: &str = "host_hit_weight = 0";
+
 /// What fronts the fleet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frontend {
@@ -154,6 +160,9 @@ pub enum Frontend {
     /// counts as holding a prefix only once its KV events say so, as
     /// Dynamo's router does.
     KvNoSpeculation,
+    /// Envoy with the kvgate filter; the control plane in `kv` mode blind to
+    /// host-memory blocks (`host_hit_weight = 0`).
+    KvTierBlind,
     /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
     /// `round-robin`) in front of Dynamo's own mocker workers
     /// ([`Stack::start_dynamo`]).
@@ -168,6 +177,7 @@ impl Frontend {
             Frontend::Sglang(p) => format!("sglang_{p}"),
             Frontend::KvTrueConstants => "kv_true_constants".into(),
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
+            Frontend::KvTierBlind => "kv_tier_blind".into(),
             Frontend::Dynamo(m) if m == "kv" => "dynamo".into(),
             Frontend::Dynamo(m) => format!("dynamo_{}", m.replace('-', "_")),
         }
@@ -179,12 +189,13 @@ impl Frontend {
             "kv" | "approx" | "least_load" | "round_robin" | "random" => Frontend::Kvgate(s.into()),
             "kv_true_constants" => Frontend::KvTrueConstants,
             "kv_no_speculation" => Frontend::KvNoSpeculation,
+            "kv_tier_blind" => Frontend::KvTierBlind,
             "dynamo" => Frontend::Dynamo("kv".into()),
             "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
                 ),
             },
         })
@@ -270,6 +281,7 @@ impl Stack {
         let (block, speedup) = (fleet.block_size.to_string(), fleet.speedup.to_string());
         let seqs = fleet.max_num_seqs.to_string();
         let (batched, interval) = (fleet.max_num_batched_tokens.to_string(), fleet.stream_interval.to_string());
+        let host_blocks = fleet.host_blocks.to_string();
         let mut workers = Vec::new();
         let mut zmq = Vec::new();
         for (w, (timing, blocks)) in fleet.kinds().into_iter().enumerate() {
@@ -306,6 +318,8 @@ impl Stack {
                     &interval,
                     "--default-max-tokens",
                     "830",
+                    "--host-blocks",
+                    &host_blocks,
                     // Tokenizing a long prompt must not stall the engine's steps
                     // (a real vLLM tokenizes in its API server process).
                     "--threads",
@@ -342,6 +356,11 @@ impl Stack {
             Frontend::KvNoSpeculation => {
                 let mut told = fleet.clone();
                 told.kv_settings.extend(NO_SPECULATION.iter().map(|l| (*l).to_owned()));
+                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+            }
+            Frontend::KvTierBlind => {
+                let mut told = fleet.clone();
+                told.kv_settings.push(TIER_BLIND.to_owned());
                 stack.start_kvgate(&told, "kv", &tk, &zmq)?
             }
             Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),

@@ -704,6 +704,47 @@ impl Index {
     }
 
     /// For every worker holding at least the first block of `hashes` in
+    /// any tier, the number of leading blocks it holds in one tier or the
+    /// other (a device prefix continued in host memory, as an offloading
+    /// engine leaves it: it evicts a request's last blocks first), in `out`
+    /// (cleared first). Block by block: O(n · W) for n blocks and W
+    /// matching workers; with no host blocks at all it is
+    /// [`Index::find_matches`] on the device tier.
+    pub fn find_matches_any_tier(&self, hashes: &[SequenceHash], out: &mut Vec<Overlap>) {
+        let [Some(device), Some(host)] = [self.tiers.first(), self.tiers.get(1)] else { return out.clear() };
+        if host.table.len() == 0 {
+            return self.find_matches(hashes, Tier::Device, out);
+        }
+        out.clear();
+        let holders = |h: &SequenceHash| [device.get(h), host.get(h)];
+        let mut active: Vec<WorkerIdx> = Vec::new();
+        if let Some(first) = hashes.first() {
+            for set in holders(first).into_iter().flatten() {
+                set.for_each(|w| {
+                    if !active.contains(&w) {
+                        active.push(w);
+                    }
+                });
+            }
+        }
+        for (i, h) in hashes.iter().enumerate().skip(1) {
+            if active.is_empty() {
+                return;
+            }
+            let [d, o] = holders(h);
+            active.retain(|w| {
+                let keep = d.is_some_and(|s| s.contains(*w)) || o.is_some_and(|s| s.contains(*w));
+                if !keep {
+                    out.push(Overlap { worker: *w, blocks: i as u32 });
+                }
+                keep
+            });
+        }
+        let n = hashes.len() as u32;
+        out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: n }));
+    }
+
+    /// For every worker holding at least the first block of `hashes` in
     /// `tier`, the number of leading blocks it holds, in `out` (cleared
     /// first).
     ///

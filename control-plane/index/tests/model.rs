@@ -1,6 +1,7 @@
 //! Property test: for any sequence of events, the index agrees with a naive
 //! model (per worker, a plain map engine hash → (sequence hash, refs)) on
-//! what each worker holds and on `find_matches`, and its internal invariants
+//! what each worker holds and on `find_matches` (each tier, and any tier),
+//! and its internal invariants
 //! hold after every step.
 //!
 //! The universe is tiny on purpose (4 workers, 16 engine hashes, 3 distinct
@@ -188,10 +189,13 @@ proptest! {
                         seqs.push(s);
                         prev = Some(s);
                     }
+                    let by_name = |out: &[Overlap]| -> BTreeMap<String, u32> {
+                        out.iter()
+                            .map(|Overlap { worker, blocks }| (index.worker_name(*worker).unwrap().to_owned(), *blocks))
+                            .collect()
+                    };
                     index.find_matches(&seqs, tier, &mut out);
-                    let got: BTreeMap<String, u32> = out.iter()
-                        .map(|Overlap { worker, blocks }| (index.worker_name(*worker).unwrap().to_owned(), *blocks))
-                        .collect();
+                    let got = by_name(&out);
                     prop_assert_eq!(got.len(), out.len(), "a worker reported twice");
                     let mut want = BTreeMap::new();
                     for (i, m) in model.iter().enumerate() {
@@ -199,6 +203,16 @@ proptest! {
                         if n > 0 { want.insert(names()[i].to_owned(), n); }
                     }
                     prop_assert_eq!(got, want);
+                    // Any tier: a leading run held block by block in one tier or the other.
+                    index.find_matches_any_tier(&seqs, &mut out);
+                    let got = by_name(&out);
+                    prop_assert_eq!(got.len(), out.len(), "a worker reported twice (any tier)");
+                    let mut want = BTreeMap::new();
+                    for (i, m) in model.iter().enumerate() {
+                        let n = seqs.iter().take_while(|s| Tier::ALL.iter().any(|t| m.holds(*t, **s))).count() as u32;
+                        if n > 0 { want.insert(names()[i].to_owned(), n); }
+                    }
+                    prop_assert_eq!(got, want, "any tier");
                 }
             }
             if let Err(e) = index.check_invariants() {

@@ -37,6 +37,15 @@ pub(crate) struct SimArgs {
     /// KV blocks per worker (H200 + Llama-3.1-70B FP8 at block size 16: ~23,000).
     #[arg(long, default_value_t = 23_000)]
     num_blocks: usize,
+    /// Host-memory KV blocks per worker (vLLM's CPU offloading connector,
+    /// LMCache): evicted device blocks go there and are loaded back on a
+    /// hit, published with medium "CPU". 0 = no host tier.
+    #[arg(long, default_value_t = 0)]
+    host_blocks: usize,
+    /// Microseconds to load one token's KV from host memory: Llama-3.1-70B's
+    /// KV in FP8 is 160 KiB per token, ~6.5 µs at 25 GB/s host-to-device.
+    #[arg(long, default_value_t = 6.5)]
+    host_load_us_per_token: f64,
     /// vLLM's max_num_seqs.
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
@@ -75,6 +84,9 @@ pub(crate) fn run(a: SimArgs) -> Result<()> {
         "array" => kvgate_vllm_wire::encode::Encoding::Array,
         e => bail!("--encoding {e:?}: expected map or array"),
     };
+    if !(a.host_load_us_per_token.is_finite() && a.host_load_us_per_token >= 0.0) {
+        bail!("--host-load-us-per-token {}: must be a finite number ≥ 0", a.host_load_us_per_token);
+    }
     if a.workers == 0 || a.block_size == 0 || a.num_blocks == 0 || a.max_num_seqs == 0 || a.stream_interval == 0 {
         bail!("--workers, --block-size, --num-blocks, --max-num-seqs and --stream-interval must be > 0");
     }
@@ -125,6 +137,10 @@ fn worker_options(
             num_blocks: a.num_blocks,
             block_size: a.block_size,
             timing,
+            host: kvgate_sim::engine::HostTier {
+                blocks: a.host_blocks,
+                load_ms_per_token: a.host_load_us_per_token / 1000.0,
+            },
         },
         speedup: a.speedup,
         stream_interval: a.stream_interval,

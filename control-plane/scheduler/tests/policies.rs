@@ -518,3 +518,23 @@ fn a_replicas_request_lends_its_hashed_blocks_and_counts_the_rest() {
     }
     assert_eq!(t.load(WorkerIdx(0)).active_blocks, 0);
 }
+
+/// A prefix held in host memory (an offloading engine evicted it from the
+/// device) loads back for about a tenth of its recompute: `kv` sends the
+/// request there even when that worker is somewhat busier; blind to the
+/// host tier (weight 0) it goes to the idler worker and recomputes.
+#[test]
+fn a_prefix_in_host_memory_is_worth_a_reload() {
+    let mut offloaded = cand(0, 10, Load { inflight: 6, active_blocks: 600, ..Load::default() });
+    offloaded.overlap_any_tier_blocks = 190;
+    let idle = cand(1, 0, Load { inflight: 2, active_blocks: 200, ..Load::default() });
+    let mut rng = fastrand::Rng::with_seed(9);
+    let r = request(200);
+    assert_eq!(KvPolicy::default().pick(&r, &[offloaded, idle], &mut rng).unwrap().chosen, 0);
+    let blind = KvConfig { host_hit_weight: 0.0, ..KvConfig::default() };
+    assert_eq!(KvPolicy::new(blind).pick(&r, &[offloaded, idle], &mut rng).unwrap().chosen, 1);
+    // Costs: the host blocks count at 0.9 of a device hit.
+    let p = KvPolicy::new(KvConfig { unit: kvgate_scheduler::CostUnit::Blocks, ..KvConfig::default() });
+    let device_only = cand(0, 10, Load::default());
+    assert!((p.cost(&r, &device_only) - p.cost(&r, &offloaded) - 0.9 * 180.0 + 600.0).abs() < 1e-9);
+}

@@ -101,6 +101,7 @@ fn main() {
                         num_blocks: 23_000,
                         block_size: 16,
                         timing: Timing::H200_LLAMA70B_FP8,
+                        host: Default::default(),
                     },
                     speedup: 1.0,
                     stream_interval: 1,

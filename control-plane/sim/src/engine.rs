@@ -40,6 +40,22 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Step timing.
     pub timing: Timing,
+    /// Host tier (KV offloading), off by default.
+    pub host: HostTier,
+}
+
+/// A host-memory KV tier (vLLM's CPU offloading connector, LMCache): evicted
+/// device blocks go there, and a prompt that continues its device hit there
+/// loads them back instead of recomputing them.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct HostTier {
+    /// Blocks it holds; 0 = no host tier.
+    pub blocks: usize,
+    /// Time to load one token's KV back into device memory, ms (KV bytes per
+    /// token over host-to-device bandwidth). The step that admits the
+    /// request takes it on top of its compute: loads are charged as a stall,
+    /// an upper bound of vLLM's asynchronous loads.
+    pub load_ms_per_token: f64,
 }
 
 /// A request as the engine sees it.
@@ -124,7 +140,7 @@ impl Engine {
     /// An idle engine.
     pub fn new(config: EngineConfig) -> Self {
         Self {
-            pool: BlockPool::new(config.num_blocks, config.block_size),
+            pool: BlockPool::new(config.num_blocks, config.block_size).with_host(config.host.blocks),
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -295,13 +311,15 @@ impl Engine {
             self.prefill_chunk(k, &mut budget, &mut step, &mut shape);
         }
         // 3. Admission with a first chunk each (vLLM admits none in a step
-        //    that preempted).
+        //    that preempted); prefixes found in the host tier are loaded.
+        let mut loaded_tokens = 0;
         while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(req) = self.waiting.front() else { break };
             // Reserve the prompt plus one block of headroom for decoding.
             let Ok(seq) = self.pool.admit_prefix(&req.prompt) else { break };
             let Some(req) = self.waiting.pop_front() else { break };
-            let cached = seq.hit_tokens;
+            let cached = seq.hit_tokens + seq.loaded_tokens;
+            loaded_tokens += seq.loaded_tokens;
             step.admitted.push(req.id);
             self.running.push(Running { req, prefilled: cached, generated: 0, cached_tokens: cached, seq });
             let k = self.running.len() - 1;
@@ -323,6 +341,7 @@ impl Engine {
             shape.kv_fill = self.pool.usage();
             step.ms = self.config.timing.step_time(&shape) * self.slowdown;
         }
+        step.ms += loaded_tokens as f64 * self.config.host.load_ms_per_token.max(0.0) * self.slowdown;
         step.events = self.pool.take_events();
         step
     }

@@ -16,6 +16,13 @@
 //!   copies and publishes the store again; each copy is removed separately.
 //! * A finished request frees its blocks in reverse order (last block
 //!   first), so children are evicted before their parents.
+//! * With a host tier ([`BlockPool::with_host`], vLLM's CPU offloading
+//!   connector / LMCache), an evicted device block is copied to host memory
+//!   (`BlockStored` medium `CPU`), least recently used out first
+//!   (`BlockRemoved` medium `CPU`). A new request continues its device hit
+//!   in host memory: those blocks are loaded back into fresh device blocks
+//!   (cached there again: `BlockStored` medium `GPU`), and the engine charges
+//!   their load time instead of a recompute.
 //!
 //! | operation | cost |
 //! |---|---|
@@ -58,6 +65,68 @@ pub enum CacheEvent {
         /// Hashes of the evicted blocks.
         hashes: Vec<u64>,
     },
+    /// Evicted device blocks copied to the host tier (medium `CPU`).
+    HostStored {
+        /// Hashes of the blocks.
+        hashes: Vec<u64>,
+        /// Hash of the parent of the first block.
+        parent: Option<u64>,
+        /// Their tokens, concatenated.
+        tokens: Vec<u32>,
+    },
+    /// Blocks dropped from the host tier (medium `CPU`).
+    HostRemoved {
+        /// Hashes of the dropped blocks.
+        hashes: Vec<u64>,
+    },
+}
+
+/// A block's parent hash and tokens, kept for the host tier.
+type Contents = (Option<u64>, Box<[u32]>);
+
+/// Host memory holding evicted blocks: hash → contents, least recently used
+/// out first (recency by a tick; stale queue entries skipped).
+#[derive(Debug)]
+struct HostTier {
+    capacity: usize,
+    entries: HashMap<u64, (Contents, u64), RandomState>,
+    lru: VecDeque<(u64, u64)>,
+    tick: u64,
+}
+
+impl HostTier {
+    fn touch(&mut self, h: u64) {
+        self.tick += 1;
+        if let Some((_, t)) = self.entries.get_mut(&h) {
+            *t = self.tick;
+            self.lru.push_back((self.tick, h));
+        }
+        if self.lru.len() > 4 * self.capacity + 64 {
+            // Drop stale queue entries (one per touch) now and then.
+            let entries = &self.entries;
+            self.lru.retain(|(t, h)| entries.get(h).is_some_and(|(_, now)| now == t));
+        }
+    }
+
+    /// Adds `h` (or refreshes it); returns the hashes dropped for room.
+    fn insert(&mut self, h: u64, contents: Contents) -> Vec<u64> {
+        if self.entries.contains_key(&h) {
+            self.touch(h);
+            return Vec::new();
+        }
+        let mut dropped = Vec::new();
+        while self.entries.len() >= self.capacity {
+            let Some((t, old)) = self.lru.pop_front() else { break };
+            if self.entries.get(&old).is_some_and(|(_, now)| *now == t) {
+                self.entries.remove(&old);
+                dropped.push(old);
+            }
+        }
+        self.tick += 1;
+        self.entries.insert(h, (contents, self.tick));
+        self.lru.push_back((self.tick, h));
+        dropped
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -82,6 +151,8 @@ pub struct Seq {
     last_hash: Option<u64>,
     /// Prompt tokens that were cache hits.
     pub hit_tokens: usize,
+    /// Prompt tokens after those loaded back from the host tier.
+    pub loaded_tokens: usize,
 }
 
 impl Seq {
@@ -122,10 +193,16 @@ pub struct BlockPool {
     /// Cached hash → physical blocks holding it.
     cached: HashMap<u64, Vec<usize>, RandomState>,
     events: Vec<CacheEvent>,
+    /// Host tier, when the engine offloads.
+    host: Option<HostTier>,
+    /// Each cached block's parent and tokens (kept only with a host tier).
+    contents: Vec<Option<Contents>>,
     /// Prefix-cache queries and hits, in tokens (vLLM's counters).
     pub queries_tokens: u64,
     /// See `queries_tokens`.
     pub hits_tokens: u64,
+    /// Prompt tokens loaded back from the host tier.
+    pub host_hits_tokens: u64,
 }
 
 impl BlockPool {
@@ -141,9 +218,27 @@ impl BlockPool {
             free_count: capacity,
             cached: HashMap::default(),
             events: Vec::new(),
+            host: None,
+            contents: Vec::new(),
             queries_tokens: 0,
             hits_tokens: 0,
+            host_hits_tokens: 0,
         }
+    }
+
+    /// The pool with a host tier of `host_blocks` blocks (0 = none).
+    pub fn with_host(mut self, host_blocks: usize) -> Self {
+        if host_blocks > 0 {
+            self.host =
+                Some(HostTier { capacity: host_blocks, entries: HashMap::default(), lru: VecDeque::new(), tick: 0 });
+            self.contents = vec![None; self.blocks.len()];
+        }
+        self
+    }
+
+    /// Blocks held in the host tier.
+    pub fn host_blocks(&self) -> usize {
+        self.host.as_ref().map_or(0, |h| h.entries.len())
     }
 
     /// Tokens per block.
@@ -198,6 +293,7 @@ impl BlockPool {
                 if let Some(h) = self.blocks[b].hash.take() {
                     self.uncache(h, b);
                     self.push_removed(h);
+                    self.offload(b, h);
                 }
                 return Some(b);
             }
@@ -222,6 +318,50 @@ impl BlockPool {
         }
     }
 
+    /// Copies evicted block `b` (hash `h`) to the host tier, if there is
+    /// one and no other device copy remains.
+    fn offload(&mut self, b: usize, h: u64) {
+        let Some(contents) = self.contents.get_mut(b).and_then(Option::take) else { return };
+        let Some(host) = self.host.as_mut() else { return };
+        if self.cached.contains_key(&h) {
+            return;
+        }
+        let fresh = !host.entries.contains_key(&h);
+        let dropped = host.insert(h, contents.clone());
+        if !dropped.is_empty() {
+            self.events.push(CacheEvent::HostRemoved { hashes: dropped });
+        }
+        if fresh {
+            let (parent, tokens) = contents;
+            match self.events.last_mut() {
+                // The chain continues the last offloaded run: one event.
+                Some(CacheEvent::HostStored { hashes, tokens: t, .. }) if hashes.last().copied() == parent => {
+                    hashes.push(h);
+                    t.extend_from_slice(&tokens);
+                }
+                _ => self.events.push(CacheEvent::HostStored { hashes: vec![h], parent, tokens: tokens.into() }),
+            }
+        }
+    }
+
+    /// The blocks of `prompt` after the device hit (`from` blocks, last
+    /// hash `parent`) held in the host tier, their hashes in order,
+    /// keeping at least one prompt token to compute.
+    fn host_continuation(&self, prompt: &[u32], from: usize, mut parent: Option<u64>) -> Vec<u64> {
+        let Some(host) = &self.host else { return Vec::new() };
+        let bs = self.block_size;
+        let mut found = Vec::new();
+        for chunk in prompt.chunks_exact(bs).take(prompt.len().saturating_sub(1) / bs).skip(from) {
+            let h = engine_hash(parent, chunk);
+            if !host.entries.contains_key(&h) {
+                break;
+            }
+            found.push(h);
+            parent = Some(h);
+        }
+        found
+    }
+
     fn take_ref(&mut self, b: usize) {
         if self.in_free[b] {
             self.in_free[b] = false;
@@ -237,6 +377,7 @@ impl BlockPool {
     pub fn admit_prefix(&mut self, prompt: &[u32]) -> Result<Seq, AdmitError> {
         let bs = self.block_size;
         let hits = self.longest_hit(prompt);
+        let loaded = self.host_continuation(prompt, hits.len(), hits.last().map(|(_, h)| *h));
         let need = prompt.len().div_ceil(bs).saturating_sub(hits.len()) + 1;
         let hit_free = hits.iter().filter(|(b, _)| self.in_free[*b]).count();
         if self.free_count - hit_free < need {
@@ -247,12 +388,28 @@ impl BlockPool {
         for (b, _) in &hits {
             self.take_ref(*b);
         }
-        Ok(Seq {
+        let mut seq = Seq {
             hit_tokens: hits.len() * bs,
+            loaded_tokens: 0,
             last_hash: hits.last().map(|(_, h)| *h),
             tokens: prompt[..hits.len() * bs].to_vec(),
             blocks: hits.into_iter().map(|(b, _)| b).collect(),
-        })
+        };
+        if !loaded.is_empty() {
+            // Loaded back into fresh device blocks, cached there again.
+            let from = seq.tokens.len();
+            let tokens = prompt[from..from + loaded.len() * bs].to_vec();
+            // Cannot run out of blocks: `need` counted them.
+            let _ = self.extend(&mut seq, &tokens);
+            seq.loaded_tokens = seq.tokens.len() - from;
+            self.host_hits_tokens += seq.loaded_tokens as u64;
+            if let Some(host) = self.host.as_mut() {
+                for h in loaded.iter().take(seq.loaded_tokens / bs) {
+                    host.touch(*h);
+                }
+            }
+        }
+        Ok(seq)
     }
 
     /// The longest run of cached leading blocks of `prompt` (block, hash),
@@ -289,6 +446,7 @@ impl BlockPool {
         }
         let mut seq = Seq {
             hit_tokens: hits.len() * bs,
+            loaded_tokens: 0,
             last_hash: parent,
             tokens: prompt[..hits.len() * bs].to_vec(),
             blocks: hits,
@@ -334,6 +492,9 @@ impl BlockPool {
                 let b = seq.blocks[i];
                 self.blocks[b].hash = Some(h);
                 self.cached.entry(h).or_default().push(b);
+                if let Some(c) = self.contents.get_mut(b) {
+                    *c = Some((seq.last_hash, chunk.into()));
+                }
                 stored_hashes.push(h);
                 stored_tokens.extend_from_slice(chunk);
                 seq.last_hash = Some(h);

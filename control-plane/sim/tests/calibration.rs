@@ -41,6 +41,7 @@ fn run(convs: usize) -> (f64, f64, f64) {
         num_blocks: 11_500,
         block_size: 32,
         timing: Timing::H200_LLAMA70B_FP8,
+        host: Default::default(),
     });
     let seed = 0x9e37_79b9_7f4a_7c15u64 ^ convs as u64;
     // Ten conversation starters, shared by all conversations (as published).

@@ -10,6 +10,7 @@ fn engine(max_num_seqs: usize, num_blocks: usize) -> Engine {
         num_blocks,
         block_size: 32,
         timing: Timing::H200_LLAMA70B_FP8,
+        host: Default::default(),
     })
 }
 
@@ -192,6 +193,7 @@ fn the_engine_charges_attention_over_the_cached_context() {
         num_blocks: 4_000,
         block_size: 32,
         timing: Timing::preset("vllm-v1").unwrap(),
+        host: Default::default(),
     };
     let ttft = |e: &mut Engine| {
         let (_, log) = run_to_end(e);
@@ -230,4 +232,43 @@ fn linear_equivalents_are_the_presets_marginal_costs() {
     assert!((p - 0.0383).abs() < 0.001 && (d - 0.34).abs() < 0.01, "{p} {d}");
     let (p, d) = Timing::preset("dynamo-mocker").unwrap().linear_equivalent(0.0, 1_000.0, 0.0);
     assert!((p - (4.21e-4 + 0.01518 + 0.0165)).abs() < 1e-9 && d == 0.0, "{p} {d}");
+}
+
+/// With a host tier, a prompt evicted from the device is loaded back: its
+/// tokens are reported cached, and its first token costs the load time
+/// (6.5 µs per token here) instead of the recompute.
+#[test]
+fn a_prompt_offloaded_to_host_memory_is_loaded_not_recomputed() {
+    let host = kvgate_sim::engine::HostTier { blocks: 1_000, load_ms_per_token: 0.0065 };
+    let mut e = Engine::new(EngineConfig {
+        max_num_seqs: 64,
+        max_num_batched_tokens: 8192,
+        num_blocks: 100,
+        block_size: 32,
+        timing: Timing::H200_LLAMA70B_FP8,
+        host,
+    });
+    let first_token = |e: &mut Engine, id: u64, prompt: Vec<u32>| {
+        e.submit(Request { id, prompt, max_tokens: 2 });
+        let (_, log) = run_to_end(e);
+        log.iter()
+            .find_map(|(t, o)| match o {
+                Output::Token { index: 0, cached_tokens, .. } => Some((*t, *cached_tokens)),
+                _ => None,
+            })
+            .unwrap()
+    };
+    let doc: Vec<u32> = (0..1_601).collect(); // 50 full blocks and one token
+    let (cold, cached) = first_token(&mut e, 1, doc.clone());
+    assert_eq!(cached, 0);
+    // 3,000 other tokens take most device blocks: the document's tail (evicted
+    // first) goes to host memory.
+    first_token(&mut e, 2, (10_000..13_000).collect());
+    let offloaded = e.pool().host_blocks();
+    assert!(offloaded >= 40, "{offloaded}");
+    let (warm, cached) = first_token(&mut e, 3, doc);
+    assert_eq!(cached, 1_600, "device hit plus blocks loaded back, reported as cached");
+    assert!(warm < cold / 4.0, "warm {warm} ms vs cold {cold} ms");
+    let load = (offloaded * 32) as f64 * 0.0065;
+    assert!(warm >= load, "the load of {offloaded} blocks is charged: {warm} ms");
 }

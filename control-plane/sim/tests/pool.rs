@@ -53,6 +53,7 @@ fn apply_events(mirror: &mut BTreeMap<u64, usize>, evs: Vec<CacheEvent>, bs: usi
                     removed.push(h);
                 }
             }
+            CacheEvent::HostStored { .. } | CacheEvent::HostRemoved { .. } => panic!("no host tier in this pool"),
         }
     }
     removed
@@ -140,5 +141,70 @@ fn identical_concurrent_requests_store_twice() {
     let removed: Vec<u64> =
         evs.iter().flat_map(|e| if let CacheEvent::Removed { hashes } = e { hashes.clone() } else { vec![] }).collect();
     assert_eq!(removed.iter().filter(|h| **h == dup).count(), 2);
+    pool.free(c);
+}
+
+/// Host tier: an evicted prefix goes to host memory (medium CPU events that
+/// chain from their parents), a later prompt continues its device hit there
+/// and loads those blocks back (stored on the device again), and the host
+/// tier drops its least recently used blocks when full.
+#[test]
+fn evicted_blocks_go_to_host_memory_and_come_back_on_a_hit() {
+    let bs = 4;
+    let mut pool = BlockPool::new(8, bs).with_host(6);
+    let doc: Vec<u32> = (100..116).collect(); // 4 blocks
+    let a = pool.admit_prefix(&doc).unwrap();
+    let mut a = a;
+    assert!(pool.extend(&mut a, &doc));
+    pool.free(a);
+    let _ = pool.take_events();
+    // Other content takes every device block: the document is evicted.
+    let other: Vec<u32> = (500..532).collect(); // 8 blocks
+    let mut b = pool.admit_prefix(&other[..28]).unwrap();
+    assert!(pool.extend(&mut b, &other));
+    let evs = pool.take_events();
+    let mut host: Vec<u64> = Vec::new();
+    for e in &evs {
+        if let CacheEvent::HostStored { hashes, parent, tokens } = e {
+            assert_eq!(tokens.len(), hashes.len() * bs);
+            let mut p = *parent;
+            for (h, chunk) in hashes.iter().zip(tokens.chunks(bs)) {
+                assert_eq!(*h, engine_hash(p, chunk), "host blocks chain from their parents");
+                p = Some(*h);
+            }
+            host.extend(hashes);
+        }
+    }
+    assert_eq!(host.len(), 4, "the 4 document blocks went to host memory: {evs:?}");
+    assert_eq!(pool.host_blocks(), 4);
+    pool.free(b);
+    let _ = pool.take_events();
+    // The document again: found in host memory (all but the last block:
+    // one token is always computed), loaded into device blocks.
+    let mut again = pool.admit_prefix(&doc).unwrap();
+    assert_eq!((again.hit_tokens, again.loaded_tokens), (0, 12));
+    assert_eq!(pool.host_hits_tokens, 12);
+    let evs = pool.take_events();
+    let stored: Vec<u64> = evs
+        .iter()
+        .flat_map(|e| if let CacheEvent::Stored { hashes, .. } = e { hashes.clone() } else { vec![] })
+        .collect();
+    let mut chain = Vec::new();
+    for chunk in doc.chunks(bs).take(3) {
+        chain.push(engine_hash(chain.last().copied(), chunk));
+    }
+    assert_eq!(stored, chain, "loaded blocks are cached on the device again");
+    assert!(chain.iter().all(|h| host.contains(h)));
+    assert!(pool.extend(&mut again, &doc[12..]));
+    pool.free(again);
+    // Host memory holds 6: new evictions push the least recently used out.
+    let third: Vec<u32> = (900..932).collect();
+    let mut c = pool.admit_prefix(&third[..28]).unwrap();
+    assert!(pool.extend(&mut c, &third));
+    let evs = pool.take_events();
+    let dropped: usize =
+        evs.iter().map(|e| if let CacheEvent::HostRemoved { hashes } = e { hashes.len() } else { 0 }).sum();
+    assert!(dropped > 0, "{evs:?}");
+    assert_eq!(pool.host_blocks(), 6);
     pool.free(c);
 }

@@ -60,6 +60,7 @@ fn start_with(speedup: f64, num_blocks: usize, stream_interval: usize) -> Worker
             num_blocks,
             block_size: 16,
             timing: Timing::H200_LLAMA70B_FP8,
+            host: Default::default(),
         },
         speedup,
         stream_interval,

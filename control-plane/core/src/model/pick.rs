@@ -209,7 +209,7 @@ impl ModelState {
         if !hashes.is_empty() && self.mode == Mode::Kv {
             self.index.find_matches(hashes, Tier::Device, &mut self.scratch);
             device.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
-            self.index.find_matches(hashes, Tier::Host, &mut self.scratch);
+            self.index.find_matches_any_tier(hashes, &mut self.scratch);
             any.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
         }
         let mut live: Vec<(&String, Candidate)> = Vec::with_capacity(self.workers.len());

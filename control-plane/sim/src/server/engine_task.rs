@@ -180,20 +180,27 @@ impl EngineTask {
 
 /// One engine step's cache events as a vLLM msgpack batch.
 fn encode_events(events: &[CacheEvent], block_size: u32, encoding: Encoding) -> Vec<u8> {
+    let stored = |hashes: &[u64], parent: &Option<u64>, tokens: &[u32], medium| {
+        Event::Stored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: *parent,
+            token_ids: tokens.to_vec(),
+            block_size,
+            medium: Some(medium),
+            ..Default::default()
+        })
+    };
+    let removed = |hashes: &[u64], medium| {
+        Event::Removed(BlockRemoved { block_hashes: hashes.to_vec(), medium: Some(medium), ..Default::default() })
+    };
+    // vLLM's CPU offloading connector publishes host blocks as medium "CPU".
     let events: Vec<Event<'_>> = events
         .iter()
         .map(|e| match e {
-            CacheEvent::Stored { hashes, parent, tokens } => Event::Stored(BlockStored {
-                block_hashes: hashes.clone(),
-                parent_block_hash: *parent,
-                token_ids: tokens.clone(),
-                block_size,
-                medium: Some("GPU"),
-                ..Default::default()
-            }),
-            CacheEvent::Removed { hashes } => {
-                Event::Removed(BlockRemoved { block_hashes: hashes.clone(), medium: Some("GPU"), ..Default::default() })
-            }
+            CacheEvent::Stored { hashes, parent, tokens } => stored(hashes, parent, tokens, "GPU"),
+            CacheEvent::Removed { hashes } => removed(hashes, "GPU"),
+            CacheEvent::HostStored { hashes, parent, tokens } => stored(hashes, parent, tokens, "CPU"),
+            CacheEvent::HostRemoved { hashes } => removed(hashes, "CPU"),
         })
         .collect();
     let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
