@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`App::pick`] | tokenization (cached segments skip theirs) + [`crate::model::ModelState::pick`] under the model's lock |
 //! | [`App::report`] | O(reports) under the model's lock |
+//! | [`App::release_held`] | O(workers + released) per model with overload protection |
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use parking_lot::Mutex;
 use crate::config::Config;
 use crate::error::{PickError, StartError};
 use crate::metrics::{DecisionLabels, Metrics, PickErrorCause};
-use crate::model::{ByLoad, PickInput, reason_label};
+use crate::model::{Admit, ByLoad, PickInput, Released, reason_label};
 pub use crate::served::Model;
 
 /// Where the in-flight events of this replica's decisions go (the NATS
@@ -134,13 +135,63 @@ impl App {
         PickError::Invalid(why)
     }
 
-    /// Validates, tokenizes and routes one request.
+    /// Validates, tokenizes and routes one request. With the model's
+    /// overload protection on and every worker saturated, the request is
+    /// held instead ([`PickError::Held`]): the caller waits for its ticket
+    /// ([`App::release_held`]) and then calls [`App::pick_released`].
     pub fn pick(&self, req: &pb::PickRequest) -> Result<pb::PickResponse, PickError> {
-        self.pick_among(req, None)
+        self.pick_with(req, None, true)
     }
 
-    /// As [`App::pick`], among the endpoints `allowed` (all when `None`).
+    /// As [`App::pick`] for a request the admission queue released: it is
+    /// not held again.
+    pub fn pick_released(&self, req: &pb::PickRequest) -> Result<pb::PickResponse, PickError> {
+        self.pick_with(req, None, false)
+    }
+
+    /// As [`App::pick`], among the endpoints `allowed` (all when `None`),
+    /// never held (the endpoint picker cannot wait).
     pub fn pick_among(&self, req: &pb::PickRequest, allowed: Option<&[String]>) -> Result<pb::PickResponse, PickError> {
+        self.pick_with(req, allowed, false)
+    }
+
+    /// Held requests to wake, per model: released to pick, or expired.
+    pub fn release_held(&self) -> Vec<(String, Released)> {
+        let now = self.now_ms();
+        let mut out = Vec::new();
+        for (name, m) in &self.models {
+            let r = m.state.lock().release(now);
+            if !(r.go.is_empty() && r.expired.is_empty()) {
+                out.push((name.clone(), r));
+            }
+        }
+        out
+    }
+
+    /// Forgets a held request whose caller went away.
+    pub fn cancel_held(&self, model: &str, ticket: kvgate_scheduler::Ticket) {
+        if let Some(m) = self.models.get(model) {
+            m.state.lock().cancel_held(ticket);
+        }
+    }
+
+    /// The longest a request of `model` is held (its `Retry-After` when
+    /// refused), ms.
+    pub fn retry_after_ms(&self, model: &str) -> u32 {
+        self.models.get(model).map_or(1000, |m| m.state.lock().retry_after_ms())
+    }
+
+    /// The refusal of a request of `model` that the fleet cannot take.
+    pub fn overloaded(&self, model: &str) -> PickError {
+        PickError::Overloaded { retry_after_ms: self.retry_after_ms(model) }
+    }
+
+    fn pick_with(
+        &self,
+        req: &pb::PickRequest,
+        allowed: Option<&[String]>,
+        may_hold: bool,
+    ) -> Result<pb::PickResponse, PickError> {
         let t0 = Instant::now();
         let model = self.model(&req.model)?;
         self.check_limits(req)?;
@@ -168,6 +219,17 @@ impl App {
         } else {
             req.request_id.as_str()
         };
+        if may_hold {
+            let priority = u8::try_from(req.priority.min(9)).unwrap_or(9);
+            // Bound first: the model's lock is released before a refusal
+            // takes it again.
+            let admit = model.state.lock().admit(&req.tenant, priority, ids.len() as u64, self.now_ms());
+            match admit {
+                Admit::Go => {}
+                Admit::Wait(ticket) => return Err(PickError::Held { ticket }),
+                Admit::Refuse => return Err(self.overloaded(&req.model)),
+            }
+        }
         let input = PickInput {
             request_id,
             token_ids: &ids,
@@ -295,6 +357,7 @@ impl App {
             mode: out.mode.to_owned(),
             retained_chain_hashes: Vec::new(),
             resend: false,
+            retry_after_ms: 0,
             best_overlap_blocks: out.passed_over.0,
             best_overlap_worker_id: out.passed_over.1,
         })

@@ -121,6 +121,14 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
         let n = st.index().distinct_blocks(t) as u64;
         s.gauge("kvgate_index_blocks", "Distinct blocks in the index, by tier.", l(&[("tier", tier)]), n);
     }
+    if let Some((held, c)) = st.admission() {
+        s.gauge("kvgate_admission_queued", "Requests held while every worker is saturated.", l(&[]), held as u64);
+        let help = "Requests of the admission queue by outcome (held, released, expired = 429 at the deadline, refused = 429 queue full).";
+        for (outcome, n) in [("held", c.held), ("released", c.released), ("expired", c.expired), ("refused", c.refused)]
+        {
+            s.counter("kvgate_admission", help, l(&[("outcome", outcome)]), n);
+        }
+    }
     let (pinned, refused) = st.sessions();
     s.gauge("kvgate_sessions", "Sessions pinned to a worker (session affinity).", l(&[]), pinned as u64);
     s.counter("kvgate_sessions_refused", "Sessions not pinned because the table was full.", l(&[]), refused);

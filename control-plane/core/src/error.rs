@@ -22,6 +22,21 @@ pub enum PickError {
     /// must send them again (not a failure of the request).
     #[error("elided messages not held here; send them again")]
     Resend,
+    /// Every worker is saturated: the request is held in the model's
+    /// admission queue (overload protection) until the ticket is released
+    /// ([`crate::App::release_held`]); only [`crate::App::pick`] answers this.
+    #[error("held while every worker is saturated (ticket {ticket})")]
+    Held {
+        /// The request's place in the queue.
+        ticket: kvgate_scheduler::Ticket,
+    },
+    /// Every worker is saturated and the admission queue is full, or the
+    /// request was held past its deadline: answer 429.
+    #[error("every worker is saturated; retry after {retry_after_ms} ms")]
+    Overloaded {
+        /// Suggested wait before a retry.
+        retry_after_ms: u32,
+    },
 }
 
 /// Why the application could not start.

@@ -24,6 +24,7 @@ pub mod views;
 pub use app::{App, Model, ReplicaSink};
 pub use config::{Config, ConfigError, RawConfig};
 pub use error::{PickError, StartError};
+pub use kvgate_scheduler::Ticket;
 
 /// Prompt tokenization with the segment cache (lives in `kvgate-tokenize`,
 /// shared with the simulator).

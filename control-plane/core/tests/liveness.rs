@@ -22,6 +22,7 @@ fn state() -> ModelState {
             suspect_ms: 3000,
             allowed_endpoints: Vec::new(),
             session: Default::default(),
+            overload: None,
         },
         1,
     )

@@ -25,6 +25,7 @@ fn state(enabled: bool) -> ModelState {
             suspect_ms: 3000,
             allowed_endpoints: Vec::new(),
             session: SessionConfig { enabled, ttl_ms: TTL, max: 1000 },
+            overload: None,
         },
         1,
     );

@@ -294,6 +294,8 @@ impl Exchange {
             model: &e.model,
             body_bytes: u32::try_from(body.len()).unwrap_or(u32::MAX),
             session_id: &self.session,
+            tenant: "",
+            priority: 0,
         };
         let req = pick_request(&e, api, &meta, &hashes);
         let model = e.model.clone().into_owned();
@@ -330,7 +332,10 @@ impl Exchange {
             // Over a limit, or (never from this picker) elided messages:
             // balanced by load.
             PickError::Invalid(_) | PickError::Resend => self.load_decision(Some(model)),
-            PickError::NoWorkers { .. } => self.unavailable(&e.to_string()),
+            // The picker never holds a request (it uses `pick_among`).
+            PickError::NoWorkers { .. } | PickError::Held { .. } | PickError::Overloaded { .. } => {
+                self.unavailable(&e.to_string())
+            }
         }
     }
 

@@ -63,6 +63,13 @@ pub(crate) struct ServeArgs {
     /// How long a session stays pinned after its last request, ms (--model).
     #[arg(long, env = "KVGATE_SESSION_TTL_MS")]
     session_ttl_ms: Option<u64>,
+    /// Overload protection of --model (`true` / `false`, default false):
+    /// hold requests while every worker is saturated, 429 past the bound.
+    #[arg(long, env = "KVGATE_OVERLOAD")]
+    overload: Option<bool>,
+    /// Longest a request is held, ms (--model; default 5000).
+    #[arg(long, env = "KVGATE_OVERLOAD_MAX_WAIT_MS")]
+    overload_max_wait_ms: Option<u64>,
     /// Static workers of --model, `id=ip:port`, repeatable.
     #[arg(long = "worker", requires = "model")]
     workers: Vec<String>,
@@ -81,6 +88,8 @@ pub(crate) fn model_flags_without_model(m: &clap::ArgMatches) -> Vec<&'static st
         ("heartbeat_timeout_ms", "--heartbeat-timeout-ms"),
         ("session_affinity", "--session-affinity"),
         ("session_ttl_ms", "--session-ttl-ms"),
+        ("overload", "--overload"),
+        ("overload_max_wait_ms", "--overload-max-wait-ms"),
         ("workers", "--worker"),
     ]
     .into_iter()
@@ -129,6 +138,13 @@ fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
                     enabled: a.session_affinity,
                     ttl_ms: a.session_ttl_ms,
                     max_sessions: None,
+                },
+            ),
+            overload: (a.overload.is_some() || a.overload_max_wait_ms.is_some()).then_some(
+                kvgate_server::config::RawOverload {
+                    enabled: a.overload,
+                    max_wait_ms: a.overload_max_wait_ms,
+                    ..Default::default()
                 },
             ),
             ..Default::default()

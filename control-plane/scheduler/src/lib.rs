@@ -8,6 +8,7 @@
 //! |---|---|
 //! | [`policy`] | [`Policy`] trait, [`Candidate`], [`Load`], [`RequestView`], [`Decision`] |
 //! | [`load`] | [`LoadTracker`]: predicted load from request lifecycles, fused with heartbeats |
+//! | [`fair_queue`] | [`FairQueue`]: requests held while the fleet is saturated; priorities, deficit round robin between tenants, deadlines |
 //! | [`kv`] | `kv`: cache overlap + load, queueing modelled (the default) |
 //! | [`approx`] | `approx`: text prefixes learned from its own decisions |
 //! | [`least_load`] | `least_load` |
@@ -16,6 +17,7 @@
 #![warn(missing_docs)]
 
 pub mod approx;
+pub mod fair_queue;
 pub mod kv;
 pub mod least_load;
 pub mod load;
@@ -24,6 +26,7 @@ pub mod random;
 pub mod round_robin;
 
 pub use approx::{ApproxConfig, ApproxPolicy};
+pub use fair_queue::{FairQueue, FairQueueConfig, Refused, Ticket};
 pub use kv::{CostUnit, KvConfig, KvPolicy};
 pub use least_load::LeastLoadPolicy;
 pub use load::{InflightShare, LifecycleError, LoadTracker, Measured, SHARED_PROMPT_BLOCKS};

@@ -9,8 +9,11 @@
 //! | `PickError::UnknownModel` | NOT_FOUND |
 //! | `PickError::Invalid` | INVALID_ARGUMENT |
 //! | `PickError::NoWorkers` | UNAVAILABLE |
+//! | `PickError::Held` | (waited for here: the ticket's release, then a pick) |
+//! | `PickError::Overloaded` | OK with `retry_after_ms` (the filter answers 429) |
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvgate_core::app::{HEAVY_PROMPT_BYTES, prompt_bytes};
 use kvgate_core::{App, PickError};
@@ -20,6 +23,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tonic::{Code, Request, Response, Status};
 
+use crate::held::{Held, Wake};
 use crate::router_server::Router;
 
 /// `{code}` of a gRPC response (the numeric code, as gRPC writes it).
@@ -55,20 +59,52 @@ pub fn to_grpc(e: PickError) -> Result<pb::PickResponse, Status> {
         PickError::UnknownModel(_) => Err(Status::not_found(e.to_string())),
         PickError::Invalid(_) => Err(Status::invalid_argument(e.to_string())),
         PickError::NoWorkers { .. } => Err(Status::unavailable(e.to_string())),
+        PickError::Overloaded { retry_after_ms } => Ok(pb::PickResponse { retry_after_ms, ..Default::default() }),
+        // Waited for by the service; never answered as such.
+        PickError::Held { .. } => Err(Status::unavailable(e.to_string())),
     }
 }
 
 /// The `kvgate.v1.Router` service.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Service {
     app: Arc<App>,
     metrics: GrpcMetrics,
+    held: Held,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service").finish_non_exhaustive()
+    }
 }
 
 impl Service {
-    /// The service over `app`, counting responses in `metrics`.
+    /// The service over `app`, counting responses in `metrics` (starts the
+    /// task that releases held picks: call inside a tokio runtime).
     pub fn new(app: Arc<App>, metrics: GrpcMetrics) -> Self {
-        Self { app, metrics }
+        let held = Held::start(&app);
+        Self { app, metrics, held }
+    }
+
+    /// A pick the admission queue held: waits for its release (then picks)
+    /// or its deadline (then refuses).
+    async fn wait_held(
+        &self,
+        req: &pb::PickRequest,
+        ticket: kvgate_core::Ticket,
+    ) -> Result<pb::PickResponse, PickError> {
+        let waiter = self.held.wait(&self.app, &req.model, ticket);
+        // The core expires the ticket at its deadline; this bound only
+        // covers a releasing task that stopped.
+        let limit = Duration::from_millis(u64::from(self.app.retry_after_ms(&req.model)) + 1000);
+        match waiter.wake(limit).await {
+            Wake::Go => {
+                let heavy = prompt_bytes(req) > HEAVY_PROMPT_BYTES;
+                kvgate_epp::service::off_scheduler(heavy, || self.app.pick_released(req))
+            }
+            Wake::Expired => Err(self.app.overloaded(&req.model)),
+        }
     }
 }
 
@@ -78,6 +114,10 @@ impl Router for Service {
         let req = request.get_ref();
         // Tokenizing a large prompt is CPU work: off the scheduler's hands.
         let r = kvgate_epp::service::off_scheduler(prompt_bytes(req) > HEAVY_PROMPT_BYTES, || self.app.pick(req));
+        let r = match r {
+            Err(PickError::Held { ticket }) => self.wait_held(req, ticket).await,
+            r => r,
+        };
         // Errors are counted by the response layer (they travel in headers).
         let r = r.or_else(to_grpc);
         if r.is_ok() {
@@ -88,6 +128,9 @@ impl Router for Service {
 
     async fn report(&self, request: Request<pb::CompletionReportBatch>) -> Result<Response<pb::ReportAck>, Status> {
         self.metrics.count(Code::Ok);
-        Ok(Response::new(self.app.report(request.get_ref())))
+        let ack = self.app.report(request.get_ref());
+        // Finished requests free batch slots for held picks.
+        self.held.poke();
+        Ok(Response::new(ack))
     }
 }

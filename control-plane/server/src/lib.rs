@@ -9,6 +9,7 @@
 
 pub mod admin;
 pub mod grpc;
+pub mod held;
 pub mod nats;
 pub mod server;
 

@@ -281,3 +281,41 @@ async fn a_replica_credits_the_prompt_another_replica_routed() {
     ha.stop().await.unwrap();
     hbh.stop().await.unwrap();
 }
+
+/// Overload protection over gRPC: with the only worker at its running
+/// limit, a Pick is held (the call does not answer) until a report frees
+/// the slot, then routed; one held past its deadline is answered with
+/// `retry_after_ms` and no endpoint (the filter's 429).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_fleet_holds_picks_until_a_slot_frees_then_refuses() {
+    let dir = kvgate_testkit::scratch_dir("cp-overload").unwrap();
+    let nats = NatsServer::start(&dir).unwrap();
+    let mut raw = raw_config(nats.port, "kv", "cp-a");
+    raw.models[0].overload =
+        Some(kvgate_server::config::RawOverload { enabled: Some(true), max_wait_ms: Some(400), ..Default::default() });
+    let (bound, app, handle) = kvgate_server::spawn(kvgate_server::Config::validate(raw).unwrap()).await.unwrap();
+    let mut relay = TestRelay::start(nats.port, "w0", "127.0.0.1:9000", 70).await;
+    relay.max_num_seqs = 1;
+    let hb = heartbeats(vec![Arc::new(Mutex::new(relay))]);
+    until(5, "w0 live", || async { worker_live(&app, "w0") }).await;
+    let mut c = client(bound.grpc).await;
+    let first = c.pick(pick_req("a", &prompt(64, 1))).await.unwrap().into_inner();
+    assert_eq!(first.worker_id, "w0");
+    // The slot is taken: the next Pick waits.
+    let mut c2 = c.clone();
+    let held = tokio::spawn(async move { c2.pick(pick_req("b", &prompt(64, 2))).await.unwrap().into_inner() });
+    let queued = |app: &App| metric(&app.render_metrics(), "kvgate_admission_queued{model=\"m\"}");
+    until(5, "b held", || async { queued(&app) == 1.0 }).await;
+    assert!(!held.is_finished());
+    done(&mut c, "a", "w0").await;
+    let b = held.await.unwrap();
+    assert_eq!((b.worker_id.as_str(), b.retry_after_ms), ("w0", 0), "released when a's report freed the slot");
+    // b holds the slot now and nobody reports: c waits 400 ms, then 429.
+    let r = c.pick(pick_req("c", &prompt(64, 3))).await.unwrap().into_inner();
+    assert_eq!((r.endpoint.as_str(), r.retry_after_ms), ("", 400));
+    let m = app.render_metrics();
+    assert_eq!(metric(&m, "kvgate_admission_total{model=\"m\",outcome=\"released\"}"), 1.0);
+    assert_eq!(metric(&m, "kvgate_admission_total{model=\"m\",outcome=\"expired\"}"), 1.0);
+    hb.abort();
+    handle.stop().await.unwrap();
+}

@@ -44,8 +44,7 @@ fn benches(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(b.len() as u64));
         g.bench_function("extract", |bench| bench.iter(|| extract(black_box(&b), Api::Chat).unwrap().messages.len()));
         let e = extract(&b, Api::Chat).unwrap();
-        let meta =
-            RequestMeta { request_id: "0123456789abcdef", lora_name: "", model: "m", body_bytes: 1, session_id: "" };
+        let meta = RequestMeta { request_id: "0123456789abcdef", model: "m", body_bytes: 1, ..Default::default() };
         g.bench_function("encode_pick", |bench| {
             bench.iter(|| encode_pick(black_box(&e), Api::Chat, &meta, &chain_hashes(black_box(&e)), None).len())
         });

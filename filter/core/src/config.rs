@@ -14,6 +14,8 @@
 //!   "debug_headers": false,
 //!   "retained_conversations": 4096,
 //!   "session_header": "x-session-id",
+//!   "tenant_header": "x-tenant-id",
+//!   "priority_header": "x-priority",
 //!   "lora_adapters": { "sql-lora": "llama-3-8b" },
 //!   "reports": { "enabled": true, "interval_ms": 1000, "max_batch": 512, "max_queue": 8192, "tail_bytes": 16384 }
 //! }
@@ -82,6 +84,13 @@ pub struct Config {
     /// (lowercase; "" = none sent). The control plane uses it only when
     /// its session affinity is on.
     pub session_header: String,
+    /// Request header naming the tenant, sent with the Pick ("" = none):
+    /// the control plane's overload protection shares held requests fairly
+    /// between tenants.
+    pub tenant_header: String,
+    /// Request header with the priority class, a digit 0-9 (higher first),
+    /// sent with the Pick ("" = none).
+    pub priority_header: String,
     /// Completion reports.
     pub reports: Reports,
     /// The serialized `envoy.config.core.v3.GrpcService` handed to Envoy
@@ -140,6 +149,8 @@ struct RawConfig {
     debug_headers: Option<bool>,
     retained_conversations: Option<usize>,
     session_header: Option<String>,
+    tenant_header: Option<String>,
+    priority_header: Option<String>,
     #[serde(default)]
     lora_adapters: BTreeMap<String, String>,
     #[serde(default)]
@@ -256,11 +267,18 @@ impl Config {
                 return Err(err("lora_adapters", adapter, "adapter and base model names must be non-empty and differ"));
             }
         }
-        let session_header = raw.session_header.unwrap_or_else(|| "x-session-id".into());
-        let token = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b);
-        if !session_header.bytes().all(token) || session_header.len() > 128 {
-            return Err(err("session_header", &session_header, "must be a lowercase header name (or \"\" for none)"));
-        }
+        let header = |field: &'static str, v: Option<String>, default: &str| {
+            let name = v.unwrap_or_else(|| default.into());
+            let token = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b);
+            if name.bytes().all(token) && name.len() <= 128 {
+                Ok(name)
+            } else {
+                Err(err(field, &name, "must be a lowercase header name (or \"\" for none)"))
+            }
+        };
+        let session_header = header("session_header", raw.session_header, "x-session-id")?;
+        let tenant_header = header("tenant_header", raw.tenant_header, "x-tenant-id")?;
+        let priority_header = header("priority_header", raw.priority_header, "x-priority")?;
         let r = raw.reports;
         let reports = Reports {
             enabled: r.enabled.unwrap_or(true),
@@ -310,6 +328,8 @@ impl Config {
             retained_conversations,
             lora_adapters: raw.lora_adapters,
             session_header,
+            tenant_header,
+            priority_header,
             reports,
             grpc_service,
         })
@@ -381,6 +401,8 @@ mod tests {
         assert_eq!(e(r#"{"lora_adapters":{"x":""}}"#).field, "lora_adapters");
         assert_eq!(e(r#"{"session_header":"X-Session"}"#).field, "session_header");
         assert_eq!(e(r#"{"session_header":"a b"}"#).field, "session_header");
+        assert_eq!(e(r#"{"tenant_header":"Tenant"}"#).field, "tenant_header");
+        assert_eq!(e(r#"{"priority_header":"x prio"}"#).field, "priority_header");
         assert_eq!(e(r#"{"nope":1}"#).field, "(document)");
         assert!(e(r#"{"nope":1}"#).value.contains("nope"));
         assert!(e(r#"{"failure_mode":"maybe"}"#).to_string().contains("must be"));

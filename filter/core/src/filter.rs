@@ -39,6 +39,9 @@ use crate::usage::{Tail, find_usage};
 /// timeout{response_timeout}` in Envoy 1.40).
 const TIMEOUT_MARK: &str = "{response_timeout}";
 
+/// The body of a 429 (OpenAI's error shape).
+const OVERLOADED_BODY: &[u8] = br#"{"error":{"message":"Every model server is saturated; retry after the time in Retry-After.","type":"rate_limit_error","code":"overloaded"}}"#;
+
 /// Longest session header value sent to the control plane (bytes).
 pub const MAX_SESSION_BYTES: usize = 256;
 
@@ -79,6 +82,10 @@ pub struct RequestFilter {
     request_id: String,
     /// The session header's value, when usable (visible ASCII, ≤ 256 bytes).
     session: String,
+    /// The tenant header's value, when usable (same rules).
+    tenant: String,
+    /// The priority header's digit, 0 when absent or not one digit.
+    priority: u32,
     model: String,
     stream: bool,
     decision: Option<Decision>,
@@ -115,6 +122,8 @@ impl RequestFilter {
             api: Api::Chat,
             request_id: String::new(),
             session: String::new(),
+            tenant: String::new(),
+            priority: 0,
             model: String::new(),
             stream: false,
             decision: None,
@@ -168,14 +177,19 @@ impl RequestFilter {
         self.api = api;
         self.t_start = host.now_ns();
         self.request_id = host.request_header("x-request-id").unwrap_or_default();
-        if !self.cfg.session_header.is_empty() {
-            // A value that could not be a key (too long, control bytes) is
-            // not sent: the request is routed as if it had none.
-            self.session = host
-                .request_header(&self.cfg.session_header)
+        // A value that could not be a key (too long, control bytes) is not
+        // sent: the request is routed as if it had none.
+        let key = |name: &str| {
+            if name.is_empty() {
+                return String::new();
+            }
+            host.request_header(name)
                 .filter(|v| v.len() <= MAX_SESSION_BYTES && v.bytes().all(|b| (b' '..=b'~').contains(&b)))
-                .unwrap_or_default();
-        }
+                .unwrap_or_default()
+        };
+        self.session = key(&self.cfg.session_header);
+        self.tenant = key(&self.cfg.tenant_header);
+        self.priority = key(&self.cfg.priority_header).trim().parse::<u32>().ok().filter(|p| *p <= 9).unwrap_or(0);
         host.metric(Metric::Requests, 1);
         if end_of_stream {
             return self.fail(host, Cause::Malformed, false);
@@ -234,6 +248,8 @@ impl RequestFilter {
             model,
             body_bytes: u32::try_from(body_size).unwrap_or(u32::MAX),
             session_id: &self.session,
+            tenant: &self.tenant,
+            priority: self.priority,
         };
         let hashes = chain_hashes(&e);
         let through = if elide { self.retained.as_ref().and_then(|r| r.last_retained(&hashes)) } else { None };
@@ -293,6 +309,10 @@ impl RequestFilter {
                         Err(cause) => cause,
                     }
                 }
+                Answer::Refused(retry_after_ms) => {
+                    self.refuse(host, retry_after_ms);
+                    return;
+                }
                 Answer::Resend | Answer::Unusable => Cause::UnusableAnswer,
             },
             // DEADLINE_EXCEEDED; CANCELLED, which is what a tonic server
@@ -325,6 +345,17 @@ impl RequestFilter {
                 elapsed_us + (timeout_us / 10).max(5000) >= timeout_us
             }
         }
+    }
+
+    /// The control plane refused the request (every worker saturated):
+    /// 429 with `Retry-After` in whole seconds, whatever the failure mode
+    /// (this is an answer, not a failure).
+    fn refuse(&mut self, host: &impl Host, retry_after_ms: u32) {
+        self.state = State::Local;
+        host.metric(Metric::Overloaded, 1);
+        let secs = retry_after_ms.div_ceil(1000).max(1).to_string();
+        let headers = [("content-type", "application/json"), ("retry-after", secs.as_str())];
+        host.send_local_response(429, &headers, OVERLOADED_BODY);
     }
 
     /// The one failure path.
@@ -608,6 +639,33 @@ mod tests {
         assert_eq!(sent("", Some("a\u{7f}b")), "", "control bytes: not a key");
         assert_eq!(sent(r#","session_header":"x-conv""#, Some("chat-42")), "c-9");
         assert_eq!(sent(r#","session_header":"""#, Some("chat-42")), "", "none configured");
+    }
+
+    #[test]
+    fn a_refusal_is_a_429_with_retry_after_in_either_failure_mode() {
+        for mode in ["", r#","failure_mode":"closed""#] {
+            let h = MockHost::post("/v1/chat/completions");
+            h.set_request_header("x-tenant-id", Some("team-a"));
+            h.set_request_header("x-priority", Some("7"));
+            let mut f = RequestFilter::new(cfg(mode));
+            let t = to_pick(&mut f, &h, CHAT);
+            let req = pb::PickRequest::decode(h.picks()[0].as_slice()).unwrap();
+            assert_eq!((req.tenant.as_str(), req.priority), ("team-a", 7));
+            let refused = pb::PickResponse { retry_after_ms: 2_500, ..Default::default() }.encode_to_vec();
+            f.on_pick_response(&h, t, 0, Some(&refused));
+            let (status, body) = h.local_response().unwrap();
+            assert_eq!(status, 429);
+            assert!(String::from_utf8_lossy(&body).contains("rate_limit_error"));
+            assert!(h.calls().contains(&Call::LocalHeader("retry-after".into(), "3".into())));
+            assert_eq!((h.metric_value(Metric::Overloaded), f.cause()), (1, None), "an answer, not a failure");
+            assert_eq!(h.request_header(DESTINATION_HEADER), None);
+        }
+        // A priority that is not one digit is 0.
+        let h = MockHost::post("/v1/chat/completions");
+        h.set_request_header("x-priority", Some("high"));
+        let mut f = RequestFilter::new(cfg(""));
+        to_pick(&mut f, &h, CHAT);
+        assert_eq!(pb::PickRequest::decode(h.picks()[0].as_slice()).unwrap().priority, 0);
     }
 
     #[test]

@@ -108,6 +108,9 @@ pub enum Metric {
     /// Picks sent again in full because the control plane no longer held
     /// the elided messages.
     PickResends,
+    /// Requests answered 429 because the control plane refused them (every
+    /// worker saturated, its admission queue full or their wait too long).
+    Overloaded,
 }
 
 /// Counter or histogram.
@@ -121,7 +124,7 @@ pub enum MetricKind {
 
 impl Metric {
     /// Number of metrics.
-    pub const COUNT: usize = 8 + Cause::ALL.len();
+    pub const COUNT: usize = 9 + Cause::ALL.len();
 
     /// Dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -134,7 +137,8 @@ impl Metric {
             Metric::ReportsDropped => 5,
             Metric::ReportErrors => 6,
             Metric::PickResends => 7,
-            Metric::Fallback(c) => 8 + Cause::ALL.iter().position(|x| *x == c).unwrap_or(0),
+            Metric::Overloaded => 8,
+            Metric::Fallback(c) => 9 + Cause::ALL.iter().position(|x| *x == c).unwrap_or(0),
         }
     }
 
@@ -150,6 +154,7 @@ impl Metric {
             (Metric::ReportsDropped, "kvgate.reports_dropped", Counter),
             (Metric::ReportErrors, "kvgate.report_errors", Counter),
             (Metric::PickResends, "kvgate.pick_resends", Counter),
+            (Metric::Overloaded, "kvgate.overloaded", Counter),
         ]
         .into_iter()
         .chain(Cause::ALL.into_iter().map(|c| (Metric::Fallback(c), fallback_name(c), Counter)))

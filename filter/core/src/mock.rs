@@ -19,6 +19,8 @@ pub enum Call {
     Resume,
     /// A local reply: status and body.
     Local(u32, Vec<u8>),
+    /// A header of the local reply that follows.
+    LocalHeader(String, String),
 }
 
 /// The mock host.
@@ -159,8 +161,10 @@ impl Host for MockHost {
     fn resume_request(&self) {
         self.calls.borrow_mut().push(Call::Resume);
     }
-    fn send_local_response(&self, status: u32, _headers: &[(&str, &str)], body: &[u8]) {
-        self.calls.borrow_mut().push(Call::Local(status, body.to_vec()));
+    fn send_local_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        let mut calls = self.calls.borrow_mut();
+        calls.extend(headers.iter().map(|(k, v)| Call::LocalHeader((*k).to_owned(), (*v).to_owned())));
+        calls.push(Call::Local(status, body.to_vec()));
     }
     fn metric(&self, m: Metric, v: u64) {
         if let Some(x) = self.metrics.borrow_mut().get_mut(m.index()) {

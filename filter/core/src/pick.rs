@@ -37,6 +37,10 @@ pub struct RequestMeta<'a> {
     pub body_bytes: u32,
     /// The session header's value ("" = none or not configured).
     pub session_id: &'a str,
+    /// The tenant header's value ("" = none).
+    pub tenant: &'a str,
+    /// The priority header's digit (0 when absent).
+    pub priority: u32,
 }
 
 /// The chained segment hash of every message.
@@ -75,7 +79,9 @@ pub fn encode_pick(
         + 6
         + 2
         + 6
-        + len_field(meta.session_id.len());
+        + len_field(meta.session_id.len())
+        + len_field(meta.tenant.len())
+        + 2;
     for (i, m) in e.messages.iter().enumerate() {
         let l = seg_len(i, &m.role, if elided(i) { &[] } else { m.json });
         n += 1 + encoded_len_varint(l as u64) + l;
@@ -151,6 +157,11 @@ pub fn encode_pick(
         encode_varint(u64::from(meta.body_bytes), &mut buf);
     }
     put_bytes(13, meta.session_id.as_bytes(), &mut buf);
+    put_bytes(14, meta.tenant.as_bytes(), &mut buf);
+    if meta.priority != 0 {
+        encode_key(15, WireType::Varint, &mut buf);
+        encode_varint(u64::from(meta.priority), &mut buf);
+    }
     buf
 }
 
@@ -188,6 +199,8 @@ pub fn pick_request(e: &Extracted<'_>, api: Api, meta: &RequestMeta<'_>, hashes:
         stream: e.stream,
         body_bytes: meta.body_bytes,
         session_id: meta.session_id.into(),
+        tenant: meta.tenant.into(),
+        priority: meta.priority,
     }
 }
 
@@ -248,6 +261,9 @@ pub enum Answer {
     Route(Decision, Vec<u64>),
     /// The control plane does not hold the elided messages: send in full.
     Resend,
+    /// The control plane refused the request (fleet saturated): answer 429
+    /// with `Retry-After` (milliseconds).
+    Refused(u32),
     /// Nothing usable.
     Unusable,
 }
@@ -259,6 +275,9 @@ pub fn answer(response: &[u8], max_fallbacks: usize) -> Answer {
     let Ok(mut r) = pb::PickResponse::decode(response) else { return Answer::Unusable };
     if r.resend {
         return Answer::Resend;
+    }
+    if r.retry_after_ms > 0 && r.endpoint.is_empty() {
+        return Answer::Refused(r.retry_after_ms);
     }
     let retained = std::mem::take(&mut r.retained_chain_hashes);
     match decide(r, max_fallbacks) {
@@ -300,7 +319,7 @@ mod tests {
             msgs in prop::collection::vec(("[a-z]{0,8}", ".{0,300}"), 1..6),
             tools in any::<bool>(), stream in any::<bool>(), mt in prop::option::of(any::<u32>()),
             salt in "[a-z]{0,4}", id in "[a-z0-9-]{0,40}", lora in "[a-z]{0,5}", bytes in any::<u32>(),
-            session in "[ -~]{0,20}",
+            session in "[ -~]{0,20}", tenant in "[a-z0-9]{0,12}", priority in 0u32..10,
             elide in prop::option::of(0usize..7),
             prompt in prop::option::of(prop_oneof![
                 ".{0,200}".prop_map(|s| serde_json::json!(s)),
@@ -314,7 +333,7 @@ mod tests {
             let api = if let Some(p) = prompt { body["prompt"] = p; Api::Completions } else { Api::Chat };
             let text = serde_json::to_vec(&body).unwrap();
             let e = match extract(&text, api) { Ok(e) => e, Err(_) => return Ok(()) };
-            let meta = RequestMeta { request_id: &id, lora_name: &lora, model: "m", body_bytes: bytes, session_id: &session };
+            let meta = RequestMeta { request_id: &id, lora_name: &lora, model: "m", body_bytes: bytes, session_id: &session, tenant: &tenant, priority };
             let hashes = chain_hashes(&e);
             let ours = encode_pick(&e, api, &meta, &hashes, elide);
             let mut theirs = pick_request(&e, api, &meta, &hashes);

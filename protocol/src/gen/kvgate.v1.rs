@@ -83,6 +83,16 @@ pub struct PickRequest {
     /// control plane keeps a session on the worker it last chose for it.
     #[prost(string, tag = "13")]
     pub session_id: ::prost::alloc::string::String,
+    /// The request's tenant: the value of the filter's tenant header
+    /// (`x-tenant-id` by default), "" = the default tenant. With overload
+    /// protection on, requests held while the fleet is saturated are released
+    /// fairly between tenants.
+    #[prost(string, tag = "14")]
+    pub tenant: ::prost::alloc::string::String,
+    /// Priority class from the filter's priority header (`x-priority`), 0-9,
+    /// higher first; 0 when absent or not a digit.
+    #[prost(uint32, tag = "15")]
+    pub priority: u32,
     /// The prompt of a /v1/completions request (API_KIND_COMPLETIONS only).
     #[prost(oneof = "pick_request::Prompt", tags = "6, 7")]
     pub prompt: ::core::option::Option<pick_request::Prompt>,
@@ -150,6 +160,12 @@ pub struct PickResponse {
     /// See best_overlap_blocks.
     #[prost(string, tag = "11")]
     pub best_overlap_worker_id: ::prost::alloc::string::String,
+    /// Set, with no endpoint, when the control plane refuses the request
+    /// because the fleet is saturated and its admission queue is full or the
+    /// request waited past its deadline: the filter answers 429 with a
+    /// `Retry-After` of this many milliseconds, rounded up to seconds.
+    #[prost(uint32, tag = "12")]
+    pub retry_after_ms: u32,
 }
 /// What happened to one steered request, measured at the gateway.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

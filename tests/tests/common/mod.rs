@@ -160,6 +160,12 @@ impl Fleet {
                     _ => sim_args.extend(pair.iter().map(|a| (*a).to_owned())),
                 }
             }
+            // The relay announces the engine's batch limit.
+            let max_num_seqs = sim_args
+                .iter()
+                .position(|a| a == "--max-num-seqs")
+                .and_then(|i| sim_args.get(i + 1)?.parse().ok())
+                .unwrap_or(64);
             procs.push(Proc::spawn(&format!("sim-{w}"), kvgate_args(&sim_args), dir).unwrap());
             args.push(sim_args);
             let addr: SocketAddr = ([127, 0, 0, 1], hp).into();
@@ -173,7 +179,7 @@ impl Fleet {
                 nats_url: &nats_url,
                 model: MODEL,
                 block_size: 16,
-                max_num_seqs: 64,
+                max_num_seqs,
                 heartbeat_ms: 100,
             };
             let rm: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();

@@ -34,6 +34,11 @@
 //! enabled = false                       # keep a session on its worker unless saturated or gone
 //! ttl_ms = 600000                       # a pin lapses this long after the session's last request
 //! max_sessions = 1000000                # sessions pinned at once; more are routed by the policy
+//! [models.overload]                     # hold requests while every worker is saturated
+//! enabled = false                       #   (x-tenant-id / x-priority, see the filter)
+//! max_queued = 1024                     # more are answered 429
+//! max_wait_ms = 5000                    # held longer: 429; keep below the filter's timeout_ms
+//! quantum_tokens = 8192                 # fair-queue quantum (prompt tokens per tenant per round)
 //! [models.kv]                           # optional weights (kvgate_scheduler::KvConfig)
 //! unit = "time"                         # time | blocks (Dynamo's cost)
 //! learn_timing = true                  # learn the engine's timing online (below: priors)
@@ -148,6 +153,24 @@ pub struct RawModel {
     pub kv: Option<RawKv>,
     /// Session affinity.
     pub session: Option<RawSession>,
+    /// Overload protection.
+    pub overload: Option<RawOverload>,
+}
+
+/// Optional `[models.overload]` table: requests held while every worker is
+/// saturated, released fairly between tenants.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RawOverload {
+    /// Hold requests while the fleet is saturated (default false).
+    pub enabled: Option<bool>,
+    /// Most requests held at once (default 1024); more are refused (429).
+    pub max_queued: Option<usize>,
+    /// Longest a request is held (default 5000 ms); then refused (429).
+    pub max_wait_ms: Option<u64>,
+    /// Prompt tokens credited to a tenant per round of the fair queue
+    /// (default 8192).
+    pub quantum_tokens: Option<u64>,
 }
 
 /// Optional `[models.session]` table: session affinity.

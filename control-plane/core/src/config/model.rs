@@ -4,9 +4,9 @@
 use std::net::SocketAddr;
 
 use kvgate_protocol::BlockSize;
-use kvgate_scheduler::{CostUnit, KvConfig, Mode};
+use kvgate_scheduler::{CostUnit, FairQueueConfig, KvConfig, Mode};
 
-use super::{ConfigError, ModelSettings, RawKv, RawModel, RawSession, RawWorker, err, weight};
+use super::{ConfigError, ModelSettings, RawKv, RawModel, RawOverload, RawSession, RawWorker, err, weight};
 use crate::endpoints::EndpointRule;
 use crate::model::{ModelConfig, SessionConfig};
 
@@ -37,6 +37,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
         allowed_endpoints.push(rule);
     }
     let session = session_config(&f, m.session.clone().unwrap_or_default())?;
+    let overload = overload_config(&f, m.overload.clone().unwrap_or_default())?;
     let suspect_ms = m.suspect_ms.unwrap_or(3000);
     if !(100..=600_000).contains(&suspect_ms) {
         return Err(err(f("suspect_ms"), suspect_ms, "must be between 100 and 600000"));
@@ -56,6 +57,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
             suspect_ms,
             allowed_endpoints,
             session,
+            overload,
         },
         tokenizer_dir: m.tokenizer_dir,
     })
@@ -117,6 +119,25 @@ fn session_config(f: &dyn Fn(&str) -> String, s: RawSession) -> Result<SessionCo
         return Err(err(f("session.max_sessions"), max, "must be > 0"));
     }
     Ok(SessionConfig { enabled: s.enabled.unwrap_or(d.enabled), ttl_ms, max })
+}
+
+/// Overload protection: `None` when off; bounds ≥ 1, a wait of 10 ms to
+/// 10 minutes.
+fn overload_config(f: &dyn Fn(&str) -> String, o: RawOverload) -> Result<Option<FairQueueConfig>, ConfigError> {
+    let d = FairQueueConfig::default();
+    let max_queued = o.max_queued.unwrap_or(d.max_queued);
+    if max_queued == 0 {
+        return Err(err(f("overload.max_queued"), max_queued, "must be > 0"));
+    }
+    let max_wait_ms = o.max_wait_ms.unwrap_or(d.max_wait_ms);
+    if !(10..=600_000).contains(&max_wait_ms) {
+        return Err(err(f("overload.max_wait_ms"), max_wait_ms, "must be between 10 and 600000"));
+    }
+    let quantum = o.quantum_tokens.unwrap_or(d.quantum);
+    if quantum == 0 {
+        return Err(err(f("overload.quantum_tokens"), quantum, "must be > 0"));
+    }
+    Ok(o.enabled.unwrap_or(false).then_some(FairQueueConfig { max_queued, max_wait_ms, quantum }))
 }
 
 /// Workers routed to without relays: non-empty ids, `ip:port` endpoints.

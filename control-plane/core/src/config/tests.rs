@@ -126,3 +126,17 @@ fn session_affinity_is_off_by_default_and_validated() {
     assert_eq!(e.field, "models[0].session.max_sessions");
     assert!(RawConfig::from_toml(&text.replace("enabled", "on"), "c").is_err(), "unknown fields are errors");
 }
+
+#[test]
+fn overload_protection_is_off_by_default_and_validated() {
+    let c = Config::validate(RawConfig { models: vec![model("m")], ..Default::default() }).unwrap();
+    assert_eq!(c.models[0].routing.overload, None);
+    let text = "[[models]]\nname = \"m\"\nblock_size = 16\n[models.overload]\nenabled = true\nmax_wait_ms = 2000\n";
+    let on = Config::validate(RawConfig::from_toml(text, "c").unwrap()).unwrap();
+    let q = on.models[0].routing.overload.unwrap();
+    assert_eq!((q.max_wait_ms, q.max_queued, q.quantum), (2000, 1024, 8192));
+    let e = Config::validate(RawConfig::from_toml(&text.replace("2000", "5"), "c").unwrap()).unwrap_err();
+    assert_eq!((e.field.as_str(), e.value.as_str()), ("models[0].overload.max_wait_ms", "5"), "{e}");
+    let e = Config::validate(RawConfig::from_toml(&text.replace("max_wait_ms = 2000", "max_queued = 0"), "c").unwrap());
+    assert_eq!(e.unwrap_err().field, "models[0].overload.max_queued");
+}

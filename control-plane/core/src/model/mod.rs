@@ -9,6 +9,7 @@
 //! | [`sync`] | the stream-sync state machine (one `accept` per batch) |
 //! | [`pick`] | candidates, the policy's decision, its bookkeeping |
 //! | [`sessions`] | session affinity: session key → worker, sliding TTL |
+//! | [`admission`] | overload protection: requests held while every worker is saturated |
 //! | [`workers`] | registry, liveness, heartbeats, expiry, admin view |
 //! | [`counters`] | the model's counters and their metric labels |
 //!
@@ -19,6 +20,7 @@
 //! | [`ModelState::on_snapshot`] | O(blocks in the snapshot + events held meanwhile) |
 //! | [`ModelState::reap`] | O(workers + requests in flight) |
 
+pub mod admission;
 pub mod counters;
 pub mod pick;
 pub mod sessions;
@@ -34,6 +36,7 @@ use kvgate_scheduler::{KvConfig, KvPolicy, LoadTracker, Mode, Policy};
 
 use crate::timing::{Calibration, Prior};
 
+pub use admission::{AdmissionCounters, Admit, Released};
 pub use counters::ModelCounters;
 pub use pick::{BY_LOAD, ByLoad, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
 pub use sessions::SessionConfig;
@@ -75,6 +78,8 @@ pub struct ModelConfig {
     pub allowed_endpoints: Vec<crate::endpoints::EndpointRule>,
     /// Session affinity (off by default).
     pub session: SessionConfig,
+    /// Overload protection: the admission queue's settings; `None` = off.
+    pub overload: Option<kvgate_scheduler::FairQueueConfig>,
 }
 
 /// Something the adapters must do for this model.
@@ -97,6 +102,9 @@ pub struct ModelState {
     /// Predicted cached tokens and pick time, by request id (kv mode).
     predicted: HashMap<String, (u32, u64)>,
     sessions: Sessions,
+    /// Requests held while the fleet is saturated (overload protection on).
+    held: Option<kvgate_scheduler::FairQueue>,
+    admission: admission::AdmissionCounters,
     rng: fastrand::Rng,
     counters: ModelCounters,
     scratch: Vec<Overlap>,
@@ -137,6 +145,8 @@ impl ModelState {
             names: HashMap::new(),
             predicted: HashMap::new(),
             sessions: Sessions::new(config.session),
+            held: config.overload.map(kvgate_scheduler::FairQueue::new),
+            admission: Default::default(),
             rng: fastrand::Rng::with_seed(seed),
             counters: ModelCounters::default(),
             scratch: Vec::new(),

@@ -32,6 +32,8 @@ pub struct TestRelay {
     pub next_hash: u64,
     /// Publish batches (false: lost, as during a NATS outage).
     pub online: bool,
+    /// `max_num_seqs` its heartbeats announce.
+    pub max_num_seqs: u32,
     pub tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -71,6 +73,7 @@ impl TestRelay {
             seq: 0,
             next_hash: epoch.wrapping_mul(1_000_003) | 1,
             online: true,
+            max_num_seqs: 64,
             tasks: vec![snap],
         }
     }
@@ -134,7 +137,7 @@ impl TestRelay {
             capacity_blocks: 100_000,
             interval_ms: 100,
             engine_ok: true,
-            max_num_seqs: 64,
+            max_num_seqs: self.max_num_seqs,
             ..Default::default()
         };
         drop(core);

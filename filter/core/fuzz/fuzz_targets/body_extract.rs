@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
     }
     for api in [Api::Chat, Api::Completions] {
         if let Ok(e) = extract(data, api) {
-            let meta = RequestMeta { request_id: "r", lora_name: "", model: &e.model, body_bytes: data.len() as u32, session_id: "s" };
+            let meta = RequestMeta { request_id: "r", lora_name: "", model: &e.model, body_bytes: data.len() as u32, session_id: "s", tenant: "t", priority: 3 };
             let hashes = chain_hashes(&e);
             let elide = data.first().map(|b| usize::from(*b % 4));
             let msg = encode_pick(&e, api, &meta, &hashes, elide);
