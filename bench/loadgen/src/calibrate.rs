@@ -723,6 +723,7 @@ mod tests {
             cached_tokens: cached,
             error: None,
             route: None,
+            tenant: None,
         }
     }
 

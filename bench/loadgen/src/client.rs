@@ -104,12 +104,14 @@ pub struct ChatClient {
     addr: SocketAddr,
     host: String,
     sender: Option<SendRequest<Full<Bytes>>>,
+    /// Sent as `x-tenant-id` when set.
+    pub tenant: Option<&'static str>,
 }
 
 impl ChatClient {
     /// A client of the OpenAI server at `addr` (not connected yet).
     pub fn new(addr: SocketAddr) -> Self {
-        ChatClient { addr, host: addr.to_string(), sender: None }
+        ChatClient { addr, host: addr.to_string(), sender: None, tenant: None }
     }
 
     async fn connection(&mut self) -> Result<&mut SendRequest<Full<Bytes>>> {
@@ -141,11 +143,14 @@ impl ChatClient {
     }
 
     async fn chat_inner(&mut self, host: &str, body: Vec<u8>) -> Result<Reply> {
-        let req = hyper::Request::post("/v1/chat/completions")
+        let mut req = hyper::Request::post("/v1/chat/completions")
             .header("host", host)
             .header("content-type", "application/json")
-            .header("accept", "text/event-stream")
-            .body(Full::new(Bytes::from(body)))?;
+            .header("accept", "text/event-stream");
+        if let Some(t) = self.tenant {
+            req = req.header("x-tenant-id", t);
+        }
+        let req = req.body(Full::new(Bytes::from(body)))?;
         let sender = self.connection().await?;
         let start = Instant::now();
         let resp = sender.send_request(req).await?;

@@ -41,6 +41,12 @@ enum Cli {
     /// in host memory is loaded back instead of recomputed; modes kv,
     /// kv_tier_blind, round_robin by default.
     Tiers(ReqArgs),
+    /// Overload (issue #24): two tenants on the cache-pressure workload, a
+    /// heavy one sending 80 % of the requests and a light one 20 %, at a
+    /// total rate past the fleet's capacity (default 15 requests/s, ~1.5x
+    /// the ~10 at which its throughput plateaus); modes kv and kv_overload
+    /// (overload protection on); per-tenant TTFT, admitted and 429s.
+    Overload(ReqArgs),
     /// Agent fan-out: bursts of 8–64 sibling requests on a new 4K–32K-token
     /// prefix within milliseconds, and their follow-ups; levels are bursts
     /// per minute (simulated).
@@ -129,7 +135,7 @@ struct ReqArgs {
 /// The flags every sweep shares (`doks` and the request workloads).
 #[derive(clap::Args)]
 struct SweepArgs {
-    /// Modes: kv, kv_true_constants, kv_no_speculation, kv_tier_blind, approx, least_load, round_robin
+    /// Modes: kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin
     /// (kvgate), sglang_cache_aware (peer). Default: round_robin, kv,
     /// approx, least_load, sglang_cache_aware (with --quick: round_robin,
     /// kv, sglang_cache_aware).
@@ -290,6 +296,7 @@ impl Sweep {
                 "kv_true_constants": fleet.true_constants().unwrap_or_default(),
                 "kv_no_speculation": stack::NO_SPECULATION,
                 "kv_tier_blind": [stack::TIER_BLIND],
+                "kv_overload": stack::OVERLOAD,
             },
             "cpu_limit": self.cpu_limit,
             "fleet": {
@@ -379,6 +386,7 @@ fn main() -> Result<()> {
         Cli::Groups(a) => requests_sweep(Kind::Groups, a),
         Cli::CachePressure(a) => requests_sweep(Kind::CachePressure, a),
         Cli::Tiers(a) => requests_sweep(Kind::Tiers, a),
+        Cli::Overload(a) => requests_sweep(Kind::Overload, a),
         Cli::Fanout(a) => requests_sweep(Kind::Fanout, a),
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Dashboard(a) => dashboard(a),
@@ -399,6 +407,7 @@ enum Kind {
     Groups,
     CachePressure,
     Tiers,
+    Overload,
     Fanout,
     Mooncake,
 }
@@ -429,6 +438,13 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             vec![10],
             1.0,
         ),
+        Kind::Overload => (
+            "overload",
+            "Overload (two tenants, 80 % / 20 % of the requests, on the cache-pressure workload past the fleet's capacity)",
+            "qps",
+            vec![15],
+            1.0,
+        ),
         Kind::Fanout => (
             "fanout",
             "Agent fan-out (bursts of 8-64 siblings on a new 4K-32K-token prefix within ms, follow-ups 20 s later)",
@@ -443,6 +459,9 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     }
     if kind == Kind::Tiers && a.sweep.modes.is_empty() {
         a.sweep.modes = ["kv", "kv_tier_blind", "round_robin"].iter().map(|m| (*m).to_owned()).collect();
+    }
+    if kind == Kind::Overload && a.sweep.modes.is_empty() {
+        a.sweep.modes = ["kv", "kv_overload"].iter().map(|m| (*m).to_owned()).collect();
     }
     a.sweep.default_modes(a.quick);
     if a.quick {
@@ -478,6 +497,10 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             Kind::CachePressure | Kind::Tiers => {
                 (Requests::Groups(Groups::cache_pressure(level as f64, horizon, tenants)), Load::Open { speedup })
             }
+            Kind::Overload => {
+                let groups = Requests::Groups(Groups::cache_pressure(level as f64, horizon, tenants));
+                (Requests::Tenants(Box::new(groups), 0.2), Load::Open { speedup })
+            }
             Kind::Mooncake => {
                 let path = kvgate_testkit::shared_dir()?.join("traces/mooncake/conversation_trace.jsonl");
                 let compress = level.max(1) as f64 / 100.0;
@@ -497,14 +520,22 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         sweep.windows.warmup.as_secs_f64(),
         sweep.windows.measure.as_secs_f64(),
     );
+    let mut tenant_rows = Vec::new();
     let rows = sweep.cells(name, &a.levels, workload_for, |sw, (wl, load), stack, mode, level| {
         let run =
             sw.rt.block_on(runner::run_requests(stack.front, &stack.workers, &stack.pids, wl, *load, sw.windows))?;
         let block = u64::from(sw.fleet.block_size);
         let row = stats::summarize(mode, level, &run, speedup, block, stats::Oracle::Prefixes(wl), sw.cpu_limit);
+        for t in stats::by_tenant(mode, level, &run, speedup) {
+            println!(
+                "         {:<19} tenant {:<5} TTFT p50 {:>7.0} p95 {:>7.0} ms  admitted {}  429 {}  other errors {}",
+                "", t.tenant, t.ttft_p50_ms, t.ttft_p95_ms, t.admitted, t.rejected_429, t.other_errors
+            );
+            tenant_rows.push(t);
+        }
         Ok((run, row))
     })?;
-    let tenants_note = if matches!(kind, Kind::CachePressure | Kind::Tiers) {
+    let tenants_note = if matches!(kind, Kind::CachePressure | Kind::Tiers | Kind::Overload) {
         let host = sweep.fleet.host_blocks;
         let host = if host > 0 { format!(", host memory {host} blocks per worker") } else { String::new() };
         format!("; {tenants} tenants (their prefixes ~3x the fleet's {capacity_tokens} tokens of KV cache{host})")
@@ -524,7 +555,8 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     let doc = sweep.doc(
         a.sweep.stream_interval,
         a.quick,
-        serde_json::json!({"workload": name, "title": title, "context": context, "level": level_name, "rows": rows}),
+        serde_json::json!({"workload": name, "title": title, "context": context, "level": level_name, "rows": rows,
+                           "tenants": tenant_rows}),
     );
     sweep.publish(&doc, title, &context, level_name, &rows)
 }

@@ -88,6 +88,7 @@ pub fn colour(mode: &str) -> &'static str {
         "kv_true_constants" => "#e377c2",
         "kv_no_speculation" => "#ff9896",
         "kv_tier_blind" => "#c49c94",
+        "kv_overload" => "#9467bd",
         _ => "#7f7f7f",
     }
 }

@@ -57,6 +57,9 @@ pub struct Record {
     /// What a kvgate router said about its choice (debug headers).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route: Option<crate::client::Route>,
+    /// The tenant that sent it (`x-tenant-id`), when the workload has tenants.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<&'static str>,
 }
 
 /// Load on each worker at one moment.
@@ -232,6 +235,7 @@ async fn timed_chat(
         cached_tokens: 0,
         error: None,
         route: None,
+        tenant: client.tenant,
     };
     let text = match result {
         Ok(Ok(reply)) => {
@@ -273,7 +277,9 @@ async fn record_request(
     i: u64,
     req: &Req,
     records: &Mutex<Vec<Record>>,
+    tenant: Option<&'static str>,
 ) {
+    client.tenant = tenant;
     let (rec, _) =
         timed_chat(client, t0, hard_stop, chat_body(&req.history(), req.max_tokens), (i, req.group, 0)).await;
     records.lock().await.push(rec);
@@ -309,7 +315,7 @@ pub async fn run_requests(
                     while Instant::now() < stop_at {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let Some(req) = wl.request(i) else { break };
-                        record_request(&mut client, t0, hard_stop, i, &req, &records).await;
+                        record_request(&mut client, t0, hard_stop, i, &req, &records, wl.tenant(i)).await;
                     }
                 });
             }
@@ -329,8 +335,9 @@ pub async fn run_requests(
                     // clients arriving do.
                     let mut client = ChatClient::new(front);
                     let records = records.clone();
+                    let tenant = wl.tenant(i);
                     inflight.spawn(async move {
-                        record_request(&mut client, t0, hard_stop, i, &req, &records).await;
+                        record_request(&mut client, t0, hard_stop, i, &req, &records, tenant).await;
                     });
                 }
                 while inflight.join_next().await.is_some() {}

@@ -40,6 +40,8 @@ pub struct FleetSpec {
     pub extra: Vec<(String, usize)>,
     /// vLLM's `max_num_seqs`.
     pub max_num_seqs: usize,
+    /// The filter's Pick timeout (ms).
+    pub filter_timeout_ms: u32,
     /// Host-memory KV blocks per worker (CPU offloading); 0 = none.
     pub host_blocks: usize,
     /// vLLM's `max_num_batched_tokens`.
@@ -86,6 +88,7 @@ impl FleetSpec {
             num_blocks: 11_500,
             extra: Vec::new(),
             max_num_seqs: 64,
+            filter_timeout_ms: 200,
             host_blocks: 0,
             max_num_batched_tokens: 16_384,
             speedup,
@@ -144,6 +147,11 @@ pub const NO_SPECULATION: [&str; 2] = ["inflight_hit_weight = 0", "inflight_wait
 /// The `[models.kv]` line of the `kv_tier_blind` mode.
 pub const TIER_BLIND: &str = "host_hit_weight = 0";
 
+/// The control plane's lines of the `kv_overload` mode.
+pub const OVERLOAD: [&str; 3] = ["[models.overload]", "enabled = true", "max_wait_ms = 5000"];
+/// The filter's callout timeout in the `kv_overload` mode: above the hold.
+pub const OVERLOAD_FILTER_TIMEOUT_MS: u32 = 7000;
+
 /// What fronts the fleet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frontend {
@@ -163,6 +171,9 @@ pub enum Frontend {
     /// Envoy with the kvgate filter; the control plane in `kv` mode blind to
     /// host-memory blocks (`host_hit_weight = 0`).
     KvTierBlind,
+    /// Envoy with the kvgate filter (callout timeout above the hold); the
+    /// control plane in `kv` mode with overload protection on ([`OVERLOAD`]).
+    KvOverload,
     /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
     /// `round-robin`) in front of Dynamo's own mocker workers
     /// ([`Stack::start_dynamo`]).
@@ -178,6 +189,7 @@ impl Frontend {
             Frontend::KvTrueConstants => "kv_true_constants".into(),
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::KvTierBlind => "kv_tier_blind".into(),
+            Frontend::KvOverload => "kv_overload".into(),
             Frontend::Dynamo(m) if m == "kv" => "dynamo".into(),
             Frontend::Dynamo(m) => format!("dynamo_{}", m.replace('-', "_")),
         }
@@ -190,12 +202,13 @@ impl Frontend {
             "kv_true_constants" => Frontend::KvTrueConstants,
             "kv_no_speculation" => Frontend::KvNoSpeculation,
             "kv_tier_blind" => Frontend::KvTierBlind,
+            "kv_overload" => Frontend::KvOverload,
             "dynamo" => Frontend::Dynamo("kv".into()),
             "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
                 ),
             },
         })
@@ -363,6 +376,13 @@ impl Stack {
                 told.kv_settings.push(TIER_BLIND.to_owned());
                 stack.start_kvgate(&told, "kv", &tk, &zmq)?
             }
+            Frontend::KvOverload => {
+                let mut told = fleet.clone();
+                // A table after `[models.kv]`'s lines (TOML allows it).
+                told.kv_settings.extend(OVERLOAD.iter().map(|l| (*l).to_owned()));
+                told.filter_timeout_ms = OVERLOAD_FILTER_TIMEOUT_MS;
+                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+            }
             Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),
         }
         Ok(stack)
@@ -436,7 +456,9 @@ impl Stack {
         self.cp_admin = Some(admin);
         // Debug headers: the client records each decision's reason and
         // matched blocks (for the `mispredicted` count).
-        let filter = serde_json::json!({"control_plane": {"timeout_ms": 200}, "debug_headers": true}).to_string();
+        let filter =
+            serde_json::json!({"control_plane": {"timeout_ms": fleet.filter_timeout_ms}, "debug_headers": true})
+                .to_string();
         let config = self.dir.join("envoy.yaml");
         std::fs::write(&config, render_kvgate_envoy(0, 0, &self.workers, &[grpc.parse()?], &filter)?)?;
         let envoy = Envoy::start(&config, &self.dir)?;

@@ -212,6 +212,57 @@ fn doks_oracle(records: &[Record], ok: &[&&Record], starter_shared: &[u64], bloc
 }
 
 /// Summarizes `run`.
+/// One tenant's requests started in the measured window (the overload cell).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TenantRow {
+    /// Mode.
+    pub mode: String,
+    /// Level (requests/s).
+    pub rate_or_concurrency: usize,
+    /// `x-tenant-id`.
+    pub tenant: &'static str,
+    /// Simulated ms.
+    pub ttft_p50_ms: f64,
+    /// Simulated ms.
+    pub ttft_p95_ms: f64,
+    /// Served.
+    pub admitted: usize,
+    /// Answered 429.
+    pub rejected_429: usize,
+    /// Failed otherwise.
+    pub other_errors: usize,
+}
+
+/// Per tenant, in tenant order: TTFT of the served requests, served, 429s.
+pub fn by_tenant(mode: &str, level: usize, run: &CellRun, speedup: f64) -> Vec<TenantRow> {
+    let w0 = run.windows.warmup.as_secs_f64();
+    let w1 = w0 + run.windows.measure.as_secs_f64();
+    let mut names: Vec<&'static str> = run.records.iter().filter_map(|r| r.tenant).collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+        .into_iter()
+        .map(|tenant| {
+            let inside: Vec<_> =
+                run.records.iter().filter(|r| r.tenant == Some(tenant) && r.start >= w0 && r.start < w1).collect();
+            let ttft: Vec<f64> =
+                inside.iter().filter(|r| r.error.is_none()).filter_map(|r| r.ttft).map(|t| t * speedup * 1e3).collect();
+            let rejected = inside.iter().filter(|r| r.error.as_deref().is_some_and(|e| e.contains("HTTP 429"))).count();
+            let failed = inside.iter().filter(|r| r.error.is_some()).count();
+            TenantRow {
+                mode: mode.to_owned(),
+                rate_or_concurrency: level,
+                tenant,
+                ttft_p50_ms: kvgate_bench_support::quantile(&ttft, 0.5),
+                ttft_p95_ms: kvgate_bench_support::quantile(&ttft, 0.95),
+                admitted: inside.len() - failed,
+                rejected_429: rejected,
+                other_errors: failed - rejected,
+            }
+        })
+        .collect()
+}
+
 pub fn summarize(
     mode: &str,
     concurrency: usize,
@@ -366,6 +417,7 @@ pub(crate) mod tests {
             cached_tokens: 0,
             error: None,
             route: None,
+            tenant: None,
         }
     }
 

@@ -493,6 +493,9 @@ pub enum Requests {
     Groups(Groups),
     Trace(Trace),
     Fanout(Fanout),
+    /// Another workload's requests, each sent by tenant `light` (this share
+    /// of them, drawn per request) or `heavy`: the overload cell.
+    Tenants(Box<Requests>, f64),
 }
 
 /// Segment ids of different kinds never collide (top byte).
@@ -504,6 +507,7 @@ impl Requests {
     /// Request `i`, or `None` past the end of a finite workload.
     pub fn request(&self, i: u64) -> Option<Req> {
         match self {
+            Requests::Tenants(inner, _) => inner.request(i),
             Requests::Workato(w) => {
                 let h = mix(w.seed, i);
                 let doc = (h % w.docs.max(1) as u64) as usize;
@@ -605,6 +609,17 @@ impl Requests {
             Requests::Groups(g) => g.name,
             Requests::Trace(_) => "mooncake",
             Requests::Fanout(_) => "fanout",
+            Requests::Tenants(_, _) => "overload",
+        }
+    }
+
+    /// The tenant that sends request `i` (`None`: no tenant header).
+    pub fn tenant(&self, i: u64) -> Option<&'static str> {
+        match self {
+            Requests::Tenants(_, light) => {
+                Some(if ((mix(0x7E7A_0001, i) % 10_000) as f64) < light * 10_000.0 { "light" } else { "heavy" })
+            }
+            _ => None,
         }
     }
 }

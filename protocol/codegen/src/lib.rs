@@ -33,8 +33,13 @@ pub const PACKAGE: &str = "kvgate.v1";
 
 /// The repository's root (this crate is `protocol/codegen`).
 pub fn repo_root() -> PathBuf {
-    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    here.parent().and_then(Path::parent).unwrap_or(here).to_path_buf()
+    // At run time first: cargo and nextest set it for `cargo run` and tests,
+    // and a build reused from a checkout elsewhere (one shared target
+    // directory) would otherwise point at that checkout.
+    let here = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    here.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or(here)
 }
 
 /// `protocol/proto`.
