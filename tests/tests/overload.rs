@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Fleet, FleetOpts, MODEL, prom, until};
-use kvgate_testkit::{Envoy, envoy_validate, http_request, render_kvgate_envoy, scratch_dir};
+use kvgate_testkit::{http_request, scratch_dir};
 use serde_json::json;
 
 fn chat(text: &str, max_tokens: u32) -> Vec<u8> {
@@ -30,11 +30,7 @@ fn a_saturated_fleet_answers_429_with_retry_after_instead_of_queueing_in_the_eng
     // Real time: the long request decodes for several seconds.
     let mut fleet = Fleet::start_opts(&dir, 1, "1", opts);
     let filter = json!({"control_plane": {"timeout_ms": 5000}, "debug_headers": true});
-    let config = dir.join("envoy.yaml");
-    std::fs::write(&config, render_kvgate_envoy(0, 0, &fleet.http, &[fleet.grpc], &filter.to_string()).unwrap())
-        .unwrap();
-    envoy_validate(&config).unwrap();
-    let envoy = Envoy::start(&config, &dir).unwrap();
+    let envoy = fleet.envoy(&filter);
     let listen = envoy.listen;
     let headers = [("content-type", "application/json"), ("x-tenant-id", "team-a")];
 

@@ -8,7 +8,7 @@
 mod common;
 
 use common::{BLOCK, Fleet, FleetOpts, MODEL, prom, until};
-use kvgate_testkit::{Envoy, envoy_validate, http_request, render_kvgate_envoy, scratch_dir};
+use kvgate_testkit::{http_request, scratch_dir};
 use serde_json::{Value, json};
 
 fn chat(text: &str) -> Vec<u8> {
@@ -22,11 +22,7 @@ fn a_prefix_offloaded_to_host_memory_still_draws_its_requests() {
     let sim_args = ["--num-blocks", "96", "--host-blocks", "1024"];
     let mut fleet = Fleet::start_opts(&dir, 2, "20", FleetOpts { sim_args: &sim_args, ..Default::default() });
     let filter = json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true});
-    let config = dir.join("envoy.yaml");
-    std::fs::write(&config, render_kvgate_envoy(0, 0, &fleet.http, &[fleet.grpc], &filter.to_string()).unwrap())
-        .unwrap();
-    envoy_validate(&config).unwrap();
-    let envoy = Envoy::start(&config, &dir).unwrap();
+    let envoy = fleet.envoy(&filter);
     let json_ct = [("content-type", "application/json")];
     let post = |body: &[u8]| {
         let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, body).unwrap();

@@ -3,45 +3,18 @@
 //! refused when the queue is full, expired at its deadline; fairly between
 //! tenants; never held when the protection is off or a limit is unknown.
 
+mod common;
+
 use kvgate_core::model::{Admit, ModelConfig, ModelState};
-use kvgate_protocol::{BlockSize, pb};
-use kvgate_scheduler::{FairQueueConfig, KvConfig, Mode};
+use kvgate_protocol::pb;
+use kvgate_scheduler::{FairQueueConfig, Mode};
 
 fn state(overload: Option<FairQueueConfig>) -> ModelState {
-    ModelState::new(
-        ModelConfig {
-            name: "m".into(),
-            block_size: BlockSize::new(16).unwrap(),
-            mode: Mode::Kv,
-            kv: KvConfig::default(),
-            learn_timing: true,
-            default_output_tokens: 16,
-            static_workers: Vec::new(),
-            heartbeat_timeout_ms: 0,
-            inflight_ttl_ms: 600_000,
-            suspect_after_failures: 2,
-            suspect_ms: 3000,
-            allowed_endpoints: Vec::new(),
-            session: Default::default(),
-            overload,
-        },
-        1,
-    )
+    ModelState::new(ModelConfig { heartbeat_timeout_ms: 0, overload, ..common::config(Mode::Kv) }, 1)
 }
 
 fn hb(id: &str, running: u32, max_num_seqs: u32) -> pb::WorkerHeartbeat {
-    pb::WorkerHeartbeat {
-        worker_id: id.into(),
-        model: "m".into(),
-        endpoint: format!("10.0.0.{}:8000", &id[1..]),
-        relay_epoch: 1,
-        block_size: 16,
-        interval_ms: 100_000,
-        engine_ok: true,
-        running,
-        max_num_seqs,
-        ..Default::default()
-    }
+    pb::WorkerHeartbeat { interval_ms: 100_000, running, max_num_seqs, ..common::heartbeat(id) }
 }
 
 const Q: FairQueueConfig = FairQueueConfig { max_queued: 3, max_wait_ms: 1_000, quantum: 1_000 };

@@ -2,44 +2,18 @@
 //! health from heartbeats, suspects from the filter's connection-failure
 //! reports, and liveness frozen across a NATS outage.
 
+mod common;
+
 use kvgate_core::model::{ModelConfig, ModelState, NoWorker, PickInput, reached_another};
-use kvgate_protocol::{BlockSeed, BlockSize, pb};
-use kvgate_scheduler::{KvConfig, Mode};
+use kvgate_protocol::{BlockSeed, pb};
+use kvgate_scheduler::Mode;
 
 fn state() -> ModelState {
-    ModelState::new(
-        ModelConfig {
-            name: "m".into(),
-            block_size: BlockSize::new(16).unwrap(),
-            mode: Mode::LeastLoad,
-            kv: KvConfig::default(),
-            learn_timing: true,
-            default_output_tokens: 16,
-            static_workers: Vec::new(),
-            heartbeat_timeout_ms: 1000,
-            inflight_ttl_ms: 600_000,
-            suspect_after_failures: 2,
-            suspect_ms: 3000,
-            allowed_endpoints: Vec::new(),
-            session: Default::default(),
-            overload: None,
-        },
-        1,
-    )
+    ModelState::new(common::config(Mode::LeastLoad), 1)
 }
 
 fn hb(id: &str, health: pb::EngineHealth) -> pb::WorkerHeartbeat {
-    pb::WorkerHeartbeat {
-        worker_id: id.into(),
-        model: "m".into(),
-        endpoint: format!("10.0.0.{}:8000", &id[1..]),
-        relay_epoch: 1,
-        block_size: 16,
-        interval_ms: 100,
-        engine_ok: true,
-        engine_health: health as i32,
-        ..Default::default()
-    }
+    pb::WorkerHeartbeat { engine_health: health as i32, ..common::heartbeat(id) }
 }
 
 /// Workers a hundred picks at `now` land on.

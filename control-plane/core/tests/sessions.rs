@@ -3,32 +3,21 @@
 //! saturated or gone (and stays where it moved), lapses after its TTL, is
 //! learned from another replica's in-flight event, and is ignored when off.
 
+mod common;
+
 use kvgate_core::model::{ModelConfig, ModelState, PickInput, PickOutput, SessionConfig};
-use kvgate_protocol::{BlockSeed, BlockSize, pb};
-use kvgate_scheduler::{KvConfig, Mode};
+use kvgate_protocol::{BlockSeed, pb};
+use kvgate_scheduler::Mode;
 
 const TTL: u64 = 60_000;
 
 fn state(enabled: bool) -> ModelState {
-    let mut st = ModelState::new(
-        ModelConfig {
-            name: "m".into(),
-            block_size: BlockSize::new(16).unwrap(),
-            mode: Mode::RoundRobin,
-            kv: KvConfig::default(),
-            learn_timing: true,
-            default_output_tokens: 16,
-            static_workers: Vec::new(),
-            heartbeat_timeout_ms: 0,
-            inflight_ttl_ms: 600_000,
-            suspect_after_failures: 2,
-            suspect_ms: 3000,
-            allowed_endpoints: Vec::new(),
-            session: SessionConfig { enabled, ttl_ms: TTL, max: 1000 },
-            overload: None,
-        },
-        1,
-    );
+    let config = ModelConfig {
+        heartbeat_timeout_ms: 0,
+        session: SessionConfig { enabled, ttl_ms: TTL, max: 1000 },
+        ..common::config(Mode::RoundRobin)
+    };
+    let mut st = ModelState::new(config, 1);
     for w in ["w0", "w1", "w2"] {
         st.on_heartbeat(&hb(w, 0), 0);
     }
@@ -36,18 +25,7 @@ fn state(enabled: bool) -> ModelState {
 }
 
 fn hb(id: &str, running: u32) -> pb::WorkerHeartbeat {
-    pb::WorkerHeartbeat {
-        worker_id: id.into(),
-        model: "m".into(),
-        endpoint: format!("10.0.0.{}:8000", &id[1..]),
-        relay_epoch: 1,
-        block_size: 16,
-        interval_ms: 100_000,
-        engine_ok: true,
-        running,
-        max_num_seqs: 4,
-        ..Default::default()
-    }
+    pb::WorkerHeartbeat { interval_ms: 100_000, running, max_num_seqs: 4, ..common::heartbeat(id) }
 }
 
 /// One request of `session` at `now`, finished at once.

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvgate_testkit::{NatsServer, Proc, RelaySpec, free_port, http_request, wait_for_tcp};
+use kvgate_testkit::{
+    Envoy, NatsServer, Proc, RelaySpec, envoy_validate, free_port, http_request, render_kvgate_envoy, wait_for_tcp,
+};
 use serde_json::Value;
 
 /// The served model name.
@@ -318,6 +320,16 @@ impl Fleet {
             .as_array()
             .and_then(|a| a.iter().find(|x| x["id"] == id.as_str()).cloned())
             .unwrap_or_default()
+    }
+
+    /// Real Envoy with the kvgate filter (configuration `filter`) in front
+    /// of this fleet, its configuration validated first.
+    pub fn envoy(&self, filter: &Value) -> Envoy {
+        let config = self.dir.join("envoy.yaml");
+        let yaml = render_kvgate_envoy(0, 0, &self.http, &[self.grpc], &filter.to_string()).unwrap();
+        std::fs::write(&config, yaml).unwrap();
+        envoy_validate(&config).unwrap();
+        Envoy::start(&config, &self.dir).unwrap()
     }
 
     /// Every process still runs.

@@ -1,0 +1,42 @@
+//! What the model-state tests share: a model's settings and a worker's
+//! heartbeat, each with the defaults a test then overrides.
+#![allow(dead_code, unreachable_pub)]
+
+use kvgate_core::model::ModelConfig;
+use kvgate_protocol::{BlockSize, pb};
+use kvgate_scheduler::{KvConfig, Mode};
+
+/// Model `m`, block size 16, `mode`, a 1 s heartbeat timeout, session
+/// affinity and overload protection off.
+pub fn config(mode: Mode) -> ModelConfig {
+    ModelConfig {
+        name: "m".into(),
+        block_size: BlockSize::new(16).unwrap(),
+        mode,
+        kv: KvConfig::default(),
+        learn_timing: true,
+        default_output_tokens: 16,
+        static_workers: Vec::new(),
+        heartbeat_timeout_ms: 1000,
+        inflight_ttl_ms: 600_000,
+        suspect_after_failures: 2,
+        suspect_ms: 3000,
+        allowed_endpoints: Vec::new(),
+        session: Default::default(),
+        overload: None,
+    }
+}
+
+/// A heartbeat of worker `wN` at `10.0.0.N:8000`, every 100 ms, engine up.
+pub fn heartbeat(id: &str) -> pb::WorkerHeartbeat {
+    pb::WorkerHeartbeat {
+        worker_id: id.into(),
+        model: "m".into(),
+        endpoint: format!("10.0.0.{}:8000", &id[1..]),
+        relay_epoch: 1,
+        block_size: 16,
+        interval_ms: 100,
+        engine_ok: true,
+        ..Default::default()
+    }
+}
