@@ -209,8 +209,12 @@ impl ModelState {
         if !hashes.is_empty() && self.mode == Mode::Kv {
             self.index.find_matches(hashes, Tier::Device, &mut self.scratch);
             device.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
-            self.index.find_matches_any_tier(hashes, &mut self.scratch);
-            any.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
+            // Without host blocks the any-tier overlap is the device one
+            // (a second lookup would only repeat it).
+            if self.index.distinct_blocks(Tier::Host) > 0 {
+                self.index.find_matches_any_tier(hashes, &mut self.scratch);
+                any.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
+            }
         }
         let mut live: Vec<(&String, Candidate)> = Vec::with_capacity(self.workers.len());
         for (id, w) in &self.workers {
