@@ -93,6 +93,7 @@ impl App {
         let mut models = HashMap::new();
         for (i, settings) in config.models.iter().enumerate() {
             let m = Model::load(&config, settings, i, &metrics)?;
+            m.state.lock().set_share_with_replicas(sink.is_some());
             models.insert(m.name.clone(), Arc::new(m));
         }
         let start = Instant::now();

@@ -102,6 +102,9 @@ pub struct ModelState {
     /// Predicted cached tokens and pick time, by request id (kv mode).
     predicted: HashMap<String, (u32, u64)>,
     sessions: Sessions,
+    /// Decisions are shared with other replicas (their in-flight events
+    /// then carry the prompt's block hashes).
+    share_with_replicas: bool,
     /// Requests held while the fleet is saturated (overload protection on).
     held: Option<kvgate_scheduler::FairQueue>,
     admission: admission::AdmissionCounters,
@@ -145,6 +148,7 @@ impl ModelState {
             names: HashMap::new(),
             predicted: HashMap::new(),
             sessions: Sessions::new(config.session),
+            share_with_replicas: false,
             held: config.overload.map(kvgate_scheduler::FairQueue::new),
             admission: Default::default(),
             rng: fastrand::Rng::with_seed(seed),
@@ -195,6 +199,12 @@ impl ModelState {
     /// Sessions pinned now, and sessions refused a pin (table full).
     pub fn sessions(&self) -> (usize, u64) {
         (self.sessions.len(), self.sessions.refused)
+    }
+
+    /// Whether decisions are shared with other replicas (set by the app
+    /// when it has a replica sink).
+    pub fn set_share_with_replicas(&mut self, share: bool) {
+        self.share_with_replicas = share;
     }
 
     /// Switches the routing mode (learned state of the old policy is dropped).

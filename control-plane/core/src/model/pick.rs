@@ -191,10 +191,7 @@ impl ModelState {
         if self.mode == Mode::Kv && input.by_load.is_none() {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
-        let mut out = self.output(input, &c, &decision, hashes.len() as u32, expected_output_tokens);
-        // The other replicas credit the worker with these blocks at once.
-        let shared = hashes.len().min(kvgate_scheduler::SHARED_PROMPT_BLOCKS);
-        out.inflight.block_hashes = hashes.iter().take(shared).map(|h| h.0).collect();
+        let mut out = self.output(input, &c, &decision, &hashes, expected_output_tokens);
         if pinned {
             out.reason = pb::PickReason::Session;
         }
@@ -249,9 +246,14 @@ impl ModelState {
         input: &PickInput<'_>,
         c: &Candidates,
         decision: &Decision,
-        total_blocks: u32,
+        hashes: &[SequenceHash],
         expected_output_tokens: u32,
     ) -> PickOutput {
+        let total_blocks = hashes.len() as u32;
+        // The other replicas credit the worker with these blocks at once
+        // (nothing to build without replicas).
+        let shared =
+            if self.share_with_replicas { hashes.len().min(kvgate_scheduler::SHARED_PROMPT_BLOCKS) } else { 0 };
         let endpoint_of = |i: usize| self.workers.get(&c.ids[i]).and_then(|w| w.endpoint.clone()).unwrap_or_default();
         let chosen = c.cands[decision.chosen];
         let worker_id = c.ids[decision.chosen].clone();
@@ -283,7 +285,7 @@ impl ModelState {
                 expected_output_tokens,
                 ts_unix_nanos: 0,
                 session_id: input.session.to_owned(),
-                block_hashes: Vec::new(),
+                block_hashes: hashes.iter().take(shared).map(|h| h.0).collect(),
             },
         }
     }

@@ -132,6 +132,7 @@ impl EngineTask {
         st.kv_usage = e.pool().usage();
         st.queries = e.pool().queries_tokens;
         st.hits = e.pool().hits_tokens;
+        st.host_hits = e.pool().host_hits_tokens;
         st.steps += 1;
         st.cached_blocks = e.pool().cached_copies().count();
     }

@@ -60,6 +60,8 @@ pub(super) struct Stats {
     pub(super) kv_usage: f64,
     pub(super) queries: u64,
     pub(super) hits: u64,
+    /// Prompt tokens loaded back from the host tier.
+    pub(super) host_hits: u64,
     pub(super) prompt_tokens: u64,
     pub(super) generation_tokens: u64,
     pub(super) success: u64,
@@ -79,6 +81,7 @@ impl Stats {
             kv_usage: 0.0,
             queries: 0,
             hits: 0,
+            host_hits: 0,
             prompt_tokens: 0,
             generation_tokens: 0,
             success: 0,
@@ -114,6 +117,12 @@ pub(super) async fn metrics(State(sh): State<Arc<Shared>>) -> impl IntoResponse 
         st.queries,
     );
     counter(&mut s, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", st.hits);
+    counter(
+        &mut s,
+        "vllm:external_prefix_cache_hits_total",
+        "External prefix cache hits (KV connector: the host tier), in terms of number of cached tokens.",
+        st.host_hits,
+    );
     counter(&mut s, "vllm:prompt_tokens_total", "Number of prefill tokens processed.", st.prompt_tokens);
     counter(&mut s, "vllm:generation_tokens_total", "Number of generation tokens processed.", st.generation_tokens);
     let _ = writeln!(
