@@ -54,3 +54,6 @@ pub const REPORT_METHOD: &str = "Report";
 /// The request header that carries the chosen endpoint(s) to Envoy's
 /// `override_host` load balancer (Gateway API Inference Extension contract).
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The request header that names the data-parallel rank of a vLLM server
+/// that serves a request (vLLM's API server reads `X-data-parallel-rank`).
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";

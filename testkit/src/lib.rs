@@ -123,17 +123,25 @@ fn ephemeral_low() -> Option<u16> {
 /// Two consecutive free ports on 127.0.0.1 (a simulated worker's ZMQ PUB
 /// and replay sockets).
 pub fn port_pair() -> Result<u16> {
+    port_run(2)
+}
+
+/// `n` consecutive free ports on 127.0.0.1, the first returned (the event
+/// and replay sockets of a simulated worker's data-parallel ranks).
+pub fn port_run(n: u16) -> Result<u16> {
     for _ in 0..50 {
         let p = free_port()?;
-        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+        let free = |q: u16| TcpListener::bind(("127.0.0.1", q)).is_ok();
+        if p.checked_add(n).is_some() && (1..n).all(|i| free(p + i)) {
             return Ok(p);
         }
     }
-    bail!("no two consecutive free ports")
+    bail!("no {n} consecutive free ports")
 }
 
 /// `kvgate relay` beside a simulated worker (`kvgate sim`) on 127.0.0.1
-/// whose ZMQ PUB port is `zmq_port` and replay port `zmq_port + 1`.
+/// whose ZMQ PUB port is `zmq_port` and replay port `zmq_port + D` for D
+/// data-parallel ranks (rank r's sockets: those ports + r).
 #[derive(Debug, Clone)]
 pub struct RelaySpec<'a> {
     /// The worker's ZMQ PUB port.
@@ -152,6 +160,8 @@ pub struct RelaySpec<'a> {
     pub max_num_seqs: usize,
     /// Heartbeat interval.
     pub heartbeat_ms: u64,
+    /// Data-parallel ranks of the worker (0 or 1: none).
+    pub data_parallel_size: u32,
 }
 
 impl RelaySpec<'_> {
@@ -165,7 +175,7 @@ impl RelaySpec<'_> {
             "--zmq-connect",
             &format!("tcp://127.0.0.1:{z}"),
             "--replay-endpoint",
-            &format!("tcp://127.0.0.1:{}", u32::from(z) + 1),
+            &format!("tcp://127.0.0.1:{}", u32::from(z) + self.data_parallel_size.max(1)),
             "--nats-url",
             self.nats_url,
             "--model",
@@ -182,6 +192,8 @@ impl RelaySpec<'_> {
             &self.max_num_seqs.to_string(),
             "--heartbeat-ms",
             &self.heartbeat_ms.to_string(),
+            "--data-parallel-size",
+            &self.data_parallel_size.max(1).to_string(),
         ]
         .iter()
         .map(|a| (*a).to_owned())

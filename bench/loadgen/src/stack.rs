@@ -404,6 +404,7 @@ impl Stack {
                 model: MODEL,
                 block_size: fleet.block_size,
                 max_num_seqs: fleet.max_num_seqs,
+                data_parallel_size: 1,
                 heartbeat_ms: 200,
             };
             let mut relay = Command::new(&fleet.kvgate);

@@ -350,6 +350,7 @@ impl App {
         model.pick_seconds.observe(t0.elapsed().as_secs_f64());
         Ok(pb::PickResponse {
             endpoint: out.endpoint,
+            data_parallel_rank: out.dp_rank,
             fallbacks: out.fallbacks,
             worker_id: out.worker_id,
             matched_blocks: out.matched_blocks,

@@ -46,19 +46,22 @@ pub(crate) fn echo_request(body: &[u8], end_of_stream: bool) -> Vec<ProcessingRe
         .collect()
 }
 
-/// Sets the destination header (a client's own value is replaced).
-pub(crate) fn destination(value: &str) -> HeaderMutation {
-    HeaderMutation {
-        set_headers: vec![HeaderValueOption {
-            header: Some(HeaderValue {
-                key: DESTINATION.into(),
-                value: String::new(),
-                raw_value: value.as_bytes().to_vec(),
-            }),
-            append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-        }],
-        remove_headers: Vec::new(),
+/// Sets the destination header (a client's own value is replaced) and the
+/// data-parallel rank header (or removes a client's).
+pub(crate) fn destination(value: &str, dp_rank: Option<u32>) -> HeaderMutation {
+    let set = |key: &str, value: &[u8]| HeaderValueOption {
+        header: Some(HeaderValue { key: key.into(), value: String::new(), raw_value: value.to_vec() }),
+        append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+    };
+    let mut set_headers = vec![set(DESTINATION, value.as_bytes())];
+    let mut remove_headers = Vec::new();
+    // The rank of a data-parallel server goes to vLLM; a client's own rank
+    // header never does.
+    match dp_rank {
+        Some(r) => set_headers.push(set(kvgate_protocol::DP_RANK_HEADER, r.to_string().as_bytes())),
+        None => remove_headers.push(kvgate_protocol::DP_RANK_HEADER.to_owned()),
     }
+    HeaderMutation { set_headers, remove_headers }
 }
 
 /// `{"envoy.lb": {"x-gateway-destination-endpoint": value}}`.
@@ -125,5 +128,35 @@ pub(crate) fn openai_error(code: u16, kind: &str, message: &str) -> ImmediateRes
         }),
         body: body.into_bytes(),
         details: format!("kvgate_epp_{kind}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A data-parallel rank is set beside the destination; without one, a
+    /// client's own rank header is removed.
+    #[test]
+    fn the_rank_header_follows_the_decision() {
+        let keys = |m: &HeaderMutation| -> Vec<(String, Vec<u8>)> {
+            m.set_headers
+                .iter()
+                .filter_map(|h| h.header.as_ref())
+                .map(|h| (h.key.clone(), h.raw_value.clone()))
+                .collect()
+        };
+        let ranked = destination("10.0.0.1:8000,10.0.0.2:8000", Some(3));
+        assert_eq!(
+            keys(&ranked),
+            vec![
+                (DESTINATION.to_owned(), b"10.0.0.1:8000,10.0.0.2:8000".to_vec()),
+                (kvgate_protocol::DP_RANK_HEADER.to_owned(), b"3".to_vec())
+            ]
+        );
+        assert!(ranked.remove_headers.is_empty());
+        let plain = destination("10.0.0.1:8000", None);
+        assert_eq!(keys(&plain).len(), 1);
+        assert_eq!(plain.remove_headers, vec![kvgate_protocol::DP_RANK_HEADER.to_owned()]);
     }
 }

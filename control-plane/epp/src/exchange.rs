@@ -28,7 +28,7 @@ use crate::{EppMetrics, Outcome, TAIL_BYTES};
 /// A decision about where the request goes.
 pub(crate) enum Decision {
     /// Set the destination to this header value.
-    Route { header: String },
+    Route { header: String, dp_rank: Option<u32> },
     /// Answer locally.
     Reply(ImmediateResponse),
 }
@@ -348,6 +348,7 @@ impl Exchange {
     fn route(&mut self, p: pb::PickResponse, model: &str, outcome: Outcome) -> Decision {
         // A subset hint was applied in the pick: every ranked endpoint is
         // allowed.
+        let dp_rank = p.data_parallel_rank;
         let ranked: Vec<String> = std::iter::once(p.endpoint).chain(p.fallbacks).collect();
         self.count(outcome);
         self.decided = true;
@@ -355,7 +356,7 @@ impl Exchange {
         self.model = model.to_owned();
         self.worker_id = p.worker_id;
         self.endpoint = ranked.first().cloned().unwrap_or_default();
-        Decision::Route { header: ranked.join(",") }
+        Decision::Route { header: ranked.join(","), dp_rank }
     }
 
     /// The answer to the request headers carrying the decision.
@@ -364,9 +365,9 @@ impl Exchange {
         self.decided = true;
         match d {
             Decision::Reply(r) => answer(processing_response::Response::ImmediateResponse(r)),
-            Decision::Route { header } => {
+            Decision::Route { header, dp_rank } => {
                 let r = CommonResponse {
-                    header_mutation: Some(destination(&header)),
+                    header_mutation: Some(destination(&header, dp_rank)),
                     clear_route_cache: false,
                     ..Default::default()
                 };
@@ -384,8 +385,8 @@ impl Exchange {
         self.decided = true;
         match d {
             Decision::Reply(r) => answer(processing_response::Response::ImmediateResponse(r)),
-            Decision::Route { header } => {
-                let r = CommonResponse { header_mutation: Some(destination(&header)), ..Default::default() };
+            Decision::Route { header, dp_rank } => {
+                let r = CommonResponse { header_mutation: Some(destination(&header, dp_rank)), ..Default::default() };
                 let mut a = answer(processing_response::Response::RequestBody(BodyResponse { response: Some(r) }));
                 a.dynamic_metadata = Some(metadata(&header));
                 a

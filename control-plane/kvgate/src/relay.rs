@@ -68,6 +68,12 @@ pub(crate) struct RelayArgs {
     /// repaired by snapshots).
     #[arg(long, env = "KVGATE_PUBLISH_QUEUE", default_value_t = 8192)]
     publish_queue: usize,
+    /// The server's data-parallel size (vLLM `--data-parallel-size`): each
+    /// rank becomes a worker `<worker-id>/dp<rank>` whose events arrive on
+    /// the event endpoint's port + rank (vLLM's rule) and whose load is the
+    /// metrics labelled `engine="<rank>"`.
+    #[arg(long, env = "KVGATE_DATA_PARALLEL_SIZE", default_value_t = 1)]
+    data_parallel_size: u32,
 }
 
 fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
@@ -79,6 +85,9 @@ fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
     } else {
         ZmqMode::Bind(e.to_owned())
     };
+    if a.data_parallel_size > 1024 {
+        bail!("--data-parallel-size: {} ranks is beyond what one server runs (at most 1024)", a.data_parallel_size);
+    }
     if a.block_size == 0 {
         bail!("--block-size: 0 is not a block size (must be at least 1)");
     }
@@ -104,6 +113,7 @@ fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
         health_timeout: std::time::Duration::from_millis(a.health_timeout_ms.max(10)),
         down_after: std::time::Duration::from_millis(a.down_after_ms),
         publish_queue: a.publish_queue.max(16),
+        data_parallel_size: a.data_parallel_size.max(1),
     })
 }
 

@@ -25,9 +25,17 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value_t = 8000)]
     http_port: u16,
     /// ZMQ port of worker 0; worker i publishes on port + 2i and replays on
-    /// port + 2i + 1 (0: no KV events).
+    /// port + 2i + 1 (0: no KV events). With D data-parallel ranks, worker
+    /// i's rank r publishes on port + 2iD + r and replays on port + 2iD + D + r
+    /// (each socket offset by the rank, as vLLM offsets them).
     #[arg(long, default_value_t = 5557)]
     zmq_port: u16,
+    /// Data-parallel ranks per worker (vLLM --data-parallel-size): engines
+    /// behind the worker's one HTTP port, each with its own KV cache and
+    /// event sockets; a request goes to the rank its x-data-parallel-rank
+    /// header names.
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: usize,
     /// KV event encoding: map (vLLM ≥ 0.24) or array (older).
     #[arg(long, default_value = "map")]
     encoding: String,
@@ -90,6 +98,9 @@ pub(crate) fn run(a: SimArgs) -> Result<()> {
     if a.workers == 0 || a.block_size == 0 || a.num_blocks == 0 || a.max_num_seqs == 0 || a.stream_interval == 0 {
         bail!("--workers, --block-size, --num-blocks, --max-num-seqs and --stream-interval must be > 0");
     }
+    if !(1..=64).contains(&a.data_parallel_size) {
+        bail!("--data-parallel-size {}: must be 1 to 64", a.data_parallel_size);
+    }
     if !(a.speedup.is_finite() && a.speedup > 0.0) {
         bail!("--speedup {}: must be > 0", a.speedup);
     }
@@ -122,7 +133,13 @@ fn worker_options(
         u16::try_from(usize::from(base) + off).context("port out of range")
     };
     let http_port = port(a.http_port, i)?;
-    let zmq = if a.zmq_port == 0 { None } else { Some((port(a.zmq_port, 2 * i)?, port(a.zmq_port, 2 * i + 1)?)) };
+    let d = a.data_parallel_size;
+    let zmq =
+        if a.zmq_port == 0 { None } else { Some((port(a.zmq_port, 2 * i * d)?, port(a.zmq_port, 2 * i * d + d)?)) };
+    // The last rank's sockets must exist too.
+    if zmq.is_some() {
+        port(a.zmq_port, 2 * i * d + 2 * d - 1)?;
+    }
     Ok(WorkerOptions {
         id: format!("w{i}"),
         model: a.model.clone(),
@@ -148,6 +165,7 @@ fn worker_options(
         default_max_tokens: a.default_max_tokens,
         max_model_len: a.max_model_len,
         replay_buffer: 10_000,
+        data_parallel_size: d,
     })
 }
 

@@ -1,9 +1,5 @@
 //! The relay's own metrics, through `prometheus-client` (OpenMetrics text).
 
-use std::borrow::Cow;
-
-use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
 use crate::core::RelayCounters;
@@ -36,15 +32,29 @@ pub struct RelayGauges {
     pub publish_queued: usize,
 }
 
-/// Renders every counter and gauge, labelled with the worker and model,
-/// through `prometheus-client` (OpenMetrics text). Both structs are
+/// One rank's (or the whole server's) metrics, as the listener renders them.
+#[derive(Debug, Clone)]
+pub struct RankMetrics {
+    /// The core's counters.
+    pub counters: RelayCounters,
+    /// The loop's gauges.
+    pub gauges: RelayGauges,
+    /// The worker id (the `worker` label).
+    pub worker: String,
+}
+
+/// A sample's kind and value.
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Counter(u64),
+    Gauge(i64),
+    Ratio(f64),
+}
+
+/// Every metric of one rank: (name, help, value). Both structs are
 /// destructured without `..`: a field added to either does not compile
 /// until it is exported here.
-pub fn render(c: &RelayCounters, g: &RelayGauges, worker: &str, model: &str) -> String {
-    let labels = [("worker", worker.to_owned()), ("model", model.to_owned())]
-        .into_iter()
-        .map(|(k, v)| (Cow::Borrowed(k), Cow::Owned(v)));
-    let mut r = Registry::with_prefix_and_labels("kvgate_relay", labels);
+fn samples(c: &RelayCounters, g: &RelayGauges) -> Vec<(&'static str, &'static str, Value)> {
     let RelayCounters {
         messages,
         published,
@@ -79,40 +89,97 @@ pub fn render(c: &RelayCounters, g: &RelayGauges, worker: &str, model: &str) -> 
         publish_dropped,
         publish_queued,
     } = *g;
-    let mut counter = |name: &str, help: &str, v: u64| r.register(name, help, ConstCounter::new(v));
-    counter("messages", "Live ZMQ messages received.", messages);
-    counter("batches_published", "Batches published on NATS.", published);
-    counter("blocks_stored", "Stored blocks published.", blocks_stored);
-    counter("blocks_removed", "Removed blocks published.", blocks_removed);
-    counter("decode_errors_msgpack", "Messages that were not valid msgpack.", decode_errors_msgpack);
-    counter("decode_errors_shape", "Messages that were msgpack but not a vLLM batch.", decode_errors_shape);
-    counter("decode_errors_frames", "Messages without the three expected frames.", decode_errors_frames);
-    counter("gaps", "Gaps in the engine sequence.", gaps);
-    counter("restarts", "Engine restarts (sequence back to 0).", restarts);
-    counter("duplicates", "Batches received twice (replayed and live, or the same bytes again), dropped.", duplicates);
-    counter("engine_downs", "Times the engine was confirmed down (mirror cleared).", engine_downs);
-    counter("split_batches", "Extra batches from splitting batches over the size limit.", split_batches);
-    counter("health_failures", "Failed health probes of the engine.", health_failures);
-    counter("publish_errors", "NATS publishes that failed after retries (dropped).", publish_errors);
-    counter("publish_dropped", "Messages dropped because the outgoing queue was full.", publish_dropped);
-    counter("replays", "Replays requested from the engine.", replays);
-    counter("resyncs", "Clear-and-resyncs of the worker.", resyncs);
-    counter("orphan_stores", "Stored chains whose parent was unknown (not published).", orphan_stores);
-    counter("unknown_removals", "Removals of unknown blocks (not published).", unknown_removals);
-    counter("non_indexable", "Stores of sliding-window or mamba groups skipped.", non_indexable);
-    counter("unknown_events", "Events of unknown types skipped.", unknown_events);
-    counter("malformed_stores", "Stores with a token count that is not blocks x block size.", malformed_stores);
-    counter("scrape_failures", "Failed scrapes of the engine's /metrics.", scrape_failures);
-    let mut gauge = |name: &str, help: &str, v: i64| r.register(name, help, ConstGauge::new(v));
-    let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-    gauge("mirror_blocks", "Blocks in the mirror of the engine's cache.", int(mirror_blocks as u64));
-    gauge("relay_seq", "Sequence number of the last published batch.", int(relay_seq));
-    gauge("engine_generation", "Engine restarts seen by this relay.", i64::from(engine_generation));
-    gauge("nats_connected", "1 when the NATS connection is up.", i64::from(nats_connected));
-    gauge("engine_health", "The engine's health: 0 unknown, 1 healthy, 2 unhealthy, 3 down.", i64::from(engine_health));
-    gauge("publish_queued", "Messages waiting to be published on NATS.", int(publish_queued as u64));
-    r.register("lag_seconds", "Engine timestamp to publication, last batch.", ConstGauge::new(lag_seconds));
-    let mut out = String::with_capacity(8192);
+    let int = |v: u64| Value::Gauge(i64::try_from(v).unwrap_or(i64::MAX));
+    use Value::Counter as C;
+    vec![
+        ("messages", "Live ZMQ messages received.", C(messages)),
+        ("batches_published", "Batches published on NATS.", C(published)),
+        ("blocks_stored", "Stored blocks published.", C(blocks_stored)),
+        ("blocks_removed", "Removed blocks published.", C(blocks_removed)),
+        ("decode_errors_msgpack", "Messages that were not valid msgpack.", C(decode_errors_msgpack)),
+        ("decode_errors_shape", "Messages that were msgpack but not a vLLM batch.", C(decode_errors_shape)),
+        ("decode_errors_frames", "Messages without the three expected frames.", C(decode_errors_frames)),
+        ("gaps", "Gaps in the engine sequence.", C(gaps)),
+        ("restarts", "Engine restarts (sequence back to 0).", C(restarts)),
+        ("duplicates", "Batches received twice (replayed and live, or the same bytes again), dropped.", C(duplicates)),
+        ("engine_downs", "Times the engine was confirmed down (mirror cleared).", C(engine_downs)),
+        ("split_batches", "Extra batches from splitting batches over the size limit.", C(split_batches)),
+        ("health_failures", "Failed health probes of the engine.", C(health_failures)),
+        ("publish_errors", "NATS publishes that failed after retries (dropped).", C(publish_errors)),
+        ("publish_dropped", "Messages dropped because the outgoing queue was full.", C(publish_dropped)),
+        ("replays", "Replays requested from the engine.", C(replays)),
+        ("resyncs", "Clear-and-resyncs of the worker.", C(resyncs)),
+        ("orphan_stores", "Stored chains whose parent was unknown (not published).", C(orphan_stores)),
+        ("unknown_removals", "Removals of unknown blocks (not published).", C(unknown_removals)),
+        ("non_indexable", "Stores of sliding-window or mamba groups skipped.", C(non_indexable)),
+        ("unknown_events", "Events of unknown types skipped.", C(unknown_events)),
+        ("malformed_stores", "Stores with a token count that is not blocks x block size.", C(malformed_stores)),
+        ("scrape_failures", "Failed scrapes of the engine's /metrics.", C(scrape_failures)),
+        ("mirror_blocks", "Blocks in the mirror of the engine's cache.", int(mirror_blocks as u64)),
+        ("relay_seq", "Sequence number of the last published batch.", int(relay_seq)),
+        ("engine_generation", "Engine restarts seen by this relay.", Value::Gauge(i64::from(engine_generation))),
+        ("nats_connected", "1 when the NATS connection is up.", Value::Gauge(i64::from(nats_connected))),
+        (
+            "engine_health",
+            "The engine's health: 0 unknown, 1 healthy, 2 unhealthy, 3 down.",
+            Value::Gauge(i64::from(engine_health)),
+        ),
+        ("publish_queued", "Messages waiting to be published on NATS.", int(publish_queued as u64)),
+        ("lag_seconds", "Engine timestamp to publication, last batch.", Value::Ratio(lag_seconds)),
+    ]
+}
+
+type Labels = Vec<(String, String)>;
+
+/// Renders every counter and gauge of every rank, labelled with the worker
+/// and model, through `prometheus-client` (OpenMetrics text): one family
+/// per metric, one sample per rank.
+pub fn render(ranks: &[RankMetrics], model: &str) -> String {
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::gauge::Gauge;
+    let mut r = Registry::with_prefix("kvgate_relay");
+    let per_rank: Vec<(Labels, Vec<_>)> = ranks
+        .iter()
+        .map(|m| {
+            let labels = vec![("worker".to_owned(), m.worker.clone()), ("model".to_owned(), model.to_owned())];
+            (labels, samples(&m.counters, &m.gauges))
+        })
+        .collect();
+    let names = samples(&RelayCounters::default(), &RelayGauges::default());
+    for (i, (name, help, kind)) in names.into_iter().enumerate() {
+        let values = per_rank.iter().map(|(l, s)| (l, s[i].2));
+        match kind {
+            Value::Counter(_) => {
+                let f = Family::<Labels, Counter>::default();
+                for (l, v) in values {
+                    if let Value::Counter(v) = v {
+                        f.get_or_create(l).inc_by(v);
+                    }
+                }
+                r.register(name, help, f);
+            }
+            Value::Gauge(_) => {
+                let f = Family::<Labels, Gauge>::default();
+                for (l, v) in values {
+                    if let Value::Gauge(v) = v {
+                        f.get_or_create(l).set(v);
+                    }
+                }
+                r.register(name, help, f);
+            }
+            Value::Ratio(_) => {
+                let f = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+                for (l, v) in values {
+                    if let Value::Ratio(v) = v {
+                        f.get_or_create(l).set(v);
+                    }
+                }
+                r.register(name, help, f);
+            }
+        }
+    }
+    let mut out = String::with_capacity(8192 * ranks.len().max(1));
     if prometheus_client::encoding::text::encode(&mut out, &r).is_err() {
         out = "# metrics could not be encoded\n".into();
     }
@@ -127,7 +194,8 @@ mod tests {
     fn renders_counters_and_gauges() {
         let c = RelayCounters { messages: 5, gaps: 1, decode_errors_shape: 2, ..Default::default() };
         let g = RelayGauges { mirror_blocks: 7, nats_connected: true, ..Default::default() };
-        let text = render(&c, &g, "10.0.0.7:8000", "meta-llama/\"x\"");
+        let one = RankMetrics { counters: c, gauges: g, worker: "10.0.0.7:8000".into() };
+        let text = render(std::slice::from_ref(&one), "meta-llama/\"x\"");
         assert!(
             text.contains("kvgate_relay_messages_total{worker=\"10.0.0.7:8000\",model=\"meta-llama/\\\"x\\\"\"} 5")
         );
@@ -141,5 +209,18 @@ mod tests {
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             assert!(l.split_once("} ").is_some_and(|(_, v)| v.parse::<f64>().is_ok()), "{l}");
         }
+    }
+
+    #[test]
+    fn ranks_share_one_family_per_metric() {
+        let rank = |w: &str, m| RankMetrics {
+            counters: RelayCounters { messages: m, ..Default::default() },
+            gauges: RelayGauges::default(),
+            worker: w.into(),
+        };
+        let text = render(&[rank("s:1/dp0", 3), rank("s:1/dp1", 4)], "m");
+        assert_eq!(text.matches("# TYPE kvgate_relay_messages counter").count(), 1);
+        assert!(text.contains("kvgate_relay_messages_total{worker=\"s:1/dp0\",model=\"m\"} 3"));
+        assert!(text.contains("kvgate_relay_messages_total{worker=\"s:1/dp1\",model=\"m\"} 4"));
     }
 }

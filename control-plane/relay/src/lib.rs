@@ -8,6 +8,7 @@
 //! |---|---|
 //! | [`core`] | the relay's logic without sockets: sequencing (gaps, restarts, replay), normalization (salt inheritance, skips), actions |
 //! | [`mirror`] | the engine's cached blocks, reference-counted; snapshots in chunks, parents first |
+//! | [`ranks`] | data-parallel ranks of one server: each rank's event socket and worker id |
 //! | [`split`] | batches cut under the NATS payload limit (a huge store into chained pieces) |
 //! | [`health`] | the engine's health from probes: healthy, unhealthy, down |
 //! | [`metrics`] | the engine's load from vLLM's `/metrics` text |
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod mirror;
 #[cfg(feature = "runtime")]
 pub mod publish;
+pub mod ranks;
 #[cfg(feature = "runtime")]
 pub mod runtime;
 pub mod split;

@@ -7,6 +7,11 @@
 //! | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `kv_usage`, a fraction |
 //! | `vllm:cache_config_info{block_size="…", num_gpu_blocks="…"}` | `block_size`, `capacity_blocks` |
 //!
+//! A server with several data-parallel ranks labels each rank's series
+//! `engine="<rank>"`: [`parse_vllm_metrics`] given a rank reads that rank's
+//! series and those without an `engine` label (older vLLM), and skips the
+//! other ranks'.
+//!
 //! Cost: O(text length). Malformed lines are ignored; a missing metric is `None`.
 
 /// What one scrape found.
@@ -38,8 +43,10 @@ fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
     None
 }
 
-/// Parses vLLM's `/metrics` text.
-pub fn parse_vllm_metrics(text: &str) -> EngineLoad {
+/// Parses vLLM's `/metrics` text: the whole server's load (`rank` None), or
+/// one data-parallel rank's.
+pub fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> EngineLoad {
+    let rank = rank.map(|r| r.to_string());
     let mut load = EngineLoad::default();
     for line in text.lines() {
         let line = line.trim();
@@ -58,6 +65,11 @@ pub fn parse_vllm_metrics(text: &str) -> EngineLoad {
             Some((n, l)) => (n, l.trim_end_matches('}')),
             None => (series, ""),
         };
+        if let (Some(r), Some(engine)) = (rank.as_deref(), label(labels, "engine"))
+            && engine != r
+        {
+            continue;
+        }
         let add = |slot: &mut Option<u32>| *slot = Some(slot.unwrap_or(0).saturating_add(value.max(0.0) as u32));
         match name {
             "vllm:num_requests_running" => add(&mut load.running),
@@ -93,12 +105,32 @@ vllm:prefix_cache_queries_total{engine="0"} 1234.0
 garbage line
 vllm:num_requests_waiting{engine="1"} NaN
 "#;
-        let l = parse_vllm_metrics(text);
+        let l = parse_vllm_metrics(text, None);
         assert_eq!(l.running, Some(5));
         assert_eq!(l.waiting, Some(1));
         assert_eq!(l.kv_usage, Some(0.25));
         assert_eq!(l.block_size, Some(32));
         assert_eq!(l.capacity_blocks, Some(128));
-        assert_eq!(parse_vllm_metrics(""), EngineLoad::default());
+        assert_eq!(parse_vllm_metrics("", None), EngineLoad::default());
+    }
+
+    #[test]
+    fn reads_one_data_parallel_rank() {
+        let text = r#"vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="90"} 1.0
+"#;
+        let r1 = parse_vllm_metrics(text, Some(1));
+        assert_eq!((r1.running, r1.waiting, r1.kv_usage, r1.capacity_blocks), (Some(2), Some(4), Some(0.5), Some(90)));
+        let r0 = parse_vllm_metrics(text, Some(0));
+        assert_eq!((r0.running, r0.waiting, r0.kv_usage, r0.capacity_blocks), (Some(3), None, Some(0.25), Some(100)));
+        // A rank the server does not label: nothing of the others.
+        assert_eq!(parse_vllm_metrics(text, Some(5)).running, None);
+        // Series without an engine label (older vLLM) count for every rank.
+        assert_eq!(parse_vllm_metrics("vllm:num_requests_running 7\n", Some(3)).running, Some(7));
     }
 }

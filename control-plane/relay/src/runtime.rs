@@ -7,8 +7,14 @@
 //! `"endpoint": "tcp://127.0.0.1:5557"` the relay *binds* that address
 //! ([`ZmqMode::Bind`]); with `"tcp://*:5557"` it *connects* to
 //! `tcp://127.0.0.1:5557` ([`ZmqMode::Connect`]).
+//!
+//! A server with several data-parallel ranks ([`RelayOptions::data_parallel_size`])
+//! gets one loop per rank in this process (see [`crate::ranks`]): each its own
+//! sockets, mirror, worker id and heartbeats; the health probe, the metrics
+//! scrape, the NATS connection and the metrics listener are shared.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -19,10 +25,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::core::{Action, RelayConfig, RelayCore};
-use crate::exposition::{RelayGauges, render};
+use crate::exposition::{RankMetrics, RelayGauges, render};
 use crate::health::{Change, Health, HealthTracker};
 use crate::metrics::{EngineLoad, parse_vllm_metrics};
 use crate::publish::Publisher;
+use crate::ranks::{rank_endpoint, rank_worker_id};
 
 /// How the SUB socket reaches vLLM's PUB socket.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +86,10 @@ pub struct RelayOptions {
     /// Messages held for NATS while it is unreachable; beyond, the oldest
     /// are dropped (consumers repair the gap with a snapshot).
     pub publish_queue: usize,
+    /// Data-parallel ranks of the server (vLLM `--data-parallel-size`); 1 =
+    /// the server is one engine. With more, each rank is a worker of its
+    /// own (`<worker_id>/dp<rank>`, events on the endpoint's port + rank).
+    pub data_parallel_size: u32,
 }
 
 impl RelayOptions {
@@ -102,6 +113,9 @@ pub enum RunError {
     /// NATS failed.
     #[error("nats: {0}")]
     Nats(String),
+    /// The options cannot work (a rank's endpoint cannot be derived).
+    #[error("config: {0}")]
+    Config(String),
 }
 
 fn zmq_err(e: impl std::fmt::Display) -> RunError {
@@ -154,13 +168,14 @@ fn dechunk(head: &str, body: &str) -> String {
     out
 }
 
-/// What the probing tasks report to the relay loop.
-#[derive(Debug)]
+/// What the probing tasks report to the relay loops (every rank reads the
+/// same probes: one server).
+#[derive(Debug, Clone)]
 enum Probe {
     /// A health probe: did the engine answer 200?
     Health(bool),
-    /// A metrics scrape (None = failed).
-    Load(Option<EngineLoad>),
+    /// A metrics scrape's text (None = failed); each rank reads its share.
+    Load(Option<Arc<str>>),
 }
 
 /// Probes `url` every `every`; each result goes to `tx`.
@@ -169,7 +184,7 @@ fn spawn_prober(
     every: Duration,
     timeout: Duration,
     health: bool,
-    tx: tokio::sync::mpsc::Sender<Probe>,
+    tx: tokio::sync::broadcast::Sender<Probe>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut t = tokio::time::interval(every);
@@ -177,9 +192,8 @@ fn spawn_prober(
         loop {
             t.tick().await;
             let got = http_get(&url, timeout).await;
-            let p =
-                if health { Probe::Health(got.is_some()) } else { Probe::Load(got.map(|t| parse_vllm_metrics(&t))) };
-            if tx.send(p).await.is_err() {
+            let p = if health { Probe::Health(got.is_some()) } else { Probe::Load(got.map(Arc::from)) };
+            if tx.send(p).is_err() {
                 return;
             }
         }
@@ -228,9 +242,12 @@ async fn join_connect(
     }
 }
 
-/// The relay loop's state.
+/// The relay loop's state (one per data-parallel rank).
 struct Relay {
+    /// The options, with this rank's worker id and sockets.
     opts: RelayOptions,
+    /// This rank, when the server has several.
+    rank: Option<u32>,
     core: RelayCore,
     nats: async_nats::Client,
     publisher: Publisher,
@@ -330,6 +347,8 @@ impl Relay {
             engine_ok: self.scraped_ok,
             engine_health: self.health.state().to_pb() as i32,
             health_failures: self.health.failures(),
+            data_parallel_rank: self.rank.unwrap_or(0),
+            data_parallel_size: self.opts.data_parallel_size.max(1),
         };
         self.publisher.send(self.hb_subject.clone(), hb.encode_to_vec());
     }
@@ -344,7 +363,7 @@ impl Relay {
         let was = self.health.state();
         let now = self.started.elapsed().as_millis() as u64;
         let Change::To(state) = self.health.on_probe(ok, now) else { return Ok(()) };
-        tracing::warn!(engine = %self.opts.endpoint, from = ?was, to = ?state, "engine health changed");
+        tracing::warn!(engine = %self.opts.endpoint, rank = ?self.rank, from = ?was, to = ?state, "engine health changed");
         if state == Health::Down {
             let actions = self.core.engine_down();
             self.replay_deadline = None;
@@ -371,7 +390,8 @@ impl Relay {
         }
     }
 
-    fn metrics_text(&mut self) -> String {
+    /// This rank's counters and gauges, for the metrics listener.
+    fn exported(&mut self) -> RankMetrics {
         let g = &mut self.gauges;
         g.mirror_blocks = self.core.mirror().len();
         g.relay_seq = self.core.relay_seq();
@@ -382,8 +402,36 @@ impl Relay {
         g.publish_errors = pc.errors.load(std::sync::atomic::Ordering::Relaxed);
         g.publish_dropped = pc.dropped.load(std::sync::atomic::Ordering::Relaxed);
         g.publish_queued = self.publisher.queued();
-        render(self.core.counters(), &self.gauges, &self.opts.worker_id, &self.opts.model)
+        RankMetrics { counters: *self.core.counters(), gauges: self.gauges, worker: self.opts.worker_id.clone() }
     }
+
+    fn on_probe(&mut self, p: Probe) -> Option<bool> {
+        match p {
+            Probe::Health(ok) => return Some(ok),
+            Probe::Load(Some(text)) => {
+                self.last_load = parse_vllm_metrics(&text, self.rank);
+                self.scraped_ok = true;
+            }
+            Probe::Load(None) => {
+                self.scraped_ok = false;
+                self.gauges.scrape_failures += 1;
+            }
+        }
+        None
+    }
+}
+
+/// The options of rank `rank` of `size`: its worker id and sockets.
+fn rank_options(base: &RelayOptions, rank: u32, size: u32) -> Result<RelayOptions, RunError> {
+    let cfg = |e: crate::ranks::RankError| RunError::Config(e.to_string());
+    let mut o = base.clone();
+    o.worker_id = rank_worker_id(&base.worker_id, rank, size);
+    o.zmq = match &base.zmq {
+        ZmqMode::Connect(e) => ZmqMode::Connect(rank_endpoint(e, rank).map_err(cfg)?),
+        ZmqMode::Bind(e) => ZmqMode::Bind(rank_endpoint(e, rank).map_err(cfg)?),
+    };
+    o.replay_endpoint = base.replay_endpoint.as_deref().map(|e| rank_endpoint(e, rank)).transpose().map_err(cfg)?;
+    Ok(o)
 }
 
 fn serve_metrics(mut stream: tokio::net::TcpStream, body: String) {
@@ -399,10 +447,14 @@ fn serve_metrics(mut stream: tokio::net::TcpStream, body: String) {
     });
 }
 
-/// Runs the relay until `shutdown` resolves. It starts whether or not NATS
-/// and the engine are up, and never stops on their failures: it errs only
-/// when a socket it must bind cannot be bound.
+/// Runs the relay until `shutdown` resolves: one loop per data-parallel
+/// rank, sharing the probes, the NATS connection and the metrics listener.
+/// It starts whether or not NATS and the engine are up, and never stops on
+/// their failures: it errs only when a socket it must bind cannot be bound
+/// or a rank's endpoint cannot be derived.
 pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
+    let size = opts.data_parallel_size.max(1);
+    let ranks = (0..size).map(|r| rank_options(&opts, r, size)).collect::<Result<Vec<_>, _>>()?;
     // Credentials in the URL become connect options (the client ignores them there).
     let url = kvgate_protocol::nats_url::split_nats_url(&opts.nats_url);
     let connect = || {
@@ -430,17 +482,6 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
             connect().retry_on_initial_connect().connect(url.servers.as_str()).await.map_err(nats_err)?
         }
     };
-    let mut snapshots = nats.subscribe(opts.subjects.snapshot(&opts.model, &opts.worker_id)).await.map_err(nats_err)?;
-    let epoch = {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32)
-    };
-    let core = RelayCore::new(RelayConfig {
-        worker_id: opts.worker_id.clone(),
-        model: opts.model.clone(),
-        replay: opts.replay_endpoint.is_some(),
-        relay_epoch: epoch,
-    });
     let metrics_listener = match opts.listen_metrics {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -449,7 +490,7 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
         ),
         None => None,
     };
-    let (probe_tx, mut probes) = tokio::sync::mpsc::channel(16);
+    let (probe_tx, _) = tokio::sync::broadcast::channel(16);
     let mut probers = Vec::new();
     if let Some(u) = opts.effective_health_url() {
         probers.push(spawn_prober(u, opts.health_interval, opts.health_timeout, true, probe_tx.clone()));
@@ -457,7 +498,85 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
     if let Some(u) = opts.metrics_url.clone() {
         probers.push(spawn_prober(u, opts.heartbeat_interval, Duration::from_millis(500), false, probe_tx.clone()));
     }
+    let probing = !probers.is_empty();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut exports = Vec::new();
+    let mut loops = Vec::new();
+    for (r, o) in ranks.into_iter().enumerate() {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        exports.push(tx);
+        let probes = probing.then(|| probe_tx.subscribe());
+        let rank = (size > 1).then_some(r as u32);
+        loops.push(run_rank(o, rank, nats.clone(), probes, rx, stop_rx.clone()));
+    }
     drop(probe_tx);
+    let listen = serve_listener(metrics_listener, exports, opts.model.clone(), stop_rx);
+    let stop = async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    };
+    let (result, (), ()) = tokio::join!(futures_util::future::try_join_all(loops), stop, listen);
+    for p in probers {
+        p.abort();
+    }
+    // Let queued messages go out (bounded: NATS may be down).
+    let _ = tokio::time::timeout(Duration::from_secs(2), nats.flush()).await;
+    result.map(|_| ())
+}
+
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    if stop.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Serves the relay's `/metrics`: every rank's counters in one exposition.
+async fn serve_listener(
+    listener: Option<tokio::net::TcpListener>,
+    ranks: Vec<tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<RankMetrics>>>,
+    model: String,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let Some(listener) = listener else { return };
+    loop {
+        let conn = tokio::select! {
+            _ = stopped(&mut stop) => return,
+            c = listener.accept() => c,
+        };
+        let Ok((stream, _)) = conn else { continue };
+        let mut all = Vec::with_capacity(ranks.len());
+        for tx in &ranks {
+            let (reply, got) = tokio::sync::oneshot::channel();
+            if tx.send(reply).await.is_ok()
+                && let Ok(e) = got.await
+            {
+                all.push(e);
+            }
+        }
+        serve_metrics(stream, render(&all, &model));
+    }
+}
+
+/// One rank's relay loop until `stop`.
+async fn run_rank(
+    opts: RelayOptions,
+    rank: Option<u32>,
+    nats: async_nats::Client,
+    mut probes: Option<tokio::sync::broadcast::Receiver<Probe>>,
+    mut exports: tokio::sync::mpsc::Receiver<tokio::sync::oneshot::Sender<RankMetrics>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), RunError> {
+    let mut snapshots = nats.subscribe(opts.subjects.snapshot(&opts.model, &opts.worker_id)).await.map_err(nats_err)?;
+    let epoch = {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32) ^ u64::from(rank.unwrap_or(0))
+    };
+    let core = RelayCore::new(RelayConfig {
+        worker_id: opts.worker_id.clone(),
+        model: opts.model.clone(),
+        replay: opts.replay_endpoint.is_some(),
+        relay_epoch: epoch,
+    });
     let mut r = Relay {
         kv_subject: opts.subjects.kv_events(&opts.model, &opts.worker_id),
         hb_subject: opts.subjects.heartbeat(&opts.model, &opts.worker_id),
@@ -474,16 +593,16 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
         gauges: RelayGauges::default(),
         health: HealthTracker::new(opts.down_after.as_millis() as u64),
         started: tokio::time::Instant::now(),
+        rank,
         opts,
     };
     r.open_sub().await?;
     let mut heartbeat = tokio::time::interval(r.opts.heartbeat_interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tracing::info!(worker = %r.opts.worker_id, model = %r.opts.model, endpoint = %r.opts.endpoint, "relay started");
-    tokio::pin!(shutdown);
+    tracing::info!(worker = %r.opts.worker_id, model = %r.opts.model, endpoint = %r.opts.endpoint, rank = ?rank, "relay started");
     loop {
         tokio::select! {
-            _ = &mut shutdown => break,
+            _ = stopped(&mut stop) => break,
             msg = recv_sub(&mut r.sub) => match msg {
                 Ok(msg) => {
                     let frames: Vec<&[u8]> = msg.iter().map(|f| f.as_ref()).collect();
@@ -534,22 +653,20 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
                     }
                 }
             },
-            conn = async { match &metrics_listener { Some(l) => l.accept().await, None => std::future::pending().await } } => {
-                if let Ok((stream, _)) = conn {
-                    serve_metrics(stream, r.metrics_text());
-                }
+            Some(reply) = exports.recv() => {
+                let _ = reply.send(r.exported());
             }
-            p = probes.recv(), if !probers.is_empty() => match p {
-                Some(Probe::Health(ok)) => r.on_health(ok).await?,
-                Some(Probe::Load(Some(l))) => { r.last_load = l; r.scraped_ok = true; }
-                Some(Probe::Load(None)) => { r.scraped_ok = false; r.gauges.scrape_failures += 1; }
-                None => probers.clear(),
+            p = async { match probes.as_mut() { Some(p) => p.recv().await, None => std::future::pending().await } } => match p {
+                Ok(p) => {
+                    if let Some(ok) = r.on_probe(p) {
+                        r.on_health(ok).await?;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => probes = None,
             },
             _ = heartbeat.tick() => r.heartbeat(),
         }
-    }
-    for p in probers {
-        p.abort();
     }
     if let Some(h) = r.connecting.take() {
         h.abort();
@@ -559,7 +676,6 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
         while r.publisher.queued() > 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let _ = r.nats.flush().await;
     })
     .await;
     Ok(())

@@ -109,6 +109,7 @@ fn main() {
                     default_max_tokens: MAX_TOKENS,
                     max_model_len: 131_072,
                     replay_buffer: 1000,
+                    data_parallel_size: 1,
                 };
                 let mut stop = stop_rx.clone();
                 let tx = addr_tx.clone();

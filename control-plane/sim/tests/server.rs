@@ -42,8 +42,14 @@ fn start(speedup: f64, num_blocks: usize) -> Worker {
 }
 
 fn start_with(speedup: f64, num_blocks: usize, stream_interval: usize) -> Worker {
-    let zport = kvgate_testkit::free_port().unwrap();
-    let rport = kvgate_testkit::free_port().unwrap();
+    start_ranks(speedup, num_blocks, stream_interval, 1)
+}
+
+/// A worker of `ranks` data-parallel ranks: rank r publishes on `zmq`'s
+/// port + r and replays on `replay`'s port + r.
+fn start_ranks(speedup: f64, num_blocks: usize, stream_interval: usize, ranks: u16) -> Worker {
+    let zport = kvgate_testkit::port_run(2 * ranks).unwrap();
+    let rport = zport + ranks;
     let zmq = format!("tcp://127.0.0.1:{zport}");
     let replay = format!("tcp://127.0.0.1:{rport}");
     let opts = WorkerOptions {
@@ -68,6 +74,7 @@ fn start_with(speedup: f64, num_blocks: usize, stream_interval: usize) -> Worker
         default_max_tokens: 16,
         max_model_len: 32_768,
         replay_buffer: 1000,
+        data_parallel_size: usize::from(ranks),
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (btx, brx) = std::sync::mpsc::channel();
@@ -367,4 +374,58 @@ fn a_next_turn_that_sends_the_reply_back_hits_the_blocks_decoded() {
     // Everything but the last, partial block of prompt + output (16 tokens a block).
     assert!(cached >= (p1 + c1 - 1) / 16 * 16 - 16, "cached {cached} of a first turn of {p1} + {c1}");
     assert!(cached > p1 + 64, "cached {cached}: the reply's blocks hit");
+}
+
+/// Two data-parallel ranks behind one address, as vLLM's
+/// `--data-parallel-size 2`: `x-data-parallel-rank` picks the rank (its own
+/// cache: the repeat hits there only), an unnamed request goes to the idle
+/// rank 0, a rank beyond the server's is a 400, each rank publishes its
+/// events (with its rank) on its own socket and has its own metrics series.
+#[test]
+fn data_parallel_ranks_have_their_own_cache_events_and_metrics() {
+    let w = start_ranks(200.0, 1024, 1, 2);
+    let rank1 = kvgate_vllm_wire::dp::rank_endpoint(&w.zmq, 1).unwrap();
+    let body = format!(r#"{{"model":"deepseek-v3","prompt":"{}","max_tokens":2}}"#, "ranked words ".repeat(40));
+    let post = |rank: Option<&str>| {
+        let mut h = vec![("content-type", "application/json")];
+        if let Some(r) = rank {
+            h.push(("x-data-parallel-rank", r));
+        }
+        let r = kvgate_testkit::http_request(w.http, "POST", "/v1/completions", &h, body.as_bytes()).unwrap();
+        let v: Value = serde_json::from_slice(&r.body).unwrap();
+        (r.status, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0), v)
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let batch_rank = rt.block_on(async {
+        use zeromq::{Socket as _, SocketRecv as _};
+        let mut sub = zeromq::SubSocket::new();
+        sub.connect(&rank1).await.unwrap();
+        sub.subscribe("").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let first = std::thread::scope(|s| s.spawn(|| post(Some("1"))).join().unwrap());
+        assert_eq!((first.0, first.1), (200, 0), "{}", first.2);
+        let m = tokio::time::timeout(Duration::from_secs(30), sub.recv()).await.unwrap().unwrap();
+        let frames: Vec<&[u8]> = m.iter().map(|f| f.as_ref()).collect();
+        let f = kvgate_vllm_wire::decode_frames(&frames).unwrap();
+        kvgate_vllm_wire::decode_batch(f.payload).unwrap().dp_rank
+    });
+    assert_eq!(batch_rank, Some(1), "rank 1's events name rank 1");
+    let (status, cached, _) = post(Some("1"));
+    assert!(status == 200 && cached > 0, "the repeat on rank 1 hits its cache: {cached}");
+    let (status, cached, _) = post(None);
+    assert_eq!((status, cached), (200, 0), "unnamed: the idle rank 0, whose cache is empty");
+    let (status, _, err) = post(Some("2"));
+    assert_eq!(status, 400, "{err}");
+    assert!(err["message"].as_str().unwrap().contains("out of range"), "{err}");
+    let sim: Value = serde_json::from_slice(&get(w.http, "/kvgate/sim/cache").body).unwrap();
+    let per_rank: Vec<u64> = (0..2).map(|r| sim["ranks"][r]["cached_blocks"].as_u64().unwrap()).collect();
+    assert!(per_rank.iter().all(|b| *b > 0), "{sim}");
+    assert_eq!(sim["cached_blocks"].as_u64().unwrap(), per_rank.iter().sum::<u64>());
+    // Each rank's series under its engine label; the relay reads one rank.
+    let m = String::from_utf8(get(w.http, "/metrics").body).unwrap();
+    assert_eq!(m.matches("# TYPE vllm:prefix_cache_hits_total counter").count(), 1, "one family\n{m}");
+    assert!(m.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"deepseek-v3\"} 0.0"), "{m}");
+    assert!(!m.contains("vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"deepseek-v3\"} 0.0"), "{m}");
+    let load = kvgate_relay::metrics::parse_vllm_metrics(&m, Some(1));
+    assert_eq!((load.capacity_blocks, load.running), (Some(1024), Some(0)));
 }

@@ -19,12 +19,14 @@
 //! | module | what |
 //! |---|---|
 //! | [`msgpack`] | borrowed msgpack reader with offsets in its errors |
+//! | [`dp`] | the event endpoint of each data-parallel rank (vLLM's port offset) |
 //! | [`encode`] | the reverse: batches in vLLM's map (≥ 0.24) or array encoding, for the simulator and tests |
 //! | this file | [`Batch`], [`Event`], [`BlockStored`], [`BlockRemoved`], decoding, [`cache_salt`] |
 //!
 //! Decoding is O(payload bytes); nothing here panics on any input (fuzzed).
 #![warn(missing_docs)]
 
+pub mod dp;
 pub mod encode;
 pub mod msgpack;
 

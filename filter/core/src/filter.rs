@@ -25,7 +25,7 @@
 
 use std::rc::Rc;
 
-use kvgate_protocol::{DESTINATION_HEADER, pb};
+use kvgate_protocol::{DESTINATION_HEADER, DP_RANK_HEADER, pb};
 
 use crate::config::{Config, FailureMode};
 use crate::extract::{Api, extract};
@@ -164,10 +164,12 @@ impl RequestFilter {
 
     /// Request headers.
     pub fn on_request_headers(&mut self, host: &impl Host, end_of_stream: bool) -> Action {
-        // The client never chooses the worker.
-        if host.request_header(DESTINATION_HEADER).is_some() {
-            host.set_request_header(DESTINATION_HEADER, None);
-            host.metric(Metric::SpoofedHeaders, 1);
+        // The client never chooses the worker, nor its data-parallel rank.
+        for name in [DESTINATION_HEADER, DP_RANK_HEADER] {
+            if host.request_header(name).is_some() {
+                host.set_request_header(name, None);
+                host.metric(Metric::SpoofedHeaders, 1);
+            }
         }
         let post = host.request_header(":method").is_some_and(|m| m == "POST");
         let api = if post { host.request_header(":path").and_then(|p| steered_api(&self.cfg, &p)) } else { None };
@@ -291,6 +293,9 @@ impl RequestFilter {
                         }
                     }
                     host.set_request_header(DESTINATION_HEADER, Some(&d.header));
+                    if let Some(rank) = d.dp_rank {
+                        host.set_request_header(DP_RANK_HEADER, Some(&rank.to_string()));
+                    }
                     host.metric(Metric::Steered, 1);
                     self.decision = Some(d);
                     self.state = State::Forwarded;
@@ -621,6 +626,28 @@ mod tests {
         assert_eq!((r.ttfb_us, r.total_us), (1300, 6300));
         assert_eq!((r.prompt_tokens, r.output_tokens, r.cached_tokens), (Some(9), Some(4), Some(0)));
         assert!(r.stream);
+    }
+
+    /// A worker that is one data-parallel rank of its server: the rank goes
+    /// to vLLM in `x-data-parallel-rank`; a client's own rank header never
+    /// reaches the engine, steered or not.
+    #[test]
+    fn a_data_parallel_rank_goes_in_the_rank_header() {
+        let steer = |rank: Option<u32>| {
+            let h = MockHost::post("/v1/chat/completions");
+            h.set_request_header(DP_RANK_HEADER, Some("7"));
+            let mut f = RequestFilter::new(cfg(""));
+            let t = to_pick(&mut f, &h, CHAT);
+            assert_eq!(h.request_header(DP_RANK_HEADER), None, "the client's rank is removed");
+            let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
+            a.data_parallel_rank = rank;
+            f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
+            assert_eq!(h.metric_value(Metric::SpoofedHeaders), 1);
+            h.request_header(DP_RANK_HEADER)
+        };
+        assert_eq!(steer(Some(3)).as_deref(), Some("3"));
+        assert_eq!(steer(Some(0)).as_deref(), Some("0"));
+        assert_eq!(steer(None), None);
     }
 
     #[test]

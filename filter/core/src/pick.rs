@@ -222,6 +222,9 @@ pub struct Decision {
     pub reason: &'static str,
     /// A larger overlap passed over: (blocks, worker id); blocks 0 = none.
     pub passed_over: (u32, String),
+    /// The primary's data-parallel rank at its endpoint, for
+    /// `x-data-parallel-rank` (servers that run several ranks).
+    pub dp_rank: Option<u32>,
 }
 
 impl Decision {
@@ -304,6 +307,7 @@ fn decide(r: pb::PickResponse, max_fallbacks: usize) -> Option<Decision> {
         total_blocks: r.total_blocks,
         reason: reason_name(r.reason),
         passed_over: (r.best_overlap_blocks, r.best_overlap_worker_id),
+        dp_rank: r.data_parallel_rank,
     })
 }
 

@@ -166,6 +166,12 @@ pub struct PickResponse {
     /// `Retry-After` of this many milliseconds, rounded up to seconds.
     #[prost(uint32, tag = "12")]
     pub retry_after_ms: u32,
+    /// Set when the chosen worker is one data-parallel rank of a server that
+    /// runs several (vLLM `--data-parallel-size`): the filter sends it as
+    /// `x-data-parallel-rank`, which vLLM's API server obeys. The fallbacks are
+    /// other servers that run the same rank.
+    #[prost(uint32, optional, tag = "13")]
+    pub data_parallel_rank: ::core::option::Option<u32>,
 }
 /// What happened to one steered request, measured at the gateway.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -500,6 +506,15 @@ pub struct WorkerHeartbeat {
     /// Consecutive failed health probes (0 while healthy).
     #[prost(uint32, tag = "16")]
     pub health_failures: u32,
+    /// The worker is this data-parallel rank of its server, when the server
+    /// runs several (`data_parallel_size` > 1): its relay follows that rank's
+    /// event socket and load, and requests reach it through the server's
+    /// endpoint with the `x-data-parallel-rank` header.
+    #[prost(uint32, tag = "17")]
+    pub data_parallel_rank: u32,
+    /// Ranks of the worker's server; 0 or 1 = the worker is the whole server.
+    #[prost(uint32, tag = "18")]
+    pub data_parallel_size: u32,
 }
 /// Asks a relay for the full content of its mirror. Subject:
 /// `<prefix>.snap.<model>.<worker>`, sent with a reply inbox.

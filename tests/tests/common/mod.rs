@@ -65,6 +65,9 @@ pub struct FleetOpts<'a> {
     /// More `--flag value` pairs for every `kvgate sim` (replacing the
     /// fleet's own value of that flag).
     pub sim_args: &'a [&'a str],
+    /// Data-parallel ranks per simulated server (0 or 1: none); each rank
+    /// is a worker `w<i>/dp<r>` of the control plane.
+    pub data_parallel_size: u32,
 }
 
 /// The running fleet.
@@ -112,7 +115,8 @@ impl Fleet {
 
     /// The most general start.
     pub fn start_opts(dir: &Path, workers: usize, speedup: &str, opts: FleetOpts<'_>) -> Fleet {
-        let FleetOpts { auth, serve_args, relay_args, sim_args: extra_sim_args } = opts;
+        let FleetOpts { auth, serve_args, relay_args, sim_args: extra_sim_args, data_parallel_size } = opts;
+        let dp = data_parallel_size.max(1);
         let mut args: Vec<Vec<String>> = Vec::new();
         let (nats, nats_url) = match auth {
             Some((u, p)) => {
@@ -133,7 +137,7 @@ impl Fleet {
         let mut http = Vec::new();
         for w in 0..workers {
             let hp = free_port().unwrap();
-            let zp = port_pair();
+            let zp = kvgate_testkit::port_run(2 * dp as u16).unwrap();
             let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
             let sim_args: Vec<String> = [
                 "sim",
@@ -151,6 +155,8 @@ impl Fleet {
                 "4096",
                 "--speedup",
                 speedup,
+                "--data-parallel-size",
+                &dp.to_string(),
             ]
             .iter()
             .map(|a| (*a).to_owned())
@@ -183,6 +189,7 @@ impl Fleet {
                 block_size: 16,
                 max_num_seqs,
                 heartbeat_ms: 100,
+                data_parallel_size: dp,
             };
             let rm: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();
             let mut relay_a = spec.args();
@@ -237,7 +244,9 @@ impl Fleet {
         // A backstop, not a bound: on a loaded 2-core machine the relays'
         // first heartbeats and snapshots can take a while.
         until(120, "every worker live in the control plane", || {
-            fleet.workers()[MODEL].as_array().is_some_and(|a| a.len() == workers && a.iter().all(|w| w["live"] == true))
+            fleet.workers()[MODEL]
+                .as_array()
+                .is_some_and(|a| a.len() == workers * dp as usize && a.iter().all(|w| w["live"] == true))
         });
         fleet
     }

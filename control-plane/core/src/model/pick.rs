@@ -59,7 +59,11 @@ pub const BY_LOAD: &str = "by_load";
 pub struct PickOutput {
     /// `ip:port` of the chosen worker.
     pub endpoint: String,
-    /// Runners-up' endpoints.
+    /// The chosen worker's data-parallel rank at `endpoint`, when its server
+    /// runs several.
+    pub dp_rank: Option<u32>,
+    /// Runners-up' endpoints: distinct, not the chosen one, and (for a
+    /// data-parallel rank) only servers that run the same rank.
     pub fallbacks: Vec<String>,
     /// Chosen worker id.
     pub worker_id: String,
@@ -240,6 +244,29 @@ impl ModelState {
         Candidates { cands: live.into_iter().map(|(_, c)| c).collect(), ids }
     }
 
+    /// The runners-up's endpoints Envoy may retry on: distinct and not the
+    /// primary's (a server that refuses a connection refuses it for all its
+    /// ranks). The request keeps the primary's rank header on a retry, so
+    /// for a rank `r` only servers that run rank `r` qualify (a server
+    /// without data parallelism runs rank 0 only; vLLM refuses a rank it
+    /// does not run with a 400).
+    fn fallbacks(&self, ranked: impl Iterator<Item = String>, primary: &str, rank: Option<u32>) -> Vec<String> {
+        let runs_rank = |e: &str, r: u32| {
+            self.workers.values().any(|w| w.endpoint.as_deref() == Some(e) && w.dp_rank.unwrap_or(0) == r)
+        };
+        let mut out: Vec<String> = Vec::new();
+        for e in ranked {
+            if e.is_empty() || e == primary || out.contains(&e) {
+                continue;
+            }
+            if rank.is_some_and(|r| !runs_rank(&e, r)) {
+                continue;
+            }
+            out.push(e);
+        }
+        out
+    }
+
     /// The decision in wire terms, counted by (mode, reason).
     fn output(
         &self,
@@ -255,6 +282,9 @@ impl ModelState {
         let shared =
             if self.share_with_replicas { hashes.len().min(kvgate_scheduler::SHARED_PROMPT_BLOCKS) } else { 0 };
         let endpoint_of = |i: usize| self.workers.get(&c.ids[i]).and_then(|w| w.endpoint.clone()).unwrap_or_default();
+        let endpoint = endpoint_of(decision.chosen);
+        let dp_rank = self.workers.get(&c.ids[decision.chosen]).and_then(|w| w.dp_rank);
+        let fallbacks = self.fallbacks(decision.fallbacks.iter().map(|i| endpoint_of(*i)), &endpoint, dp_rank);
         let chosen = c.cands[decision.chosen];
         let worker_id = c.ids[decision.chosen].clone();
         let (mode, reason) = match input.by_load {
@@ -268,8 +298,9 @@ impl ModelState {
             _ => (0, String::new()),
         };
         PickOutput {
-            endpoint: endpoint_of(decision.chosen),
-            fallbacks: decision.fallbacks.iter().map(|i| endpoint_of(*i)).collect(),
+            endpoint,
+            dp_rank,
+            fallbacks,
             worker_id: worker_id.clone(),
             matched_blocks: chosen.overlap_blocks,
             total_blocks,

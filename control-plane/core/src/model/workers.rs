@@ -20,6 +20,9 @@ use super::{ModelState, Need};
 pub(super) struct Worker {
     pub(super) idx: WorkerIdx,
     pub(super) endpoint: Option<String>,
+    /// The data-parallel rank the worker is at its endpoint, when the
+    /// server there runs several (requests carry it in `x-data-parallel-rank`).
+    pub(super) dp_rank: Option<u32>,
     last_seen_ms: u64,
     last_heartbeat_ms: Option<u64>,
     interval_ms: u32,
@@ -38,6 +41,7 @@ impl Worker {
         Self {
             idx,
             endpoint,
+            dp_rank: None,
             last_seen_ms: 0,
             last_heartbeat_ms: None,
             interval_ms: 0,
@@ -58,6 +62,8 @@ pub struct WorkerView {
     pub id: String,
     /// `ip:port`.
     pub endpoint: Option<String>,
+    /// Data-parallel rank at the endpoint (servers with several ranks).
+    pub dp_rank: Option<u32>,
     /// Routable now.
     pub live: bool,
     /// Sync state.
@@ -124,7 +130,8 @@ impl ModelState {
     /// The filter could not reach `worker_id` (Envoy retried on a fallback,
     /// or no upstream answered): enough of those within `suspect_ms` make
     /// it a suspect, with no Pick for `suspect_ms`, before its relay's next
-    /// heartbeat says anything.
+    /// heartbeat says anything. The other data-parallel ranks of its server
+    /// (same endpoint) become suspects with it: one address, one server.
     pub(super) fn connection_failed(&mut self, worker_id: &str, now_ms: u64) {
         let (n, window) = (self.config.suspect_after_failures, self.config.suspect_ms);
         let Some(w) = self.workers.get_mut(worker_id) else { return };
@@ -134,12 +141,17 @@ impl ModelState {
         }
         w.failures.retain(|t| now_ms.saturating_sub(*t) <= window);
         w.failures.push(now_ms);
-        if w.failures.len() >= n as usize {
-            if now_ms >= w.suspect_until_ms {
+        if w.failures.len() < n as usize {
+            return;
+        }
+        w.failures.clear();
+        let endpoint = w.endpoint.clone();
+        let same_server = |id: &str, o: &Worker| id == worker_id || (o.dp_rank.is_some() && o.endpoint == endpoint);
+        for (_, o) in self.workers.iter_mut().filter(|(id, o)| same_server(id, o)) {
+            if now_ms >= o.suspect_until_ms {
                 self.counters.suspects += 1;
             }
-            w.suspect_until_ms = now_ms + window;
-            w.failures.clear();
+            o.suspect_until_ms = now_ms + window;
         }
     }
 
@@ -183,6 +195,7 @@ impl ModelState {
         if !hb.endpoint.is_empty() {
             w.endpoint = Some(hb.endpoint.clone());
         }
+        w.dp_rank = (hb.data_parallel_size > 1).then_some(hb.data_parallel_rank);
         let resync = w.sync.heartbeat(hb.relay_epoch, hb.relay_seq);
         self.counters.heartbeats += 1;
         self.counters.health_changes += u64::from(health_changed);
@@ -255,6 +268,7 @@ impl ModelState {
         WorkerView {
             id: id.to_owned(),
             endpoint: w.endpoint.clone(),
+            dp_rank: w.dp_rank,
             live: self.live(w, now_ms),
             sync: w.sync.describe(),
             device_blocks: self.index.worker_blocks(w.idx, Tier::Device),

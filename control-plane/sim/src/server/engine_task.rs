@@ -24,6 +24,8 @@ type Live = (mpsc::UnboundedSender<Delta>, Instant, Option<Instant>);
 /// The engine and what the task keeps around it.
 pub(super) struct EngineTask {
     sh: Arc<Shared>,
+    /// The data-parallel rank this engine is.
+    rank: usize,
     engine: Engine,
     live: HashMap<u64, Live>,
     seq: u64,
@@ -34,11 +36,26 @@ pub(super) struct EngineTask {
 }
 
 impl EngineTask {
-    pub(super) fn new(sh: Arc<Shared>, buf: Arc<Mutex<ReplayBuffer>>, publisher: Option<zeromq::PubSocket>) -> Self {
+    pub(super) fn new(
+        sh: Arc<Shared>,
+        rank: usize,
+        buf: Arc<Mutex<ReplayBuffer>>,
+        publisher: Option<zeromq::PubSocket>,
+    ) -> Self {
         let mut engine = Engine::new(sh.opts.engine);
         engine.set_output_vocab(word_ids(&sh.opts.tokenizer));
         let speed = sh.opts.speedup.max(1e-3);
-        Self { sh, engine, live: HashMap::new(), seq: 0, speed, clock: tokio::time::Instant::now(), buf, publisher }
+        Self {
+            sh,
+            rank,
+            engine,
+            live: HashMap::new(),
+            seq: 0,
+            speed,
+            clock: tokio::time::Instant::now(),
+            buf,
+            publisher,
+        }
     }
 
     /// Runs until every submitter is gone.
@@ -57,6 +74,7 @@ impl EngineTask {
             for id in gone {
                 self.engine.abort(id);
                 self.live.remove(&id);
+                self.sh.ranks[self.rank].inflight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             }
             self.engine.set_slowdown(f64::from_bits(self.sh.slowdown.load(std::sync::atomic::Ordering::Relaxed)));
             let step = self.engine.step();
@@ -95,7 +113,8 @@ impl EngineTask {
     fn record(&mut self, step: &Step) {
         let now = Instant::now();
         let speed = self.speed;
-        let mut st = self.sh.stats.lock();
+        let rank = &self.sh.ranks[self.rank];
+        let mut st = rank.stats.lock();
         // vLLM's queue time ends when a step schedules the request, at the
         // start of the step that just ended.
         let began = now.checked_sub(Duration::from_secs_f64(step.ms.max(0.0) / 1000.0 / speed)).unwrap_or(now);
@@ -120,6 +139,7 @@ impl EngineTask {
                 }
                 Output::Finished { id } => {
                     if let Some((tx, _, _)) = self.live.remove(&id) {
+                        rank.inflight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
                         st.success += 1;
                         let _ = tx.send(Delta::Done);
                     }
@@ -141,7 +161,7 @@ impl EngineTask {
     /// faults queued for it.
     async fn publish(&mut self, events: &[CacheEvent]) {
         let opts = &self.sh.opts;
-        let payload = encode_events(events, opts.engine.block_size as u32, opts.encoding);
+        let payload = encode_events(events, opts.engine.block_size as u32, opts.encoding, self.rank);
         {
             let mut b = self.buf.lock();
             b.push_back((self.seq, payload.clone()));
@@ -175,12 +195,12 @@ impl EngineTask {
             let _ = p.send(m).await;
         }
         self.seq += 1;
-        self.sh.stats.lock().events_published += 1;
+        self.sh.ranks[self.rank].stats.lock().events_published += 1;
     }
 }
 
 /// One engine step's cache events as a vLLM msgpack batch.
-fn encode_events(events: &[CacheEvent], block_size: u32, encoding: Encoding) -> Vec<u8> {
+fn encode_events(events: &[CacheEvent], block_size: u32, encoding: Encoding, rank: usize) -> Vec<u8> {
     let stored = |hashes: &[u64], parent: &Option<u64>, tokens: &[u32], medium| {
         Event::Stored(BlockStored {
             block_hashes: hashes.to_vec(),
@@ -205,5 +225,5 @@ fn encode_events(events: &[CacheEvent], block_size: u32, encoding: Encoding) -> 
         })
         .collect();
     let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-    encode_batch(&Batch { ts, dp_rank: Some(0), array_len: 3, events }, encoding)
+    encode_batch(&Batch { ts, dp_rank: Some(rank as i64), array_len: 3, events }, encoding)
 }

@@ -19,6 +19,8 @@ pub(super) struct Parsed {
     pub(super) max_tokens: usize,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
+    /// The data-parallel rank the request names (`x-data-parallel-rank`).
+    pub(super) rank: Option<usize>,
 }
 
 /// An OpenAI-style error answer, as vLLM writes it.
@@ -85,7 +87,6 @@ pub(super) async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool, arrived: In
     let id = sh.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = mpsc::unbounded_channel();
     let prompt_tokens = p.prompt.len();
-    sh.stats.lock().prompt_tokens += prompt_tokens as u64;
     let req = Request { id, prompt: p.prompt, max_tokens: p.max_tokens };
     // The frontend's share of time to first token (see the timing preset),
     // counted from arrival: it includes the time this worker really spent
@@ -97,7 +98,11 @@ pub(super) async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool, arrived: In
     if overhead > 0.0 {
         tokio::time::sleep_until((arrived + Duration::from_secs_f64(overhead)).into()).await;
     }
-    if sh.submit.send(Submit { req, tx, at: arrived }).is_err() {
+    let rank = &sh.ranks[sh.choose_rank(p.rank)];
+    rank.stats.lock().prompt_tokens += prompt_tokens as u64;
+    rank.inflight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if rank.submit.send(Submit { req, tx, at: arrived }).is_err() {
+        rank.inflight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
     }
     let rid = if chat { format!("chatcmpl-{id:032x}") } else { format!("cmpl-{id:032x}") };

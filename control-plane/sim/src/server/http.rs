@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kvgate_tokenize::prompt::{SegmentRef, chain_hashes};
 use serde_json::{Value, json};
@@ -26,7 +26,23 @@ fn heavy<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
-fn common(sh: &Shared, body: &Value, prompt: Vec<u32>) -> Result<Parsed, Box<Response>> {
+/// vLLM's `X-data-parallel-rank`: a number names the rank (one outside the
+/// server's ranks is refused with a 400); anything else is ignored.
+fn named_rank(sh: &Shared, headers: &HeaderMap) -> Result<Option<usize>, Box<Response>> {
+    let Some(r) =
+        headers.get(kvgate_protocol::DP_RANK_HEADER).and_then(|v| v.to_str().ok()?.trim().parse::<i64>().ok())
+    else {
+        return Ok(None);
+    };
+    let n = sh.ranks.len();
+    match usize::try_from(r) {
+        Ok(r) if r < n => Ok(Some(r)),
+        _ => Err(Box::new(error(StatusCode::BAD_REQUEST, format!("data_parallel_rank {r} is out of range [0, {n}).")))),
+    }
+}
+
+fn common(sh: &Shared, headers: &HeaderMap, body: &Value, prompt: Vec<u32>) -> Result<Parsed, Box<Response>> {
+    let rank = named_rank(sh, headers)?;
     let model = body.get("model").and_then(Value::as_str).unwrap_or_default();
     if model != sh.opts.model {
         return Err(Box::new(error(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist."))));
@@ -52,10 +68,10 @@ fn common(sh: &Shared, body: &Value, prompt: Vec<u32>) -> Result<Parsed, Box<Res
     }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
-    Ok(Parsed { prompt, max_tokens, stream, include_usage })
+    Ok(Parsed { prompt, max_tokens, stream, include_usage, rank })
 }
 
-pub(super) async fn chat(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+pub(super) async fn chat(State(sh): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
     let arrived = Instant::now();
     let Ok(body) = serde_json::from_slice::<Value>(&body) else {
         return error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
@@ -80,13 +96,17 @@ pub(super) async fn chat(State(sh): State<Arc<Shared>>, body: axum::body::Bytes)
         Ok(t) => t.ids,
         Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
     };
-    match common(&sh, &body, prompt) {
+    match common(&sh, &headers, &body, prompt) {
         Ok(p) => generate(sh, p, true, arrived).await,
         Err(r) => *r,
     }
 }
 
-pub(super) async fn completions(State(sh): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+pub(super) async fn completions(
+    State(sh): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     let arrived = Instant::now();
     let Ok(body) = serde_json::from_slice::<Value>(&body) else {
         return error(StatusCode::BAD_REQUEST, "request body is not valid JSON");
@@ -101,7 +121,7 @@ pub(super) async fn completions(State(sh): State<Arc<Shared>>, body: axum::body:
         }
         _ => return error(StatusCode::BAD_REQUEST, "prompt must be a string or an array of token ids"),
     };
-    match common(&sh, &body, prompt) {
+    match common(&sh, &headers, &body, prompt) {
         Ok(p) => generate(sh, p, false, arrived).await,
         Err(r) => *r,
     }
@@ -156,14 +176,22 @@ pub(super) async fn set_slowdown(
 }
 
 pub(super) async fn cache_info(State(sh): State<Arc<Shared>>) -> impl IntoResponse {
-    let st = sh.stats.lock().clone();
+    let ranks: Vec<super::metrics::Stats> = sh.ranks.iter().map(|r| r.stats.lock().clone()).collect();
+    let n = ranks.len().max(1);
+    let capacity = sh.opts.engine.num_blocks;
+    let per_rank: Vec<Value> = ranks
+        .iter()
+        .map(|st| json!({"cached_blocks": st.cached_blocks, "capacity_blocks": capacity, "kv_usage": st.kv_usage}))
+        .collect();
+    // The whole server: sums over its ranks (one rank: that rank).
     let body = json!({
-        "cached_blocks": st.cached_blocks,
-        "capacity_blocks": sh.opts.engine.num_blocks,
-        "kv_usage": st.kv_usage,
+        "cached_blocks": ranks.iter().map(|s| s.cached_blocks).sum::<usize>(),
+        "capacity_blocks": capacity * n,
+        "kv_usage": ranks.iter().map(|s| s.kv_usage).sum::<f64>() / n as f64,
         "slowdown": f64::from_bits(sh.slowdown.load(std::sync::atomic::Ordering::Relaxed)),
-        "steps": st.steps,
-        "event_batches": st.events_published,
+        "steps": ranks.iter().map(|s| s.steps).sum::<u64>(),
+        "event_batches": ranks.iter().map(|s| s.events_published).sum::<u64>(),
+        "ranks": per_rank,
     });
     ([(header::CONTENT_TYPE, "application/json")], body.to_string())
 }

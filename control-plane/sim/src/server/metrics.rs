@@ -38,9 +38,10 @@ impl Hist {
         self.sum += v;
         self.n += 1;
     }
+    /// The samples (buckets, count, sum) under `labels`; the family's
+    /// `# TYPE` line is written once by the caller.
     fn render(&self, out: &mut String, name: &str, labels: &str) {
         use std::fmt::Write as _;
-        let _ = writeln!(out, "# TYPE {name} histogram");
         let mut cum = 0;
         for (b, c) in self.bounds.iter().zip(&self.counts) {
             cum += c;
@@ -95,51 +96,82 @@ impl Stats {
     }
 }
 
+/// Which histogram of a rank's stats.
+type HistOf = fn(&Stats) -> &Hist;
+
+/// Every rank's series, one family at a time (vLLM labels each rank's
+/// series `engine="<rank>"`).
 pub(super) async fn metrics(State(sh): State<Arc<Shared>>) -> impl IntoResponse {
     use std::fmt::Write as _;
-    let st = sh.stats.lock().clone();
+    let ranks: Vec<Stats> = sh.ranks.iter().map(|r| r.stats.lock().clone()).collect();
     let o = &sh.opts;
-    let l = format!("engine=\"0\",model_name=\"{}\"", o.model.replace('"', "\\\""));
-    let mut s = String::with_capacity(8192);
-    let gauge = |s: &mut String, name: &str, help: &str, v: f64| {
-        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v:?}");
+    let model = o.model.replace('"', "\\\"");
+    let labels: Vec<String> = (0..ranks.len()).map(|r| format!("engine=\"{r}\",model_name=\"{model}\"")).collect();
+    let mut s = String::with_capacity(8192 * ranks.len());
+    let family = |s: &mut String, name: &str, help: &str, kind: &str, v: &dyn Fn(&Stats) -> String| {
+        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (st, l) in ranks.iter().zip(&labels) {
+            let _ = writeln!(s, "{name}{{{l}}} {}", v(st));
+        }
     };
-    let counter = |s: &mut String, name: &str, help: &str, v: u64| {
-        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}.0");
+    let gauge = |s: &mut String, name: &str, help: &str, v: fn(&Stats) -> f64| {
+        family(s, name, help, "gauge", &|st| format!("{:?}", v(st)));
     };
-    gauge(&mut s, "vllm:num_requests_running", "Number of requests in model execution batches.", st.running as f64);
-    gauge(&mut s, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.waiting as f64);
-    gauge(&mut s, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage);
+    let counter = |s: &mut String, name: &str, help: &str, v: fn(&Stats) -> u64| {
+        family(s, name, help, "counter", &|st| format!("{}.0", v(st)));
+    };
+    gauge(&mut s, "vllm:num_requests_running", "Number of requests in model execution batches.", |st| {
+        st.running as f64
+    });
+    gauge(&mut s, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", |st| st.waiting as f64);
+    gauge(&mut s, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", |st| st.kv_usage);
     counter(
         &mut s,
         "vllm:prefix_cache_queries_total",
         "Prefix cache queries, in terms of number of queried tokens.",
-        st.queries,
+        |st| st.queries,
     );
-    counter(&mut s, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", st.hits);
+    counter(&mut s, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", |st| {
+        st.hits
+    });
     counter(
         &mut s,
         "vllm:external_prefix_cache_hits_total",
         "External prefix cache hits (KV connector: the host tier), in terms of number of cached tokens.",
-        st.host_hits,
+        |st| st.host_hits,
     );
-    counter(&mut s, "vllm:prompt_tokens_total", "Number of prefill tokens processed.", st.prompt_tokens);
-    counter(&mut s, "vllm:generation_tokens_total", "Number of generation tokens processed.", st.generation_tokens);
+    counter(&mut s, "vllm:prompt_tokens_total", "Number of prefill tokens processed.", |st| st.prompt_tokens);
+    counter(&mut s, "vllm:generation_tokens_total", "Number of generation tokens processed.", |st| {
+        st.generation_tokens
+    });
     let _ = writeln!(
         s,
-        "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\nvllm:request_success_total{{{l},finished_reason=\"length\"}} {}.0",
-        st.success
+        "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter"
     );
+    for (st, l) in ranks.iter().zip(&labels) {
+        let _ = writeln!(s, "vllm:request_success_total{{{l},finished_reason=\"length\"}} {}.0", st.success);
+    }
     let _ = writeln!(
         s,
-        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"sha256\"}} 1.0",
-        o.engine.block_size, o.engine.num_blocks
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge"
     );
-    let _ = writeln!(s, "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.");
-    st.ttft.render(&mut s, "vllm:time_to_first_token_seconds", &l);
-    let _ = writeln!(s, "# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.");
-    st.itl.render(&mut s, "vllm:inter_token_latency_seconds", &l);
-    let _ = writeln!(s, "# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.");
-    st.queue.render(&mut s, "vllm:request_queue_time_seconds", &l);
+    for r in 0..ranks.len() {
+        let _ = writeln!(
+            s,
+            "vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"{r}\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"sha256\"}} 1.0",
+            o.engine.block_size, o.engine.num_blocks
+        );
+    }
+    let hists: [(&str, &str, HistOf); 3] = [
+        ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", |st| &st.ttft),
+        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", |st| &st.itl),
+        ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", |st| &st.queue),
+    ];
+    for (name, help, h) in hists {
+        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (st, l) in ranks.iter().zip(&labels) {
+            h(st).render(&mut s, name, l);
+        }
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], s)
 }

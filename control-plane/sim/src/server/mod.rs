@@ -4,6 +4,14 @@
 //! format. One tokio task owns each [`Engine`]; it advances in simulated
 //! time (`speedup` × faster than the wall clock).
 //!
+//! A worker with `data_parallel_size` N runs N engines behind its one HTTP
+//! address, as vLLM's `--data-parallel-size`: rank r publishes on the event
+//! and replay endpoints offset by r (vLLM's rule), its `/metrics` series are
+//! labelled `engine="r"`, and a request goes to the rank its
+//! `x-data-parallel-rank` header names (400 when out of range) or else to
+//! the rank with the fewest requests in flight (vLLM's API server balances
+//! by its ranks' queues), the lowest on a tie.
+//!
 //! ```text
 //! HTTP handler ──Submit──▶ engine task ──step()──▶ sleep(step.ms / speedup)
 //!      ▲                        │                    ├─ outputs ──▶ per-request channel ──▶ SSE / JSON
@@ -28,6 +36,7 @@ mod replay;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use axum::http::StatusCode;
@@ -72,6 +81,9 @@ pub struct WorkerOptions {
     pub max_model_len: usize,
     /// Batches kept for replay.
     pub replay_buffer: usize,
+    /// Data-parallel ranks (vLLM `--data-parallel-size`): engines behind
+    /// this one HTTP address, each with its own cache and event sockets.
+    pub data_parallel_size: usize,
 }
 
 impl std::fmt::Debug for WorkerOptions {
@@ -96,16 +108,26 @@ struct Submit {
     at: Instant,
 }
 
+/// One data-parallel rank's engine as the handlers see it.
+struct Rank {
+    /// What `/metrics` shows of this rank.
+    stats: Mutex<Stats>,
+    /// The rank's engine task.
+    submit: mpsc::UnboundedSender<Submit>,
+    /// Requests submitted and not finished (for the API server's balance).
+    inflight: AtomicUsize,
+}
+
 struct Shared {
     opts: WorkerOptions,
-    stats: Mutex<Stats>,
+    /// The engines, in rank order (one without data parallelism).
+    ranks: Vec<Rank>,
     /// Event-stream faults to inject into the next published batch
     /// (`POST /kvgate/sim/fault?kind=…`, for the fault suite).
     faults: Mutex<Vec<StreamFault>>,
     /// Step-time multiplier (`POST /kvgate/sim/slowdown?factor=…`), as f64
     /// bits: a fleet that changed speed, for the calibration benchmark.
     slowdown: std::sync::atomic::AtomicU64,
-    submit: mpsc::UnboundedSender<Submit>,
     next_id: std::sync::atomic::AtomicU64,
     created: u64,
 }
@@ -131,6 +153,16 @@ impl StreamFault {
             "gap" => Some(Self::Gap),
             _ => None,
         }
+    }
+}
+
+impl Shared {
+    /// The rank a request goes to: the one it names, or the one with the
+    /// fewest requests in flight (the lowest on a tie).
+    fn choose_rank(&self, named: Option<usize>) -> usize {
+        named.filter(|r| *r < self.ranks.len()).unwrap_or_else(|| {
+            (0..self.ranks.len()).min_by_key(|r| (self.ranks[*r].inflight.load(Ordering::Relaxed), *r)).unwrap_or(0)
+        })
     }
 }
 
@@ -186,24 +218,37 @@ pub async fn run_worker(
     };
     let listener = tokio::net::TcpListener::bind(opts.http).await.map_err(bind_err("HTTP", opts.http.to_string()))?;
     let bound = listener.local_addr().map_err(bind_err("HTTP", opts.http.to_string()))?;
-    let publisher = replay::bind_publisher(opts.zmq_pub.as_deref()).await?;
-    let replay_buffer: Arc<Mutex<ReplayBuffer>> = Arc::new(Mutex::new(VecDeque::new()));
     let mut tasks = tokio::task::JoinSet::new();
-    if let Some(ep) = &opts.zmq_replay {
-        let router = replay::bind_router(ep).await?;
-        tasks.spawn(replay::serve(router, replay_buffer.clone(), opts.topic.clone()));
+    let mut ranks = Vec::new();
+    let mut engines = Vec::new();
+    for r in 0..opts.data_parallel_size.max(1) {
+        let at = |ep: &Option<String>| -> Result<Option<String>, SimError> {
+            ep.as_deref()
+                .map(|e| kvgate_vllm_wire::dp::rank_endpoint(e, r as u32))
+                .transpose()
+                .map_err(|e| SimError::Bind { what: "ZMQ", addr: String::new(), reason: e.to_string() })
+        };
+        let publisher = replay::bind_publisher(at(&opts.zmq_pub)?.as_deref()).await?;
+        let replay_buffer: Arc<Mutex<ReplayBuffer>> = Arc::new(Mutex::new(VecDeque::new()));
+        if let Some(ep) = at(&opts.zmq_replay)? {
+            let router = replay::bind_router(&ep).await?;
+            tasks.spawn(replay::serve(router, replay_buffer.clone(), opts.topic.clone()));
+        }
+        let (tx, rx) = mpsc::unbounded_channel::<Submit>();
+        ranks.push(Rank { stats: Mutex::new(Stats::new()), submit: tx, inflight: AtomicUsize::new(0) });
+        engines.push((replay_buffer, publisher, rx));
     }
-    let (tx, rx) = mpsc::unbounded_channel::<Submit>();
     let shared = Arc::new(Shared {
-        stats: Mutex::new(Stats::new()),
-        submit: tx,
+        ranks,
         next_id: std::sync::atomic::AtomicU64::new(1),
         created: now_unix(),
         faults: Mutex::new(Vec::new()),
         slowdown: std::sync::atomic::AtomicU64::new(1.0f64.to_bits()),
         opts: opts.clone(),
     });
-    tasks.spawn(engine_task::EngineTask::new(shared.clone(), replay_buffer, publisher).run(rx));
+    for (r, (replay_buffer, publisher, rx)) in engines.into_iter().enumerate() {
+        tasks.spawn(engine_task::EngineTask::new(shared.clone(), r, replay_buffer, publisher).run(rx));
+    }
     let app = axum::Router::new()
         .route("/v1/chat/completions", post(http::chat))
         .route("/v1/completions", post(http::completions))
