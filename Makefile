@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-scale bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
@@ -134,6 +134,10 @@ bench-sim: setup
 
 bench-cp: setup
 	set -a; . .tools/env; set +a; cargo bench -p kvgate-server --bench control_plane
+
+bench-scale: setup
+	cargo build --release -q -p kvgate
+	set -a; . .tools/env; set +a; cargo bench -p kvgate-server --bench scale -- $(BENCH_ARGS)
 
 bench-gateway: setup
 	cargo build --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm --quiet

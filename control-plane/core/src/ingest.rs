@@ -42,7 +42,15 @@ impl App {
         let need = match kind {
             NatsKind::Kv => match pb::KvEventBatch::decode(payload) {
                 Ok(b) if Some(b.worker_id.as_str()) == worker && b.model == parsed.model => {
-                    model.state.lock().on_batch(b, now)
+                    let engine_ts = b.engine_ts_unix_nanos;
+                    let need = model.state.lock().on_batch(b, now);
+                    if engine_ts > 0 {
+                        let wall = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_nanos() as u64);
+                        model.event_lag_seconds.observe(wall.saturating_sub(engine_ts) as f64 / 1e9);
+                    }
+                    need
                 }
                 _ => self.malformed(kind),
             },

@@ -24,6 +24,11 @@ use prometheus_client::registry::{Metric, Registry};
 pub const LATENCY_BUCKETS: [f64; 14] =
     [25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0];
 
+/// Staleness buckets (seconds): a batch's engine timestamp to its
+/// application in the index.
+pub const LAG_BUCKETS: [f64; 14] =
+    [1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
 /// Ratio buckets (predicted overlap / prompt).
 pub const RATIO_BUCKETS: [f64; 8] = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0];
 
@@ -117,6 +122,10 @@ fn latency() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+fn lag() -> Histogram {
+    Histogram::new(LAG_BUCKETS)
+}
+
 fn ratio() -> Histogram {
     Histogram::new(RATIO_BUCKETS)
 }
@@ -128,6 +137,9 @@ pub struct Global {
     pub pick_seconds: HistogramFamily,
     /// Predicted overlap ratio of answered picks, by model.
     pub overlap_ratio: HistogramFamily,
+    /// Engine timestamp of a KV event batch to its application in the
+    /// index (the index's staleness), by model.
+    pub event_lag_seconds: HistogramFamily,
     /// Answered picks by (model, mode, reason).
     pub decisions: Family<DecisionLabels, Counter>,
     /// Refused picks by cause.
@@ -161,6 +173,7 @@ impl Global {
         Self {
             pick_seconds: Family::new_with_constructor(latency),
             overlap_ratio: Family::new_with_constructor(ratio),
+            event_lag_seconds: Family::new_with_constructor(lag),
             decisions: Family::default(),
             pick_errors: Family::default(),
             nats_messages: Family::default(),
@@ -182,6 +195,7 @@ impl Global {
         let Self {
             pick_seconds,
             overlap_ratio,
+            event_lag_seconds,
             decisions,
             pick_errors,
             nats_messages,
@@ -201,6 +215,11 @@ impl Global {
             "kvgate_pick_overlap_ratio",
             "Predicted cached prompt blocks / prompt blocks of the chosen worker.",
             overlap_ratio,
+        );
+        r.register(
+            "kvgate_event_lag_seconds",
+            "Engine timestamp of a KV event batch to its application in the index (clocks of the engine's and this host).",
+            event_lag_seconds,
         );
         r.register("kvgate_pick_decisions", "Answered picks by mode and reason.", decisions);
         r.register("kvgate_pick_errors", "Picks refused, by cause.", pick_errors);

@@ -21,6 +21,7 @@ pub struct Model {
     pub tokenizer: Option<PromptTokenizer>,
     pub(crate) pick_seconds: Histogram,
     pub(crate) overlap_ratio: Histogram,
+    pub(crate) event_lag_seconds: Histogram,
 }
 
 impl Model {
@@ -53,6 +54,7 @@ impl Model {
             tokenizer,
             pick_seconds: metrics.global.pick_seconds.get_or_create_owned(&label),
             overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),
+            event_lag_seconds: metrics.global.event_lag_seconds.get_or_create_owned(&label),
         })
     }
 }

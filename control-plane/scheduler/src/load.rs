@@ -8,12 +8,21 @@
 //! | [`LoadTracker::done`] | O(prompt blocks) |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
-//! | [`LoadTracker::inflight_prefix`], [`LoadTracker::inflight_share`] | O(shared leading blocks + 1) |
+//! | [`LoadTracker::inflight_shares`] (every worker at once) | O(n + Σ over the prompt's blocks of the workers holding each) |
+//! | [`LoadTracker::inflight_share`] (one worker) | the same |
 //!
 //! Active blocks are deduplicated per worker: a multiset of the prompt's
 //! sequence hashes, so ten requests sharing a 4,000-token system prompt count
 //! its blocks once, as the engine's prefix cache does. Output blocks are
 //! per request (`ceil(expected_output_tokens / block_size)`).
+//!
+//! The multisets are kept inverted, one table for all workers: a block's
+//! hash → the workers whose requests in flight hold it, with counts (a short
+//! vector). A Pick asks what every worker's requests in flight share with
+//! its prompt: one lookup per prompt block and a walk of that block's short
+//! vector, instead of one lookup per block per worker (which cost ~300 µs
+//! per Pick at 100 workers with 1,000 requests in flight sharing starters;
+//! docs/DECISIONS.md).
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -25,6 +34,9 @@ use kvgate_protocol::SequenceHash;
 use crate::policy::Load;
 
 type Map<K, V> = HashMap<K, V, RandomState>;
+
+/// The workers holding one hash in flight, with counts.
+type Holders = Vec<(WorkerIdx, u32)>;
 
 /// Most leading prompt block hashes a replica shares per request (64 K
 /// tokens at block size 16; 32 KiB on the wire): enough for the prefixes a
@@ -50,10 +62,8 @@ pub struct Measured {
 struct WorkerLoad {
     inflight: u32,
     prefill_pending_blocks: u64,
-    prompt_blocks: Map<SequenceHash, u32>,
-    /// Blocks that requests still prefilling compute themselves (their
-    /// prompt after the overlap they were routed with).
-    computing: Map<SequenceHash, u32>,
+    /// Distinct prompt blocks of its requests in flight.
+    distinct_prompt_blocks: u64,
     counted_prompt_blocks: u64,
     output_blocks: u64,
     measured: Option<Measured>,
@@ -81,16 +91,41 @@ pub struct InflightShare {
     pub computing: u32,
 }
 
-/// Takes one count of each hash out of a multiset.
-fn uncount(set: &mut Map<SequenceHash, u32>, hashes: &[SequenceHash]) {
+/// Adds one count of `worker` to each hash; returns how many hashes the
+/// worker did not hold before.
+fn count(table: &mut Map<SequenceHash, Holders>, worker: WorkerIdx, hashes: &[SequenceHash]) -> u64 {
+    let mut new = 0;
     for h in hashes {
-        if let Entry::Occupied(mut o) = set.entry(*h) {
-            *o.get_mut() -= 1;
-            if *o.get() == 0 {
+        let holders = table.entry(*h).or_default();
+        match holders.iter_mut().find(|(w, _)| *w == worker) {
+            Some((_, n)) => *n += 1,
+            None => {
+                holders.push((worker, 1));
+                new += 1;
+            }
+        }
+    }
+    new
+}
+
+/// Takes one count of `worker` out of each hash; returns how many hashes
+/// the worker no longer holds.
+fn uncount(table: &mut Map<SequenceHash, Holders>, worker: WorkerIdx, hashes: &[SequenceHash]) -> u64 {
+    let mut gone = 0;
+    for h in hashes {
+        let Entry::Occupied(mut o) = table.entry(*h) else { continue };
+        let holders = o.get_mut();
+        let Some(i) = holders.iter().position(|(w, _)| *w == worker) else { continue };
+        holders[i].1 -= 1;
+        if holders[i].1 == 0 {
+            holders.swap_remove(i);
+            gone += 1;
+            if holders.is_empty() {
                 o.remove();
             }
         }
     }
+    gone
 }
 
 /// In-flight requests and the load they put on each worker.
@@ -98,6 +133,11 @@ fn uncount(set: &mut Map<SequenceHash, u32>, hashes: &[SequenceHash]) {
 pub struct LoadTracker {
     workers: Map<WorkerIdx, WorkerLoad>,
     requests: Map<String, Inflight>,
+    /// Prompt blocks of the requests in flight: hash → workers, counts.
+    prompt_blocks: Map<SequenceHash, Holders>,
+    /// Blocks that requests still prefilling compute themselves (their
+    /// prompt after the overlap they were routed with): hash → workers.
+    computing: Map<SequenceHash, Holders>,
 }
 
 /// Why a lifecycle step was ignored.
@@ -134,8 +174,7 @@ impl LoadTracker {
     }
 
     /// Leading blocks of `prompt` that requests in flight on `worker` share
-    /// (their prompt hashes, deduplicated). Stops at the first block none of
-    /// them has, so a worker sharing nothing costs one lookup.
+    /// (their prompt hashes, deduplicated).
     pub fn inflight_prefix(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> u32 {
         self.inflight_share(worker, prompt).blocks
     }
@@ -144,16 +183,48 @@ impl LoadTracker {
     /// blocks a request on `worker` that has no first token yet is still
     /// computing (a follower's first token waits for them).
     pub fn inflight_share(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> InflightShare {
-        let Some(w) = self.workers.get(&worker) else { return InflightShare::default() };
-        if w.prompt_blocks.is_empty() {
-            return InflightShare::default();
+        self.inflight_shares(prompt).get(worker.0 as usize).copied().unwrap_or_default()
+    }
+
+    /// What the requests in flight on each worker share with `prompt`,
+    /// indexed by `WorkerIdx` (workers beyond the vector's end share
+    /// nothing). One walk of the prompt: a worker's share goes on while it
+    /// held every block so far; the walk stops at the first block no worker
+    /// still matching holds.
+    pub fn inflight_shares(&self, prompt: &[SequenceHash]) -> Vec<InflightShare> {
+        let mut out: Vec<InflightShare> = Vec::new();
+        let Some(first) = prompt.first().and_then(|h| self.prompt_blocks.get(h)) else { return out };
+        let top = self.workers.keys().map(|w| w.0 as usize + 1).max().unwrap_or(0);
+        out.resize(top, InflightShare::default());
+        let mut holders = first;
+        for (i, h) in prompt.iter().enumerate() {
+            if i > 0 {
+                match self.prompt_blocks.get(h) {
+                    Some(x) => holders = x,
+                    None => break,
+                }
+            }
+            let mut advanced = false;
+            for (w, _) in holders {
+                if let Some(s) = out.get_mut(w.0 as usize)
+                    && s.blocks as usize == i
+                {
+                    s.blocks += 1;
+                    advanced = true;
+                }
+            }
+            if !advanced {
+                break;
+            }
+            for (w, _) in self.computing.get(h).map_or(&[][..], Vec::as_slice) {
+                if let Some(s) = out.get_mut(w.0 as usize)
+                    && s.blocks as usize == i + 1
+                {
+                    s.computing += 1;
+                }
+            }
         }
-        let mut share = InflightShare::default();
-        for h in prompt.iter().take_while(|h| w.prompt_blocks.contains_key(h)) {
-            share.blocks += 1;
-            share.computing += u32::from(w.computing.contains_key(h));
-        }
-        share
+        out
     }
 
     /// A request routed by another control-plane replica: `prompt_blocks`
@@ -202,12 +273,8 @@ impl LoadTracker {
         w.prefill_pending_blocks += new_prefill_blocks;
         w.output_blocks += output_blocks;
         w.counted_prompt_blocks += counted_prompt_blocks;
-        for h in prompt.iter() {
-            *w.prompt_blocks.entry(*h).or_insert(0) += 1;
-        }
-        for h in prompt.get(own_from..).unwrap_or_default() {
-            *w.computing.entry(*h).or_insert(0) += 1;
-        }
+        w.distinct_prompt_blocks += count(&mut self.prompt_blocks, worker, &prompt);
+        count(&mut self.computing, worker, prompt.get(own_from..).unwrap_or_default());
         slot.insert(Inflight {
             worker,
             prompt,
@@ -228,7 +295,7 @@ impl LoadTracker {
             && let Some(w) = self.workers.get_mut(&r.worker)
         {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
-            uncount(&mut w.computing, r.prompt.get(r.own_from..).unwrap_or_default());
+            uncount(&mut self.computing, r.worker, r.prompt.get(r.own_from..).unwrap_or_default());
         }
         Ok(())
     }
@@ -245,11 +312,12 @@ impl LoadTracker {
         w.inflight = w.inflight.saturating_sub(1);
         if r.prefilling {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
-            uncount(&mut w.computing, r.prompt.get(r.own_from..).unwrap_or_default());
+            uncount(&mut self.computing, r.worker, r.prompt.get(r.own_from..).unwrap_or_default());
         }
         w.output_blocks = w.output_blocks.saturating_sub(r.output_blocks);
         w.counted_prompt_blocks = w.counted_prompt_blocks.saturating_sub(r.counted_prompt_blocks);
-        uncount(&mut w.prompt_blocks, &r.prompt);
+        let gone = uncount(&mut self.prompt_blocks, r.worker, &r.prompt);
+        w.distinct_prompt_blocks = w.distinct_prompt_blocks.saturating_sub(gone);
     }
 
     /// Drops requests added more than `ttl_ms` ago whose end was never seen
@@ -281,7 +349,13 @@ impl LoadTracker {
 
     /// Forgets a worker and every request routed to it.
     pub fn remove_worker(&mut self, worker: WorkerIdx) {
-        self.requests.retain(|_, r| r.worker != worker);
+        let ids: Vec<String> =
+            self.requests.iter().filter(|(_, r)| r.worker == worker).map(|(k, _)| k.clone()).collect();
+        for id in ids {
+            if let Some(r) = self.requests.remove(&id) {
+                self.release(r);
+            }
+        }
         self.workers.remove(&worker);
     }
 
@@ -297,7 +371,7 @@ impl LoadTracker {
         Load {
             inflight: w.inflight,
             prefill_pending_blocks: w.prefill_pending_blocks,
-            active_blocks: w.prompt_blocks.len() as u64 + w.counted_prompt_blocks + w.output_blocks,
+            active_blocks: w.distinct_prompt_blocks + w.counted_prompt_blocks + w.output_blocks,
             measured_running: m.map(|m| m.running),
             measured_waiting: m.map(|m| m.waiting),
             measured_active_blocks: m.map(|m| (f64::from(m.kv_usage) * m.capacity_blocks as f64).round() as u64),

@@ -217,6 +217,9 @@ impl ModelState {
                 any.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
             }
         }
+        // What each worker's requests in flight share with the prompt, in
+        // one walk of it.
+        let shares = if self.mode == Mode::Kv { self.tracker.inflight_shares(hashes) } else { Vec::new() };
         let mut live: Vec<(&String, Candidate)> = Vec::with_capacity(self.workers.len());
         for (id, w) in &self.workers {
             if !self.live(w, now_ms) {
@@ -224,8 +227,7 @@ impl ModelState {
             }
             let d = device.get(&w.idx).copied().unwrap_or(0);
             let h = any.get(&w.idx).copied().unwrap_or(0);
-            let inflight =
-                if self.mode == Mode::Kv { self.tracker.inflight_share(w.idx, hashes) } else { Default::default() };
+            let inflight = shares.get(w.idx.0 as usize).copied().unwrap_or_default();
             let excluded = allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
             let cand = Candidate {
                 worker: w.idx,

@@ -1,0 +1,79 @@
+//! The in-flight share, kept inverted (hash → workers), against a naive
+//! model that walks every live request: random prompts that are prefixes
+//! of a few shared chains, routed to random workers with random overlaps,
+//! some past their first token, some done or expired.
+
+use kvgate_index::WorkerIdx;
+use kvgate_protocol::SequenceHash;
+use kvgate_scheduler::{InflightShare, LoadTracker};
+use proptest::prelude::*;
+
+/// A live request of the model: worker, prompt, own_from, prefilling.
+type Live = (u32, Vec<SequenceHash>, usize, bool);
+
+fn naive(live: &[Live], worker: u32, prompt: &[SequenceHash]) -> InflightShare {
+    let on: Vec<&Live> = live.iter().filter(|r| r.0 == worker).collect();
+    let mut s = InflightShare::default();
+    for h in prompt {
+        if !on.iter().any(|r| r.1.contains(h)) {
+            break;
+        }
+        s.blocks += 1;
+        s.computing += u32::from(on.iter().any(|r| r.3 && r.1[r.2.min(r.1.len())..].contains(h)));
+    }
+    s
+}
+
+/// Chain `c`'s first `n` blocks (chains share nothing; a prefix of a chain
+/// is what a prompt that extends a shared document looks like).
+fn chain(c: u64, n: usize) -> Vec<SequenceHash> {
+    (0..n as u64).map(|i| SequenceHash(c << 32 | i)).collect()
+}
+
+proptest! {
+    #[test]
+    fn inverted_shares_equal_the_naive_walk(
+        ops in prop::collection::vec((0u8..4, 0u32..5, 0u64..3, 1usize..40, 0usize..40), 1..80),
+        queries in prop::collection::vec((0u64..3, 1usize..45), 1..6),
+    ) {
+        let mut t = LoadTracker::new();
+        let mut live: Vec<(String, Live)> = Vec::new();
+        for (k, (op, w, c, n, own)) in ops.into_iter().enumerate() {
+            match op {
+                0 | 1 => {
+                    let id = format!("r{k}");
+                    let prompt = chain(c, n);
+                    t.added(&id, WorkerIdx(w), &prompt, own as u32, 1, 0).unwrap();
+                    live.push((id, (w, prompt, own.min(n), true)));
+                }
+                2 if !live.is_empty() => {
+                    let i = n % live.len();
+                    t.first_token(&live[i].0).unwrap();
+                    live[i].1.3 = false;
+                }
+                3 if !live.is_empty() => {
+                    let i = n % live.len();
+                    t.done(&live[i].0).unwrap();
+                    live.remove(i);
+                }
+                _ => {}
+            }
+        }
+        if live.len() > 3 {
+            // Forget a worker altogether.
+            let gone = live[0].1.0;
+            t.remove_worker(WorkerIdx(gone));
+            live.retain(|r| r.1.0 != gone);
+        }
+        let model: Vec<Live> = live.into_iter().map(|r| r.1).collect();
+        for (c, n) in queries {
+            let prompt = chain(c, n);
+            let all = t.inflight_shares(&prompt);
+            for w in 0..5u32 {
+                let want = naive(&model, w, &prompt);
+                prop_assert_eq!(t.inflight_share(WorkerIdx(w), &prompt), want);
+                prop_assert_eq!(all.get(w as usize).copied().unwrap_or_default(), want);
+            }
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! The requests (four mixes) and the open-loop gRPC client.
+//!
+//! | mix | request | the fleet holds |
+//! |---|---|---|
+//! | `doks_new_turn` | one of 200 conversations (a ~3,750-token starter of 10, a question) plus a new assistant reply and user question | each conversation on one worker, its starter on a tenth of the workers |
+//! | `doc_question` | one of 3 100K-token documents and a new question | each document on a seventh of the workers |
+//! | `cold_8k` | an 8K-token system prompt never seen (a unique first line) | nothing of it |
+//! | `cold_100k` | a 100K-token document never seen | nothing of it |
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvgate_bench_support::Samples;
+use kvgate_protocol::pb;
+use kvgate_server::router_client::RouterClient;
+use serde_json::{Value, json};
+
+use crate::MODEL;
+
+fn words(seed: u64, n: usize) -> String {
+    kvgate_bench_support::words(seed, n)
+}
+
+/// A text of about `tokens` tokens under this tokenizer.
+fn text_of(tk: &kvgate_tokenize::ChatTokenizer, tokens: usize, seed: u64) -> String {
+    let mut n_words = tokens;
+    loop {
+        let t = words(seed, n_words);
+        let n = tk.encode_chat(&[json!({"role": "system", "content": t})], true).map(|v| v.len()).unwrap_or(0);
+        if n.abs_diff(tokens) * 50 <= tokens || n == 0 {
+            return t;
+        }
+        n_words = (n_words as f64 * tokens as f64 / n as f64).max(1.0) as usize;
+    }
+}
+
+/// The request mixes, built once: each request is a base (its segments
+/// serialized and hashed once) plus new messages, as the filter would send
+/// it without eliding.
+pub(crate) struct Mixes {
+    /// Conversations (a starter and one question): their messages.
+    pub(crate) conversations: Vec<Vec<Value>>,
+    /// 100K-token documents.
+    pub(crate) documents: Vec<String>,
+    bases: std::collections::HashMap<(&'static str, usize), Vec<pb::Segment>>,
+    cold_8k: String,
+    cold_100k: String,
+}
+
+fn segments(messages: &[Value]) -> Vec<pb::Segment> {
+    kvgate_server::chat_pick_request(MODEL, "", messages, None).segments
+}
+
+impl Mixes {
+    /// Builds the texts (tokenizing to size them).
+    pub(crate) fn new(tk: &kvgate_tokenize::ChatTokenizer) -> Self {
+        let starters: Vec<String> = (0..10).map(|s| text_of(tk, 3750, 100 + s)).collect();
+        let conversations: Vec<Vec<Value>> = (0..200u64)
+            .map(|c| {
+                vec![
+                    json!({"role": "system", "content": starters[(c % 10) as usize]}),
+                    json!({"role": "user", "content": words(7000 + c, 40)}),
+                ]
+            })
+            .collect();
+        let documents: Vec<String> = (0..3).map(|d| text_of(tk, 100_000, 500 + d)).collect();
+        let mut bases = std::collections::HashMap::new();
+        for (c, m) in conversations.iter().enumerate() {
+            bases.insert(("doks_new_turn", c), segments(m));
+        }
+        for (d, text) in documents.iter().enumerate() {
+            bases.insert(("doc_question", d), segments(&[json!({"role": "system", "content": text})]));
+        }
+        Self { conversations, documents, bases, cold_8k: text_of(tk, 8192, 900), cold_100k: text_of(tk, 100_000, 901) }
+    }
+
+    /// A Pick request of `mix`, the `i`-th.
+    pub(crate) fn request(&self, mix: &str, i: u64) -> pb::PickRequest {
+        let q = json!({"role": "user", "content": words(i ^ 0xdef, 30)});
+        let (mut segs, new): (Vec<pb::Segment>, Vec<Value>) = match mix {
+            "doks_new_turn" => {
+                let c = (i % self.conversations.len() as u64) as usize;
+                let a = json!({"role": "assistant", "content": words(i ^ 0xabc, 50)});
+                (self.bases[&("doks_new_turn", c)].clone(), vec![a, q])
+            }
+            "doc_question" => {
+                (self.bases[&("doc_question", (i % self.documents.len() as u64) as usize)].clone(), vec![q])
+            }
+            "cold_8k" => {
+                let s = json!({"role": "system", "content": format!("[session {i}] {}", self.cold_8k)});
+                (Vec::new(), vec![s, q])
+            }
+            _ => {
+                let s = json!({"role": "system", "content": format!("[document {i}] {}", self.cold_100k)});
+                (Vec::new(), vec![s, q])
+            }
+        };
+        let mut h = kvgate_protocol::SegmentHash(segs.last().map_or(0, |s| s.chain_hash));
+        for m in new {
+            let bytes = serde_json::to_vec(&m).unwrap_or_default();
+            h = h.chain(&bytes);
+            segs.push(pb::Segment { chain_hash: h.0, role: String::new(), message_json: bytes, elided: false });
+        }
+        pb::PickRequest {
+            request_id: format!("{mix}-{i}"),
+            model: MODEL.into(),
+            api: pb::ApiKind::ChatCompletions as i32,
+            segments: segs,
+            max_tokens: Some(256),
+            stream: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// What one open-loop step measured.
+pub(crate) struct Step {
+    /// Picks answered.
+    pub(crate) answered: u64,
+    /// Picks that failed (gRPC error) or were not sent (too many waiting).
+    pub(crate) failed: u64,
+    /// Latency from the scheduled send time, µs.
+    pub(crate) latency: Samples,
+    /// Wall time of the step.
+    pub(crate) secs: f64,
+}
+
+/// Sends `rate` Picks per second of `mix` for `secs`, open loop: request k
+/// is sent at k / rate whether or not earlier ones were answered. At most
+/// `max_outstanding` in flight; beyond, a request is counted as failed and
+/// not sent.
+pub(crate) async fn open_loop(
+    clients: &[RouterClient<tonic::transport::Channel>],
+    ends: &Ends,
+    mixes: Arc<Mixes>,
+    mix: &'static str,
+    rate: f64,
+    secs: f64,
+    first_id: u64,
+) -> Step {
+    let max_outstanding = 512usize;
+    let start = Instant::now();
+    let n = (rate * secs).round() as u64;
+    let mut js: tokio::task::JoinSet<Option<f64>> = tokio::task::JoinSet::new();
+    let (mut latency, mut answered, mut failed) = (Samples::new(), 0u64, 0u64);
+    let mut refused = 0u64;
+    let mut record = |r: Result<Option<f64>, tokio::task::JoinError>| match r {
+        Ok(Some(us)) => {
+            latency.record(us);
+            answered += 1;
+        }
+        _ => failed += 1,
+    };
+    for k in 0..n {
+        let due = start + Duration::from_secs_f64(k as f64 / rate);
+        tokio::time::sleep_until(due.into()).await;
+        while let Some(r) = js.try_join_next() {
+            record(r);
+        }
+        if js.len() >= max_outstanding {
+            refused += 1;
+            continue;
+        }
+        let mut c = clients[(k % clients.len() as u64) as usize].clone();
+        let req = mixes.request(mix, first_id + k);
+        // Sends never wait for answers, so the client does not hold back a
+        // slow server (no coordinated omission); the latency counts from
+        // the send, not from the timer's tick (1 ms granularity).
+        let sent = Instant::now();
+        let ends = ends.clone();
+        js.spawn(async move {
+            let id = req.request_id.clone();
+            let answer = c.pick(req).await.ok()?.into_inner();
+            let us = sent.elapsed().as_secs_f64() * 1e6;
+            if answer.endpoint.is_empty() {
+                return None;
+            }
+            ends.ended(id, answer.worker_id, answer.endpoint);
+            Some(us)
+        });
+    }
+    while let Some(r) = js.join_next().await {
+        record(r);
+    }
+    Step { answered, failed: failed + refused, latency, secs: start.elapsed().as_secs_f64() }
+}
+
+/// The ends of the requests routed: each is reported (as the filter
+/// reports a finished request) `duration` after its Pick, in batches, so
+/// that the control plane holds a realistic number of requests in flight.
+#[derive(Clone)]
+pub(crate) struct Ends(tokio::sync::mpsc::UnboundedSender<(Instant, pb::CompletionReport)>);
+
+impl Ends {
+    /// Starts the reporting task on `client`.
+    pub(crate) fn spawn(client: RouterClient<tonic::transport::Channel>, duration: Duration) -> Self {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, pb::CompletionReport)>();
+        tokio::spawn(async move {
+            let mut c = client;
+            let mut due: std::collections::VecDeque<(Instant, pb::CompletionReport)> = Default::default();
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            loop {
+                tokio::select! {
+                    m = rx.recv() => match m {
+                        Some((t, r)) => due.push_back((t + duration, r)),
+                        None => return,
+                    },
+                    _ = tick.tick() => {
+                        let now = Instant::now();
+                        let mut batch = Vec::new();
+                        while due.front().is_some_and(|(t, _)| *t <= now) && batch.len() < 1000 {
+                            if let Some((_, r)) = due.pop_front() {
+                                batch.push(r);
+                            }
+                        }
+                        if !batch.is_empty() {
+                            let b = pb::CompletionReportBatch { reporter_id: "bench-scale".into(), reports: batch };
+                            let _ = c.report(b).await;
+                        }
+                    }
+                }
+            }
+        });
+        Self(tx)
+    }
+
+    fn ended(&self, request_id: String, worker_id: String, endpoint: String) {
+        let r = pb::CompletionReport {
+            request_id,
+            model: MODEL.into(),
+            worker_id,
+            served_endpoint: endpoint.clone(),
+            endpoint,
+            status_code: 200,
+            ttfb_us: 200_000,
+            total_us: 2_000_000,
+            stream: true,
+            ..Default::default()
+        };
+        let _ = self.0.send((Instant::now(), r));
+    }
+}
