@@ -43,6 +43,9 @@ pub(crate) struct Mixes {
     /// 100K-token documents.
     pub(crate) documents: Vec<String>,
     bases: std::collections::HashMap<(&'static str, usize), Vec<pb::Segment>>,
+    /// Chain hashes the control plane said it retains (as the filter's
+    /// retained table).
+    retained: std::sync::Mutex<std::collections::HashSet<u64>>,
     cold_8k: String,
     cold_100k: String,
 }
@@ -71,11 +74,33 @@ impl Mixes {
         for (d, text) in documents.iter().enumerate() {
             bases.insert(("doc_question", d), segments(&[json!({"role": "system", "content": text})]));
         }
-        Self { conversations, documents, bases, cold_8k: text_of(tk, 8192, 900), cold_100k: text_of(tk, 100_000, 901) }
+        Self {
+            conversations,
+            documents,
+            bases,
+            retained: Default::default(),
+            cold_8k: text_of(tk, 8192, 900),
+            cold_100k: text_of(tk, 100_000, 901),
+        }
     }
 
-    /// A Pick request of `mix`, the `i`-th.
+    /// Records what an answer says the control plane retains.
+    pub(crate) fn retain(&self, hashes: &[u64]) {
+        if let Ok(mut r) = self.retained.lock() {
+            r.extend(hashes);
+        }
+    }
+
+    /// A Pick request of `mix`, the `i`-th, sent whole.
     pub(crate) fn request(&self, mix: &str, i: u64) -> pb::PickRequest {
+        self.build(mix, i, false)
+    }
+
+    /// The request as the filter sends it (`elide`): the leading messages up
+    /// to the last one whose chain hash the control plane said it retains go
+    /// as their chain hashes only (`Segment.elided`). A control plane that
+    /// no longer holds them answers `resend`.
+    pub(crate) fn build(&self, mix: &str, i: u64, elide: bool) -> pb::PickRequest {
         let q = json!({"role": "user", "content": words(i ^ 0xdef, 30)});
         let (mut segs, new): (Vec<pb::Segment>, Vec<Value>) = match mix {
             "doks_new_turn" => {
@@ -100,6 +125,13 @@ impl Mixes {
             let bytes = serde_json::to_vec(&m).unwrap_or_default();
             h = h.chain(&bytes);
             segs.push(pb::Segment { chain_hash: h.0, role: String::new(), message_json: bytes, elided: false });
+        }
+        if elide && let Ok(r) = self.retained.lock() {
+            let upto = segs.iter().rposition(|s| r.contains(&s.chain_hash)).map_or(0, |i| i + 1);
+            for s in &mut segs[..upto] {
+                s.message_json = Vec::new();
+                s.elided = true;
+            }
         }
         pb::PickRequest {
             request_id: format!("{mix}-{i}"),
@@ -129,6 +161,7 @@ pub(crate) struct Step {
 /// is sent at k / rate whether or not earlier ones were answered. At most
 /// `max_outstanding` in flight; beyond, a request is counted as failed and
 /// not sent.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn open_loop(
     clients: &[RouterClient<tonic::transport::Channel>],
     ends: &Ends,
@@ -137,6 +170,7 @@ pub(crate) async fn open_loop(
     rate: f64,
     secs: f64,
     first_id: u64,
+    elide: bool,
 ) -> Step {
     let max_outstanding = 512usize;
     let start = Instant::now();
@@ -162,7 +196,8 @@ pub(crate) async fn open_loop(
             continue;
         }
         let mut c = clients[(k % clients.len() as u64) as usize].clone();
-        let req = mixes.request(mix, first_id + k);
+        let req = mixes.build(mix, first_id + k, elide);
+        let mixes = mixes.clone();
         // Sends never wait for answers, so the client does not hold back a
         // slow server (no coordinated omission); the latency counts from
         // the send, not from the timer's tick (1 ms granularity).
@@ -170,7 +205,12 @@ pub(crate) async fn open_loop(
         let ends = ends.clone();
         js.spawn(async move {
             let id = req.request_id.clone();
-            let answer = c.pick(req).await.ok()?.into_inner();
+            let mut answer = c.pick(req).await.ok()?.into_inner();
+            if answer.resend {
+                // Not held (evicted, or never seen): once more, whole.
+                answer = c.pick(mixes.build(mix, first_id + k, false)).await.ok()?.into_inner();
+            }
+            mixes.retain(&answer.retained_chain_hashes);
             let us = sent.elapsed().as_secs_f64() * 1e6;
             if answer.endpoint.is_empty() {
                 return None;

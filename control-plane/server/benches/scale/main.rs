@@ -44,6 +44,7 @@ struct Args {
     ingest: u64,
     secs: f64,
     request_secs: f64,
+    elide: bool,
     mixes: Vec<&'static str>,
     out: PathBuf,
 }
@@ -57,6 +58,7 @@ fn args() -> Args {
         ingest: 1_000_000,
         secs: 5.0,
         request_secs: 2.0,
+        elide: true,
         mixes: MIXES.to_vec(),
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/scale.json"),
     };
@@ -70,6 +72,7 @@ fn args() -> Args {
             "--ingest" => a.ingest = val.parse().unwrap_or(a.ingest),
             "--secs" => a.secs = val.parse().unwrap_or(a.secs),
             "--request-secs" => a.request_secs = val.parse().unwrap_or(a.request_secs),
+            "--elide" => a.elide = val != "false",
             "--mixes" => a.mixes = MIXES.iter().copied().filter(|m| val.split(',').any(|x| x == *m)).collect(),
             "--out" => a.out = PathBuf::from(val),
             _ => eprintln!("ignored argument {k}"),
@@ -264,10 +267,14 @@ fn in_process(
     // The conversations and documents were seen before (their earlier
     // turns are cached).
     for i in 0..mixes.conversations.len() as u64 {
-        let _ = app.pick(&mixes.request("doks_new_turn", i));
+        if let Ok(r) = app.pick(&mixes.request("doks_new_turn", i)) {
+            mixes.retain(&r.retained_chain_hashes);
+        }
     }
     for i in 0..mixes.documents.len() as u64 {
-        let _ = app.pick(&mixes.request("doc_question", i));
+        if let Ok(r) = app.pick(&mixes.request("doc_question", i)) {
+            mixes.retain(&r.retained_chain_hashes);
+        }
     }
     for mix in &a.mixes {
         let n: u64 = if mix.starts_with("cold_100k") {
@@ -285,9 +292,14 @@ fn in_process(
                 rt.block_on(beats.send());
                 last_beat = Instant::now();
             }
-            let req = mixes.request(mix, 10_000_000 + i);
+            let req = mixes.build(mix, 10_000_000 + i, a.elide);
             let t = Instant::now();
-            let ok = app.pick(&req).is_ok();
+            // A resend is an error in process (PickError::Resend).
+            let r = app.pick(&req).or_else(|_| app.pick(&mixes.build(mix, 10_000_000 + i, false)));
+            let ok = r.as_ref().is_ok_and(|r| {
+                mixes.retain(&r.retained_chain_hashes);
+                true
+            });
             let us = t.elapsed().as_secs_f64() * 1e6;
             if ok {
                 lat.record(us);
@@ -342,7 +354,8 @@ fn main() {
         "ingest_offered_block_ops_per_s": a.ingest,
         "step_secs": a.secs,
         "request_secs": a.request_secs,
-        "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; requests sent whole (no elided messages); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
+        "elided": a.elide,
+        "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
         "staleness": "p99 of kvgate_event_lag_seconds during the step, as the upper bound of its bucket",
         "shared_cores": "client, fleet generator, nats-server and control plane share the machine",
         "commit": commit,
@@ -419,10 +432,14 @@ async fn over_grpc(
     // The conversations and documents were seen before (their earlier
     // turns are cached).
     for i in 0..mixes.conversations.len() as u64 {
-        let _ = clients[0].clone().pick(mixes.request("doks_new_turn", i)).await;
+        if let Ok(r) = clients[0].clone().pick(mixes.request("doks_new_turn", i)).await {
+            mixes.retain(&r.get_ref().retained_chain_hashes);
+        }
     }
     for i in 0..mixes.documents.len() as u64 {
-        let _ = clients[0].clone().pick(mixes.request("doc_question", i)).await;
+        if let Ok(r) = clients[0].clone().pick(mixes.request("doc_question", i)).await {
+            mixes.retain(&r.get_ref().retained_chain_hashes);
+        }
     }
     let mut next_id = 1_000u64;
     // Ingest alone first (what the Picks' CPU is measured against).
@@ -445,7 +462,7 @@ async fn over_grpc(
         };
         let load = async {
             let step = if rate > 0.0 {
-                Some(load::open_loop(&clients, &ends, mixes.clone(), mix, rate, a.secs, next_id).await)
+                Some(load::open_loop(&clients, &ends, mixes.clone(), mix, rate, a.secs, next_id, a.elide).await)
             } else {
                 tokio::time::sleep(Duration::from_secs_f64(a.secs)).await;
                 None
