@@ -40,23 +40,7 @@ fn tokens() -> Vec<u32> {
 
 /// `worker` caches the first 6 blocks of [`tokens`].
 fn store(st: &mut ModelState, worker: &str) {
-    let t = tokens();
-    let batch = pb::KvEventBatch {
-        worker_id: worker.into(),
-        model: "m".into(),
-        relay_epoch: 1,
-        relay_seq: 1,
-        events: vec![pb::KvEvent {
-            event: Some(pb::kv_event::Event::Stored(pb::BlockStored {
-                engine_hashes: (1..=6).collect(),
-                token_ids: t[..96].to_vec(),
-                block_size: 16,
-                ..Default::default()
-            })),
-        }],
-        ..Default::default()
-    };
-    st.on_batch(batch, 1);
+    st.on_batch(common::stored(worker, 1, &tokens()[..96]), 1);
 }
 
 fn pick(st: &mut ModelState, id: &str, now: u64) -> PickOutput {

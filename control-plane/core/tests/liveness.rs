@@ -182,22 +182,7 @@ fn a_move_for_load_names_the_overlap_it_passed_over() {
     for w in ["w0", "w1"] {
         st.on_heartbeat(&hb(w, H::Healthy), 0);
     }
-    let stored = pb::KvEventBatch {
-        worker_id: "w0".into(),
-        model: "m".into(),
-        relay_epoch: 1,
-        relay_seq: 1,
-        events: vec![pb::KvEvent {
-            event: Some(pb::kv_event::Event::Stored(pb::BlockStored {
-                engine_hashes: (1..=4).collect(),
-                token_ids: tokens[..64].to_vec(),
-                block_size: 16,
-                ..Default::default()
-            })),
-        }],
-        ..Default::default()
-    };
-    st.on_batch(stored, 1);
+    st.on_batch(common::stored("w0", 1, &tokens[..64]), 1);
     let pick = |st: &mut ModelState, id: &str| {
         let input = PickInput {
             request_id: id,

@@ -40,3 +40,23 @@ pub fn heartbeat(id: &str) -> pb::WorkerHeartbeat {
         ..Default::default()
     }
 }
+
+/// Batch `relay_seq` of worker `id` (relay epoch 1): `tokens` stored as
+/// blocks of 16 under engine hashes 1, 2, 3...
+pub fn stored(id: &str, relay_seq: u64, tokens: &[u32]) -> pb::KvEventBatch {
+    pb::KvEventBatch {
+        worker_id: id.into(),
+        model: "m".into(),
+        relay_epoch: 1,
+        relay_seq,
+        events: vec![pb::KvEvent {
+            event: Some(pb::kv_event::Event::Stored(pb::BlockStored {
+                engine_hashes: (1..=(tokens.len() / 16) as u64).collect(),
+                token_ids: tokens.to_vec(),
+                block_size: 16,
+                ..Default::default()
+            })),
+        }],
+        ..Default::default()
+    }
+}
