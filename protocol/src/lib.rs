@@ -57,3 +57,7 @@ pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The request header that names the data-parallel rank of a vLLM server
 /// that serves a request (vLLM's API server reads `X-data-parallel-rank`).
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// The request header that names the prefill worker (`ip:port`) of a
+/// disaggregated request (llm-d's convention): the decode side runs the
+/// prefill leg there first.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";

@@ -362,6 +362,9 @@ impl App {
             retry_after_ms: 0,
             best_overlap_blocks: out.passed_over.0,
             best_overlap_worker_id: out.passed_over.1,
+            prefill_endpoint: out.prefill.as_ref().map(|p| p.endpoint.clone()).unwrap_or_default(),
+            prefill_worker_id: out.prefill.as_ref().map(|p| p.worker_id.clone()).unwrap_or_default(),
+            prefill_matched_blocks: out.prefill.as_ref().map_or(0, |p| p.matched_blocks),
         })
     }
 

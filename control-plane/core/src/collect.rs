@@ -178,6 +178,11 @@ fn counter_rows(s: &mut Sheet, mc: &ModelCounters, l: LabelsOf<'_>) {
                 "Cached prompt tokens: predicted at pick vs reported by the engine (usage.prompt_tokens_details.cached_tokens).",
                 "source",
             ),
+            CounterFamily::Disaggregation => (
+                "kvgate_disaggregation",
+                "Requests of a fleet with prefill workers: disaggregated, or aggregated below the threshold or for want of prefill capacity.",
+                "outcome",
+            ),
         };
         s.counter(name, help, l(&[(key, label)]), v);
     }

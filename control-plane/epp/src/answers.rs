@@ -46,20 +46,24 @@ pub(crate) fn echo_request(body: &[u8], end_of_stream: bool) -> Vec<ProcessingRe
         .collect()
 }
 
-/// Sets the destination header (a client's own value is replaced) and the
-/// data-parallel rank header (or removes a client's).
-pub(crate) fn destination(value: &str, dp_rank: Option<u32>) -> HeaderMutation {
+/// Sets the destination header (a client's own value is replaced), the
+/// data-parallel rank header and the prefill worker's header of a
+/// disaggregated request (each removed when the decision has none, so that
+/// a client's own never reaches the engine).
+pub(crate) fn destination(value: &str, dp_rank: Option<u32>, prefill: Option<&str>) -> HeaderMutation {
     let set = |key: &str, value: &[u8]| HeaderValueOption {
         header: Some(HeaderValue { key: key.into(), value: String::new(), raw_value: value.to_vec() }),
         append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
     };
     let mut set_headers = vec![set(DESTINATION, value.as_bytes())];
     let mut remove_headers = Vec::new();
-    // The rank of a data-parallel server goes to vLLM; a client's own rank
-    // header never does.
     match dp_rank {
         Some(r) => set_headers.push(set(kvgate_protocol::DP_RANK_HEADER, r.to_string().as_bytes())),
         None => remove_headers.push(kvgate_protocol::DP_RANK_HEADER.to_owned()),
+    }
+    match prefill {
+        Some(p) => set_headers.push(set(kvgate_protocol::PREFILLER_HEADER, p.as_bytes())),
+        None => remove_headers.push(kvgate_protocol::PREFILLER_HEADER.to_owned()),
     }
     HeaderMutation { set_headers, remove_headers }
 }
@@ -146,17 +150,19 @@ mod tests {
                 .map(|h| (h.key.clone(), h.raw_value.clone()))
                 .collect()
         };
-        let ranked = destination("10.0.0.1:8000,10.0.0.2:8000", Some(3));
+        let ranked = destination("10.0.0.1:8000,10.0.0.2:8000", Some(3), Some("10.0.0.9:8000"));
         assert_eq!(
             keys(&ranked),
             vec![
                 (DESTINATION.to_owned(), b"10.0.0.1:8000,10.0.0.2:8000".to_vec()),
-                (kvgate_protocol::DP_RANK_HEADER.to_owned(), b"3".to_vec())
+                (kvgate_protocol::DP_RANK_HEADER.to_owned(), b"3".to_vec()),
+                (kvgate_protocol::PREFILLER_HEADER.to_owned(), b"10.0.0.9:8000".to_vec())
             ]
         );
         assert!(ranked.remove_headers.is_empty());
-        let plain = destination("10.0.0.1:8000", None);
+        let plain = destination("10.0.0.1:8000", None, None);
         assert_eq!(keys(&plain).len(), 1);
-        assert_eq!(plain.remove_headers, vec![kvgate_protocol::DP_RANK_HEADER.to_owned()]);
+        let removed = [kvgate_protocol::DP_RANK_HEADER, kvgate_protocol::PREFILLER_HEADER].map(str::to_owned);
+        assert_eq!(plain.remove_headers, removed.to_vec());
     }
 }

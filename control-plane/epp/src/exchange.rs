@@ -28,7 +28,9 @@ use crate::{EppMetrics, Outcome, TAIL_BYTES};
 /// A decision about where the request goes.
 pub(crate) enum Decision {
     /// Set the destination to this header value.
-    Route { header: String, dp_rank: Option<u32> },
+    /// (with the data-parallel rank and a disaggregated request's prefill
+    /// worker, when the decision names them).
+    Route { header: String, dp_rank: Option<u32>, prefill: Option<String> },
     /// Answer locally.
     Reply(ImmediateResponse),
 }
@@ -349,6 +351,7 @@ impl Exchange {
         // A subset hint was applied in the pick: every ranked endpoint is
         // allowed.
         let dp_rank = p.data_parallel_rank;
+        let prefill = (!p.prefill_endpoint.is_empty()).then_some(p.prefill_endpoint);
         let ranked: Vec<String> = std::iter::once(p.endpoint).chain(p.fallbacks).collect();
         self.count(outcome);
         self.decided = true;
@@ -356,7 +359,7 @@ impl Exchange {
         self.model = model.to_owned();
         self.worker_id = p.worker_id;
         self.endpoint = ranked.first().cloned().unwrap_or_default();
-        Decision::Route { header: ranked.join(","), dp_rank }
+        Decision::Route { header: ranked.join(","), dp_rank, prefill }
     }
 
     /// The answer to the request headers carrying the decision.
@@ -365,9 +368,9 @@ impl Exchange {
         self.decided = true;
         match d {
             Decision::Reply(r) => answer(processing_response::Response::ImmediateResponse(r)),
-            Decision::Route { header, dp_rank } => {
+            Decision::Route { header, dp_rank, prefill } => {
                 let r = CommonResponse {
-                    header_mutation: Some(destination(&header, dp_rank)),
+                    header_mutation: Some(destination(&header, dp_rank, prefill.as_deref())),
                     clear_route_cache: false,
                     ..Default::default()
                 };
@@ -385,8 +388,11 @@ impl Exchange {
         self.decided = true;
         match d {
             Decision::Reply(r) => answer(processing_response::Response::ImmediateResponse(r)),
-            Decision::Route { header, dp_rank } => {
-                let r = CommonResponse { header_mutation: Some(destination(&header, dp_rank)), ..Default::default() };
+            Decision::Route { header, dp_rank, prefill } => {
+                let r = CommonResponse {
+                    header_mutation: Some(destination(&header, dp_rank, prefill.as_deref())),
+                    ..Default::default()
+                };
                 let mut a = answer(processing_response::Response::RequestBody(BodyResponse { response: Some(r) }));
                 a.dynamic_metadata = Some(metadata(&header));
                 a

@@ -74,6 +74,23 @@ pub(crate) struct RelayArgs {
     /// metrics labelled `engine="<rank>"`.
     #[arg(long, env = "KVGATE_DATA_PARALLEL_SIZE", default_value_t = 1)]
     data_parallel_size: u32,
+    /// The worker's part in disaggregated serving: `both` (aggregated, the
+    /// default), `prefill` (receives only prefill legs) or `decode`. Takes
+    /// llm-d's pod label values, so a manifest can set it from the label
+    /// `llm-d.ai/role` through the downward API.
+    #[arg(long, env = "KVGATE_ROLE", default_value = "both", value_parser = parse_role)]
+    role: kvgate_protocol::pb::WorkerRole,
+}
+
+/// `--role`: `both` (or llm-d's `prefill-decode`), `prefill`, `decode`.
+fn parse_role(s: &str) -> Result<kvgate_protocol::pb::WorkerRole, String> {
+    use kvgate_protocol::pb::WorkerRole;
+    match s.trim().to_ascii_lowercase().as_str() {
+        "both" | "prefill-decode" | "" => Ok(WorkerRole::Both),
+        "prefill" => Ok(WorkerRole::Prefill),
+        "decode" => Ok(WorkerRole::Decode),
+        other => Err(format!("{other:?} is not a role (expected prefill, decode or both)")),
+    }
 }
 
 fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
@@ -114,6 +131,7 @@ fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
         down_after: std::time::Duration::from_millis(a.down_after_ms),
         publish_queue: a.publish_queue.max(16),
         data_parallel_size: a.data_parallel_size.max(1),
+        role: a.role,
     })
 }
 

@@ -90,6 +90,9 @@ pub struct RelayOptions {
     /// the server is one engine. With more, each rank is a worker of its
     /// own (`<worker_id>/dp<rank>`, events on the endpoint's port + rank).
     pub data_parallel_size: u32,
+    /// The worker's part in disaggregated serving (prefill, decode, both),
+    /// announced in every heartbeat.
+    pub role: pb::WorkerRole,
 }
 
 impl RelayOptions {
@@ -349,6 +352,7 @@ impl Relay {
             health_failures: self.health.failures(),
             data_parallel_rank: self.rank.unwrap_or(0),
             data_parallel_size: self.opts.data_parallel_size.max(1),
+            role: self.opts.role as i32,
         };
         self.publisher.send(self.hb_subject.clone(), hb.encode_to_vec());
     }

@@ -25,7 +25,7 @@
 
 use std::rc::Rc;
 
-use kvgate_protocol::{DESTINATION_HEADER, DP_RANK_HEADER, pb};
+use kvgate_protocol::{DESTINATION_HEADER, DP_RANK_HEADER, PREFILLER_HEADER, pb};
 
 use crate::config::{Config, FailureMode};
 use crate::extract::{Api, extract};
@@ -164,8 +164,9 @@ impl RequestFilter {
 
     /// Request headers.
     pub fn on_request_headers(&mut self, host: &impl Host, end_of_stream: bool) -> Action {
-        // The client never chooses the worker, nor its data-parallel rank.
-        for name in [DESTINATION_HEADER, DP_RANK_HEADER] {
+        // The client never chooses the worker, nor its data-parallel rank,
+        // nor a prefill worker.
+        for name in [DESTINATION_HEADER, DP_RANK_HEADER, PREFILLER_HEADER] {
             if host.request_header(name).is_some() {
                 host.set_request_header(name, None);
                 host.metric(Metric::SpoofedHeaders, 1);
@@ -295,6 +296,9 @@ impl RequestFilter {
                     host.set_request_header(DESTINATION_HEADER, Some(&d.header));
                     if let Some(rank) = d.dp_rank {
                         host.set_request_header(DP_RANK_HEADER, Some(&rank.to_string()));
+                    }
+                    if let Some(p) = &d.prefill {
+                        host.set_request_header(PREFILLER_HEADER, Some(p));
                     }
                     host.metric(Metric::Steered, 1);
                     self.decision = Some(d);
@@ -648,6 +652,28 @@ mod tests {
         assert_eq!(steer(Some(3)).as_deref(), Some("3"));
         assert_eq!(steer(Some(0)).as_deref(), Some("0"));
         assert_eq!(steer(None), None);
+    }
+
+    /// A disaggregated decision names its prefill worker in
+    /// `x-prefiller-host-port` (llm-d's convention); a client's own never
+    /// reaches the decode side, and an unusable one is not sent.
+    #[test]
+    fn a_prefill_worker_goes_in_the_prefiller_header() {
+        let steer = |prefill: &str| {
+            let h = MockHost::post("/v1/chat/completions");
+            h.set_request_header(PREFILLER_HEADER, Some("6.6.6.6:80"));
+            let mut f = RequestFilter::new(cfg(""));
+            let t = to_pick(&mut f, &h, CHAT);
+            assert_eq!(h.request_header(PREFILLER_HEADER), None, "the client's prefiller is removed");
+            let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
+            a.prefill_endpoint = prefill.to_owned();
+            f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
+            assert!(h.request_header(DESTINATION_HEADER).is_some_and(|d| d.starts_with("10.0.0.1:8000")));
+            h.request_header(PREFILLER_HEADER)
+        };
+        assert_eq!(steer("10.0.0.9:8000").as_deref(), Some("10.0.0.9:8000"));
+        assert_eq!(steer(""), None);
+        assert_eq!(steer("10.0.0.9:8000\r\nx-evil: 1"), None);
     }
 
     #[test]

@@ -225,6 +225,10 @@ pub struct Decision {
     /// The primary's data-parallel rank at its endpoint, for
     /// `x-data-parallel-rank` (servers that run several ranks).
     pub dp_rank: Option<u32>,
+    /// The prefill worker of a disaggregated request, for
+    /// `x-prefiller-host-port`; `None` = aggregated (or an unusable
+    /// endpoint, which leaves the request aggregated).
+    pub prefill: Option<String>,
 }
 
 impl Decision {
@@ -308,6 +312,7 @@ fn decide(r: pb::PickResponse, max_fallbacks: usize) -> Option<Decision> {
         reason: reason_name(r.reason),
         passed_over: (r.best_overlap_blocks, r.best_overlap_worker_id),
         dp_rank: r.data_parallel_rank,
+        prefill: endpoint_ok(&r.prefill_endpoint).then_some(r.prefill_endpoint),
     })
 }
 

@@ -172,6 +172,19 @@ pub struct PickResponse {
     /// other servers that run the same rank.
     #[prost(uint32, optional, tag = "13")]
     pub data_parallel_rank: ::core::option::Option<u32>,
+    /// Set when the control plane disaggregates this request: the prefill
+    /// worker's "ip:port". The primary `endpoint` is then the decode worker; the
+    /// filter sends this as `x-prefiller-host-port` (llm-d's convention), and
+    /// the decode side (kvgate's P/D sidecar, or the filter itself) runs the
+    /// prefill leg there first. Empty = aggregated serving.
+    #[prost(string, tag = "14")]
+    pub prefill_endpoint: ::prost::alloc::string::String,
+    /// Worker id of the prefill worker (as in heartbeats), "" when aggregated.
+    #[prost(string, tag = "15")]
+    pub prefill_worker_id: ::prost::alloc::string::String,
+    /// Leading prompt blocks the prefill worker holds.
+    #[prost(uint32, tag = "16")]
+    pub prefill_matched_blocks: u32,
 }
 /// What happened to one steered request, measured at the gateway.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -515,6 +528,11 @@ pub struct WorkerHeartbeat {
     /// Ranks of the worker's server; 0 or 1 = the worker is the whole server.
     #[prost(uint32, tag = "18")]
     pub data_parallel_size: u32,
+    /// What the worker serves in a disaggregated fleet (its relay's `--role`):
+    /// prefill-only workers receive only prefill legs, decode-only workers
+    /// only whole requests and decode legs.
+    #[prost(enumeration = "WorkerRole", tag = "19")]
+    pub role: i32,
 }
 /// Asks a relay for the full content of its mirror. Subject:
 /// `<prefix>.snap.<model>.<worker>`, sent with a reply inbox.
@@ -706,6 +724,47 @@ impl BlockOrigin {
             "BLOCK_ORIGIN_UNSPECIFIED" => Some(Self::Unspecified),
             "BLOCK_ORIGIN_NEW" => Some(Self::New),
             "BLOCK_ORIGIN_REUSED" => Some(Self::Reused),
+            _ => None,
+        }
+    }
+}
+/// A worker's part in disaggregated serving (vLLM with a KV connector such as
+/// NixlConnector; llm-d's pod label `llm-d.ai/role`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum WorkerRole {
+    /// Not set (an older relay): the same as BOTH.
+    Unspecified = 0,
+    /// Aggregated: prefills and decodes its own requests, and may also serve
+    /// as the prefill or decode side of a disaggregated request.
+    Both = 1,
+    /// Prefill only: receives prefill legs (`max_tokens` 1,
+    /// `kv_transfer_params.do_remote_decode`), never a whole request.
+    Prefill = 2,
+    /// Decode only: receives whole requests (prefilled locally when
+    /// disaggregating does not pay) and decode legs.
+    Decode = 3,
+}
+impl WorkerRole {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "WORKER_ROLE_UNSPECIFIED",
+            Self::Both => "WORKER_ROLE_BOTH",
+            Self::Prefill => "WORKER_ROLE_PREFILL",
+            Self::Decode => "WORKER_ROLE_DECODE",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "WORKER_ROLE_UNSPECIFIED" => Some(Self::Unspecified),
+            "WORKER_ROLE_BOTH" => Some(Self::Both),
+            "WORKER_ROLE_PREFILL" => Some(Self::Prefill),
+            "WORKER_ROLE_DECODE" => Some(Self::Decode),
             _ => None,
         }
     }

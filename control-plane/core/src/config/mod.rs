@@ -155,6 +155,24 @@ pub struct RawModel {
     pub session: Option<RawSession>,
     /// Overload protection.
     pub overload: Option<RawOverload>,
+    /// Disaggregated prefill and decode.
+    pub disaggregation: Option<RawDisaggregation>,
+}
+
+/// Optional `[models.disaggregation]` table: when a request's prefill goes
+/// to a `prefill` worker (only fleets with prefill workers are affected).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RawDisaggregation {
+    /// Disaggregate when prefill workers exist (default true).
+    pub enabled: Option<bool>,
+    /// Uncached prompt tokens on the decode worker from which the prefill
+    /// goes to a prefill worker; unset = derived from the learned timing
+    /// and `max_local_prefill_ms`.
+    pub min_uncached_tokens: Option<u32>,
+    /// A local prefill the learned timing says would take this long or
+    /// longer goes to a prefill worker (default 100 ms).
+    pub max_local_prefill_ms: Option<f64>,
 }
 
 /// Optional `[models.overload]` table: requests held while every worker is

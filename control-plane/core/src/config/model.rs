@@ -6,9 +6,11 @@ use std::net::SocketAddr;
 use kvgate_protocol::BlockSize;
 use kvgate_scheduler::{CostUnit, FairQueueConfig, KvConfig, Mode};
 
-use super::{ConfigError, ModelSettings, RawKv, RawModel, RawOverload, RawSession, RawWorker, err, weight};
+use super::{
+    ConfigError, ModelSettings, RawDisaggregation, RawKv, RawModel, RawOverload, RawSession, RawWorker, err, weight,
+};
 use crate::endpoints::EndpointRule;
-use crate::model::{ModelConfig, SessionConfig};
+use crate::model::{DisaggConfig, ModelConfig, SessionConfig};
 
 /// Validates `models[i]`.
 pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigError> {
@@ -38,6 +40,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
     }
     let session = session_config(&f, m.session.clone().unwrap_or_default())?;
     let overload = overload_config(&f, m.overload.clone().unwrap_or_default())?;
+    let disaggregation = disagg_config(&f, m.disaggregation.clone().unwrap_or_default())?;
     let suspect_ms = m.suspect_ms.unwrap_or(3000);
     if !(100..=600_000).contains(&suspect_ms) {
         return Err(err(f("suspect_ms"), suspect_ms, "must be between 100 and 600000"));
@@ -58,6 +61,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
             allowed_endpoints,
             session,
             overload,
+            disaggregation,
         },
         tokenizer_dir: m.tokenizer_dir,
     })
@@ -138,6 +142,28 @@ fn overload_config(f: &dyn Fn(&str) -> String, o: RawOverload) -> Result<Option<
         return Err(err(f("overload.quantum_tokens"), quantum, "must be > 0"));
     }
     Ok(o.enabled.unwrap_or(false).then_some(FairQueueConfig { max_queued, max_wait_ms, quantum }))
+}
+
+/// Disaggregation: a threshold of 1 token or more, a local-prefill time
+/// of 1 ms to 10 minutes.
+fn disagg_config(f: &dyn Fn(&str) -> String, d: RawDisaggregation) -> Result<DisaggConfig, ConfigError> {
+    let def = DisaggConfig::default();
+    if d.min_uncached_tokens == Some(0) {
+        return Err(err(
+            f("disaggregation.min_uncached_tokens"),
+            0,
+            "must be > 0 (or unset: derived from the learned timing)",
+        ));
+    }
+    let ms = d.max_local_prefill_ms.unwrap_or(def.max_local_prefill_ms);
+    if !(1.0..=600_000.0).contains(&ms) {
+        return Err(err(f("disaggregation.max_local_prefill_ms"), ms, "must be between 1 and 600000"));
+    }
+    Ok(DisaggConfig {
+        enabled: d.enabled.unwrap_or(def.enabled),
+        min_uncached_tokens: d.min_uncached_tokens,
+        max_local_prefill_ms: ms,
+    })
 }
 
 /// Workers routed to without relays: non-empty ids, `ip:port` endpoints.

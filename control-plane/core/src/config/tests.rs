@@ -140,3 +140,18 @@ fn overload_protection_is_off_by_default_and_validated() {
     let e = Config::validate(RawConfig::from_toml(&text.replace("max_wait_ms = 2000", "max_queued = 0"), "c").unwrap());
     assert_eq!(e.unwrap_err().field, "models[0].overload.max_queued");
 }
+
+#[test]
+fn disaggregation_is_on_with_a_derived_threshold_and_validated() {
+    let c = Config::validate(RawConfig { models: vec![model("m")], ..Default::default() }).unwrap();
+    assert_eq!(c.models[0].routing.disaggregation, crate::model::DisaggConfig::default());
+    let text = "[[models]]\nname = \"m\"\nblock_size = 16\n[models.disaggregation]\nmin_uncached_tokens = 2048\n";
+    let on = Config::validate(RawConfig::from_toml(text, "c").unwrap()).unwrap();
+    assert_eq!(on.models[0].routing.disaggregation.min_uncached_tokens, Some(2048));
+    let zero = text.replace("2048", "0");
+    let e = Config::validate(RawConfig::from_toml(&zero, "c").unwrap()).unwrap_err();
+    assert_eq!((e.field.as_str(), e.value.as_str()), ("models[0].disaggregation.min_uncached_tokens", "0"), "{e}");
+    let ms = text.replace("min_uncached_tokens = 2048", "max_local_prefill_ms = 0.5");
+    let e = Config::validate(RawConfig::from_toml(&ms, "c").unwrap()).unwrap_err();
+    assert_eq!(e.field, "models[0].disaggregation.max_local_prefill_ms");
+}

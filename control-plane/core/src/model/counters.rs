@@ -61,6 +61,14 @@ pub struct ModelCounters {
     /// Heartbeats and batches refused: the claimed endpoint is not in
     /// `allowed_endpoints`, or the worker never announced an allowed one.
     pub refused_endpoints: u64,
+    /// Requests whose prefill went to a prefill worker.
+    pub disaggregated: u64,
+    /// Requests that stayed aggregated although prefill workers exist: the
+    /// local prefill was below the threshold.
+    pub below_threshold: u64,
+    /// Requests that stayed aggregated because every prefill worker was
+    /// saturated (or none was live).
+    pub no_prefill_capacity: u64,
 }
 
 /// Which metric family a counter belongs to.
@@ -76,11 +84,13 @@ pub enum Family {
     Reports,
     /// `kvgate_report_cached_tokens_total{source}`.
     CachedTokens,
+    /// `kvgate_disaggregation_total{outcome}`.
+    Disaggregation,
 }
 
 impl ModelCounters {
     /// Every counter as (family, label value, value).
-    pub fn by_kind(&self) -> [(Family, &'static str, u64); 26] {
+    pub fn by_kind(&self) -> [(Family, &'static str, u64); 29] {
         use Family::*;
         let Self {
             batches_applied,
@@ -109,6 +119,9 @@ impl ModelCounters {
             suspects,
             health_changes,
             refused_endpoints,
+            disaggregated,
+            below_threshold,
+            no_prefill_capacity,
         } = *self;
         [
             (Batches, "applied", batches_applied),
@@ -137,6 +150,9 @@ impl ModelCounters {
             (Reports, "accurate", reports_accurate),
             (CachedTokens, "predicted", predicted_cached_tokens),
             (CachedTokens, "reported", reported_cached_tokens),
+            (Disaggregation, "disaggregated", disaggregated),
+            (Disaggregation, "below_threshold", below_threshold),
+            (Disaggregation, "no_prefill_capacity", no_prefill_capacity),
         ]
     }
 }

@@ -10,6 +10,7 @@
 //! | [`pick`] | candidates, the policy's decision, its bookkeeping |
 //! | [`sessions`] | session affinity: session key → worker, sliding TTL |
 //! | [`admission`] | overload protection: requests held while every worker is saturated |
+//! | [`disagg`] | disaggregated prefill/decode: whether a prefill goes to a prefill worker, and which |
 //! | [`workers`] | registry, liveness, heartbeats, expiry, admin view |
 //! | [`counters`] | the model's counters and their metric labels |
 //!
@@ -22,6 +23,7 @@
 
 pub mod admission;
 pub mod counters;
+pub mod disagg;
 pub mod pick;
 pub mod sessions;
 pub mod sync;
@@ -38,6 +40,7 @@ use crate::timing::{Calibration, Prior};
 
 pub use admission::{AdmissionCounters, Admit, Released};
 pub use counters::ModelCounters;
+pub use disagg::DisaggConfig;
 pub use pick::{BY_LOAD, ByLoad, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
 pub use sessions::SessionConfig;
 use sessions::Sessions;
@@ -80,6 +83,8 @@ pub struct ModelConfig {
     pub session: SessionConfig,
     /// Overload protection: the admission queue's settings; `None` = off.
     pub overload: Option<kvgate_scheduler::FairQueueConfig>,
+    /// Disaggregated prefill and decode.
+    pub disaggregation: DisaggConfig,
 }
 
 /// Something the adapters must do for this model.
@@ -101,6 +106,9 @@ pub struct ModelState {
     names: HashMap<WorkerIdx, String>,
     /// Predicted cached tokens and pick time, by request id (kv mode).
     predicted: HashMap<String, (u32, u64)>,
+    /// Disaggregated requests whose prefill leg is in flight: pick time, by
+    /// request id (the leg ends at the request's first token).
+    prefill_legs: HashMap<String, u64>,
     sessions: Sessions,
     /// Decisions are shared with other replicas (their in-flight events
     /// then carry the prompt's block hashes).
@@ -147,6 +155,7 @@ impl ModelState {
             workers: HashMap::new(),
             names: HashMap::new(),
             predicted: HashMap::new(),
+            prefill_legs: HashMap::new(),
             sessions: Sessions::new(config.session),
             share_with_replicas: false,
             held: config.overload.map(kvgate_scheduler::FairQueue::new),
@@ -364,6 +373,10 @@ impl ModelState {
         }
         if self.tracker.first_token(&r.request_id).is_err() {
             self.counters.reports_unknown += 1;
+        }
+        // Its prefill worker finished the leg by the first token.
+        if self.prefill_legs.remove(&r.request_id).is_some() {
+            let _ = self.tracker.done(&format!("{}{}", r.request_id, disagg::PREFILL_LEG));
         }
         // A report before the end marks the first token (the filter reports
         // once, at the end; the calibration then takes the routing time).

@@ -80,6 +80,20 @@ pub struct PickOutput {
     pub mode: &'static str,
     /// For replica sync.
     pub inflight: pb::InflightEvent,
+    /// The prefill worker when the request is disaggregated (the primary
+    /// endpoint is then its decode worker).
+    pub prefill: Option<PrefillLeg>,
+}
+
+/// Where a disaggregated request's prefill leg goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillLeg {
+    /// `ip:port` of the prefill worker.
+    pub endpoint: String,
+    /// Its worker id.
+    pub worker_id: String,
+    /// Leading prompt blocks it holds.
+    pub matched_blocks: u32,
 }
 
 /// Why a model has no worker for a request.
@@ -98,6 +112,9 @@ pub enum NoWorker {
 struct Candidates {
     cands: Vec<Candidate>,
     ids: Vec<String>,
+    /// Positions of the live `prefill` workers (excluded from the decode
+    /// pick), for a prefill leg.
+    prefill: Vec<usize>,
 }
 
 /// Wire name of a reason.
@@ -178,8 +195,23 @@ impl ModelState {
         self.policy.observe(&view, chosen.worker, now_ms);
         let output_blocks = u64::from(expected_output_tokens.div_ceil(bs.get()));
         // Its new prefill excludes what requests in flight there compute.
-        let shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
-        if self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms).is_ok() {
+        let mut shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
+        let prefill = if input.by_load.is_none() { self.prefill_choice(input, &view, &c, &chosen) } else { None };
+        if let Some(p) = prefill {
+            // The prefill worker computes the prompt for one token; the
+            // decode worker receives the blocks and computes none.
+            let pc = c.cands[p];
+            let leg = format!("{}{}", input.request_id, super::disagg::PREFILL_LEG);
+            let held = pc.overlap_blocks.max(pc.inflight_overlap_blocks);
+            if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
+                self.prefill_legs.insert(input.request_id.to_owned(), now_ms);
+            }
+            shared = hashes.len() as u32;
+        }
+        let added = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
+        // A disaggregated request's first token is not the decode worker's
+        // prefill time: the calibration does not learn from it.
+        if added.is_ok() && prefill.is_none() {
             let new_blocks = (hashes.len() as u64).saturating_sub(u64::from(shared));
             self.calibration.routed(
                 input.request_id,
@@ -191,19 +223,68 @@ impl ModelState {
             self.calibration.touch(chosen.worker, &self.tracker.load(chosen.worker), now_ms);
         }
         // Only `kv` looks the prompt up in the index: other modes make no
-        // prediction for the accuracy metric to judge.
-        if self.mode == Mode::Kv && input.by_load.is_none() {
+        // prediction for the accuracy metric to judge (nor does a decode
+        // worker that receives its blocks from a prefill worker).
+        if self.mode == Mode::Kv && input.by_load.is_none() && prefill.is_none() {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
         let mut out = self.output(input, &c, &decision, &hashes, expected_output_tokens);
+        out.prefill = prefill.map(|p| PrefillLeg {
+            endpoint: self.workers.get(&c.ids[p]).and_then(|w| w.endpoint.clone()).unwrap_or_default(),
+            worker_id: c.ids[p].clone(),
+            matched_blocks: c.cands[p].overlap_blocks,
+        });
         if pinned {
             out.reason = pb::PickReason::Session;
         }
         Ok(out)
     }
 
+    /// The prefill worker for this request when disaggregating it pays
+    /// (see [`super::disagg`]): its position among the candidates.
+    fn prefill_choice(
+        &mut self,
+        input: &PickInput<'_>,
+        view: &RequestView<'_>,
+        c: &Candidates,
+        decode: &Candidate,
+    ) -> Option<usize> {
+        let cfg = self.config.disaggregation;
+        if !cfg.enabled || (c.prefill.is_empty() && !self.has_prefill_workers()) {
+            return None;
+        }
+        let bs = view.block_size;
+        let held = decode.overlap_blocks.max(decode.inflight_overlap_blocks).saturating_mul(bs);
+        let uncached = (input.token_ids.len() as u32).saturating_sub(held);
+        if !cfg.worth_it(uncached, held, decode.timing, &self.config.kv) {
+            self.counters.below_threshold += 1;
+            return None;
+        }
+        let one_token = RequestView { expected_output_tokens: 1, ..*view };
+        let prefill: Vec<Candidate> = c.prefill.iter().map(|p| Candidate { excluded: false, ..c.cands[*p] }).collect();
+        let open = super::disagg::with_capacity(&one_token, &prefill, self.config.kv);
+        let judged: Vec<Candidate> =
+            prefill.iter().map(|p| Candidate { excluded: !open.iter().any(|o| o.worker == p.worker), ..*p }).collect();
+        match self.policy.pick(&one_token, &judged, &mut self.rng) {
+            Some(d) if !judged[d.chosen].excluded => {
+                self.counters.disaggregated += 1;
+                Some(c.prefill[d.chosen])
+            }
+            _ => {
+                self.counters.no_prefill_capacity += 1;
+                None
+            }
+        }
+    }
+
+    /// Whether any registered worker (live or not) is a prefill worker.
+    fn has_prefill_workers(&self) -> bool {
+        self.workers.values().any(|w| w.role == pb::WorkerRole::Prefill)
+    }
+
     /// The live workers with their overlaps and loads; those outside
-    /// `allowed` are excluded.
+    /// `allowed` are excluded, and so are `prefill` workers (they take only
+    /// prefill legs).
     fn candidates(&mut self, hashes: &[SequenceHash], allowed: Option<&[String]>, now_ms: u64) -> Candidates {
         let mut device: HashMap<WorkerIdx, u32> = HashMap::new();
         let mut any: HashMap<WorkerIdx, u32> = HashMap::new();
@@ -228,7 +309,8 @@ impl ModelState {
             let d = device.get(&w.idx).copied().unwrap_or(0);
             let h = any.get(&w.idx).copied().unwrap_or(0);
             let inflight = shares.get(w.idx.0 as usize).copied().unwrap_or_default();
-            let excluded = allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
+            let prefill_only = w.role == pb::WorkerRole::Prefill;
+            let excluded = prefill_only || allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
             let cand = Candidate {
                 worker: w.idx,
                 overlap_blocks: d,
@@ -243,7 +325,9 @@ impl ModelState {
         }
         live.sort_by(|a, b| a.0.cmp(b.0));
         let ids = live.iter().map(|(id, _)| (*id).clone()).collect();
-        Candidates { cands: live.into_iter().map(|(_, c)| c).collect(), ids }
+        let is_prefill = |id: &str| self.workers.get(id).is_some_and(|w| w.role == pb::WorkerRole::Prefill);
+        let prefill = live.iter().enumerate().filter(|(_, (id, _))| is_prefill(id)).map(|(i, _)| i).collect();
+        Candidates { cands: live.into_iter().map(|(_, c)| c).collect(), ids, prefill }
     }
 
     /// The runners-up's endpoints Envoy may retry on: distinct and not the
@@ -294,7 +378,12 @@ impl ModelState {
             Some(ByLoad::TokenizeFailed) => (self.mode.name(), pb::PickReason::Fallback),
             Some(ByLoad::NoPrompt) => (BY_LOAD, pb::PickReason::Load),
         };
-        let best = c.cands.iter().enumerate().max_by_key(|(i, c)| (c.overlap_blocks, std::cmp::Reverse(*i)));
+        let best = c
+            .cands
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !c.prefill.contains(i))
+            .max_by_key(|(i, c)| (c.overlap_blocks, std::cmp::Reverse(*i)));
         let passed_over = match best {
             Some((i, b)) if b.overlap_blocks > chosen.overlap_blocks => (b.overlap_blocks, c.ids[i].clone()),
             _ => (0, String::new()),
@@ -320,6 +409,7 @@ impl ModelState {
                 session_id: input.session.to_owned(),
                 block_hashes: hashes.iter().take(shared).map(|h| h.0).collect(),
             },
+            prefill: None,
         }
     }
 }

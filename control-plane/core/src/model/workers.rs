@@ -23,6 +23,9 @@ pub(super) struct Worker {
     /// The data-parallel rank the worker is at its endpoint, when the
     /// server there runs several (requests carry it in `x-data-parallel-rank`).
     pub(super) dp_rank: Option<u32>,
+    /// Its part in disaggregated serving (from heartbeats; `Both` until
+    /// one says otherwise).
+    pub(super) role: pb::WorkerRole,
     last_seen_ms: u64,
     last_heartbeat_ms: Option<u64>,
     interval_ms: u32,
@@ -42,6 +45,7 @@ impl Worker {
             idx,
             endpoint,
             dp_rank: None,
+            role: pb::WorkerRole::Both,
             last_seen_ms: 0,
             last_heartbeat_ms: None,
             interval_ms: 0,
@@ -64,6 +68,8 @@ pub struct WorkerView {
     pub endpoint: Option<String>,
     /// Data-parallel rank at the endpoint (servers with several ranks).
     pub dp_rank: Option<u32>,
+    /// `both`, `prefill` or `decode`.
+    pub role: &'static str,
     /// Routable now.
     pub live: bool,
     /// Sync state.
@@ -196,6 +202,11 @@ impl ModelState {
             w.endpoint = Some(hb.endpoint.clone());
         }
         w.dp_rank = (hb.data_parallel_size > 1).then_some(hb.data_parallel_rank);
+        w.role = match pb::WorkerRole::try_from(hb.role) {
+            Ok(pb::WorkerRole::Prefill) => pb::WorkerRole::Prefill,
+            Ok(pb::WorkerRole::Decode) => pb::WorkerRole::Decode,
+            _ => pb::WorkerRole::Both,
+        };
         let resync = w.sync.heartbeat(hb.relay_epoch, hb.relay_seq);
         self.counters.heartbeats += 1;
         self.counters.health_changes += u64::from(health_changed);
@@ -253,6 +264,7 @@ impl ModelState {
         self.sessions.expire(now_ms);
         let ttl = self.config.inflight_ttl_ms;
         self.predicted.retain(|_, (_, t)| now_ms.saturating_sub(*t) <= ttl);
+        self.prefill_legs.retain(|_, t| now_ms.saturating_sub(*t) <= ttl);
         dead
     }
 
@@ -269,6 +281,7 @@ impl ModelState {
             id: id.to_owned(),
             endpoint: w.endpoint.clone(),
             dp_rank: w.dp_rank,
+            role: role_label(w.role),
             live: self.live(w, now_ms),
             sync: w.sync.describe(),
             device_blocks: self.index.worker_blocks(w.idx, Tier::Device),
@@ -287,6 +300,15 @@ impl ModelState {
             suspect_ms_left: w.suspect_until_ms.saturating_sub(now_ms),
             block_size: w.block_size,
         }
+    }
+}
+
+/// Label of a role (admin view, metrics).
+pub fn role_label(r: pb::WorkerRole) -> &'static str {
+    match r {
+        pb::WorkerRole::Prefill => "prefill",
+        pb::WorkerRole::Decode => "decode",
+        pb::WorkerRole::Both | pb::WorkerRole::Unspecified => "both",
     }
 }
 

@@ -24,6 +24,7 @@ pub fn config(mode: Mode) -> ModelConfig {
         allowed_endpoints: Vec::new(),
         session: Default::default(),
         overload: None,
+        disaggregation: Default::default(),
     }
 }
 

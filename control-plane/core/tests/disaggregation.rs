@@ -1,0 +1,160 @@
+//! Disaggregated prefill and decode on the synchronous model state: roles
+//! from heartbeats, the decode pick never lands on a prefill worker, the
+//! prefill leg goes to the prefill worker that holds the prompt when the
+//! decode worker's local prefill is long enough, and stays local otherwise
+//! (below the threshold, prefill workers saturated, disaggregation off).
+
+mod common;
+
+use kvgate_core::model::{DisaggConfig, ModelConfig, ModelState, PickInput, PickOutput};
+use kvgate_protocol::{BlockSeed, pb};
+use kvgate_scheduler::Mode;
+
+/// Worker `id` with `role`, its load as given.
+fn hb(id: &str, role: pb::WorkerRole, running: u32) -> pb::WorkerHeartbeat {
+    pb::WorkerHeartbeat {
+        role: role as i32,
+        running,
+        max_num_seqs: 4,
+        capacity_blocks: 10_000,
+        interval_ms: 100_000,
+        ..common::heartbeat(id)
+    }
+}
+
+/// A local prefill of 4 blocks (64 tokens) or more is disaggregated.
+fn config(enabled: bool) -> ModelConfig {
+    ModelConfig {
+        disaggregation: DisaggConfig { enabled, min_uncached_tokens: Some(64), ..DisaggConfig::default() },
+        ..common::config(Mode::Kv)
+    }
+}
+
+/// w1, w2 prefill; w3 decode; w4 both; prefill workers running `busy`.
+fn fleet(enabled: bool, busy: u32) -> ModelState {
+    let mut st = ModelState::new(config(enabled), 1);
+    st.on_heartbeat(&hb("w1", pb::WorkerRole::Prefill, busy), 0);
+    st.on_heartbeat(&hb("w2", pb::WorkerRole::Prefill, busy), 0);
+    st.on_heartbeat(&hb("w3", pb::WorkerRole::Decode, 0), 0);
+    st.on_heartbeat(&hb("w4", pb::WorkerRole::Both, 0), 0);
+    st
+}
+
+fn tokens() -> Vec<u32> {
+    (0..16 * 8).map(|t| 2000 + t).collect()
+}
+
+fn pick(st: &mut ModelState, id: &str, t: &[u32]) -> PickOutput {
+    let input = PickInput {
+        request_id: id,
+        token_ids: t,
+        seed: BlockSeed::default(),
+        text_prefix: &[],
+        max_tokens: Some(16),
+        by_load: None,
+        allowed: None,
+        session: "",
+    };
+    st.pick(&input, 2).unwrap()
+}
+
+fn inflight(st: &ModelState, id: &str) -> u32 {
+    st.worker_views(3).into_iter().find(|v| v.id == id).unwrap().inflight
+}
+
+#[test]
+fn roles_come_from_heartbeats() {
+    let st = fleet(true, 0);
+    let roles: Vec<(String, &str)> = st.worker_views(1).into_iter().map(|v| (v.id, v.role)).collect();
+    let want = [("w1", "prefill"), ("w2", "prefill"), ("w3", "decode"), ("w4", "both")];
+    assert_eq!(roles, want.map(|(i, r)| (i.to_owned(), r)).to_vec());
+}
+
+#[test]
+fn a_long_uncached_prompt_is_prefilled_where_it_is_cached_and_decoded_elsewhere() {
+    let mut st = fleet(true, 0);
+    st.on_batch(common::stored("w2", 1, &tokens()[..96]), 1);
+    let out = pick(&mut st, "a", &tokens());
+    assert!(["w3", "w4"].contains(&out.worker_id.as_str()), "decode on {}", out.worker_id);
+    let leg = out.prefill.expect("disaggregated");
+    assert_eq!((leg.worker_id.as_str(), leg.endpoint.as_str(), leg.matched_blocks), ("w2", "10.0.0.2:8000", 6));
+    assert_eq!(st.counters().disaggregated, 1);
+    // The prefill worker carries the leg until the first token; the decode
+    // worker carries the request until its end.
+    assert_eq!((inflight(&st, "w2"), inflight(&st, &out.worker_id)), (1, 1));
+    let report = |total_us| pb::CompletionReport {
+        request_id: "a".into(),
+        worker_id: out.worker_id.clone(),
+        endpoint: out.endpoint.clone(),
+        status_code: 200,
+        total_us,
+        ..Default::default()
+    };
+    st.on_report(&report(0), 3);
+    assert_eq!((inflight(&st, "w2"), inflight(&st, &out.worker_id)), (0, 1));
+    st.on_report(&report(1000), 4);
+    assert_eq!(inflight(&st, &out.worker_id), 0);
+}
+
+#[test]
+fn prefill_workers_never_take_a_whole_request() {
+    let mut st = fleet(true, 0);
+    // w1 holds the whole prompt: still not a decode candidate.
+    st.on_batch(common::stored("w1", 1, &tokens()), 1);
+    for i in 0..20 {
+        let out = pick(&mut st, &format!("r{i}"), &tokens());
+        assert!(!["w1", "w2"].contains(&out.worker_id.as_str()), "request {i} decoded on {}", out.worker_id);
+        // Nor is the passed-over overlap a prefill worker's.
+        assert_ne!(out.passed_over.1, "w1");
+    }
+    // Only prefill workers live: no decision.
+    let mut only = ModelState::new(config(true), 1);
+    only.on_heartbeat(&hb("w1", pb::WorkerRole::Prefill, 0), 0);
+    let input = PickInput {
+        request_id: "x",
+        token_ids: &tokens(),
+        seed: BlockSeed::default(),
+        text_prefix: &[],
+        max_tokens: None,
+        by_load: None,
+        allowed: None,
+        session: "",
+    };
+    assert!(only.pick(&input, 1).is_err());
+}
+
+#[test]
+fn a_decode_worker_that_holds_most_of_the_prompt_prefills_locally() {
+    let mut st = fleet(true, 0);
+    // w3 holds 7 of 8 blocks: 16 uncached tokens, below 64.
+    st.on_batch(common::stored("w3", 1, &tokens()[..112]), 1);
+    let out = pick(&mut st, "a", &tokens());
+    assert_eq!((out.worker_id.as_str(), out.prefill.is_none()), ("w3", true));
+    assert_eq!((st.counters().below_threshold, st.counters().disaggregated), (1, 0));
+}
+
+#[test]
+fn saturated_prefill_workers_or_disaggregation_off_leave_the_request_aggregated() {
+    // Both prefill workers at their running limit.
+    let mut st = fleet(true, 4);
+    let out = pick(&mut st, "a", &tokens());
+    assert!(out.prefill.is_none());
+    assert_eq!(st.counters().no_prefill_capacity, 1);
+    // Off: prefill workers idle, the prompt long, still aggregated.
+    let mut off = fleet(false, 0);
+    let out = pick(&mut off, "a", &tokens());
+    assert!(out.prefill.is_none());
+    assert!(!["w1", "w2"].contains(&out.worker_id.as_str()));
+    assert_eq!(off.counters().disaggregated + off.counters().below_threshold, 0);
+}
+
+#[test]
+fn a_fleet_without_prefill_workers_counts_nothing() {
+    let mut st = ModelState::new(config(true), 1);
+    st.on_heartbeat(&hb("w3", pb::WorkerRole::Decode, 0), 0);
+    st.on_heartbeat(&hb("w4", pb::WorkerRole::Unspecified, 0), 0);
+    let out = pick(&mut st, "a", &tokens());
+    assert!(out.prefill.is_none());
+    let c = st.counters();
+    assert_eq!((c.disaggregated, c.below_threshold, c.no_prefill_capacity), (0, 0, 0));
+}
