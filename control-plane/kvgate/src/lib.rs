@@ -8,6 +8,7 @@
 //! * `kvgate serve`: the control plane (gRPC Pick, live index, metrics);
 //! * `kvgate relay`: the KV event relay sidecar (vLLM ZMQ events → NATS);
 //! * `kvgate sim`: simulated vLLM workers for tests and benchmarks;
+//! * `kvgate pd-sidecar`: the decode pod's sidecar of disaggregated serving;
 //! * `kvgate hash`: block hashes of token ids (debugging routing decisions);
 //! * `kvgate subject`: the NATS subjects of a model and worker;
 //! * `kvgate version`.
@@ -18,6 +19,7 @@
 //! | `serve.rs` | `serve`: flags, the configuration they make, the control plane |
 //! | `relay.rs` | `relay` |
 //! | `sim.rs` | `sim` |
+//! | `pd.rs` | `pd-sidecar` |
 //! | `envoy.rs` | `envoy-config` |
 //! | `tools.rs` | `hash`, `subject` |
 
@@ -25,6 +27,7 @@ use anyhow::{Result, bail};
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 
 mod envoy;
+mod pd;
 mod relay;
 mod serve;
 mod sim;
@@ -72,6 +75,9 @@ enum Command {
     Relay(Box<relay::RelayArgs>),
     /// Run simulated vLLM workers (OpenAI API, /metrics, ZMQ KV events).
     Sim(Box<sim::SimArgs>),
+    /// Run the decode pod's P/D sidecar: the prefill leg on the worker named
+    /// by x-prefiller-host-port, then the decode leg on the local vLLM.
+    PdSidecar(Box<pd::PdArgs>),
     /// Print a plain-Envoy bootstrap with the kvgate filter (envoy/kvgate.yaml
     /// filled in): run it with `envoy -c FILE`.
     EnvoyConfig(Box<envoy::EnvoyConfigArgs>),
@@ -104,6 +110,7 @@ pub fn run() -> Result<()> {
         Command::Sim(args) => sim::run(*args)?,
         Command::EnvoyConfig(args) => envoy::run(*args)?,
         Command::Relay(args) => relay::run(*args)?,
+        Command::PdSidecar(args) => pd::run(*args)?,
         Command::Version => println!("kvgate {}", env!("CARGO_PKG_VERSION")),
     }
     Ok(())

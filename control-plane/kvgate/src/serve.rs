@@ -70,6 +70,11 @@ pub(crate) struct ServeArgs {
     /// Longest a request is held, ms (--model; default 5000).
     #[arg(long, env = "KVGATE_OVERLOAD_MAX_WAIT_MS")]
     overload_max_wait_ms: Option<u64>,
+    /// Disaggregated prefill/decode of --model: a local prefill of at least
+    /// this many uncached tokens goes to a prefill worker (default: derived
+    /// from the learned engine timing, a prefill of 100 ms or more).
+    #[arg(long, env = "KVGATE_DISAGGREGATE_MIN_UNCACHED_TOKENS")]
+    disaggregate_min_uncached_tokens: Option<u32>,
     /// Static workers of --model, `id=ip:port`, repeatable.
     #[arg(long = "worker", requires = "model")]
     workers: Vec<String>,
@@ -90,6 +95,7 @@ pub(crate) fn model_flags_without_model(m: &clap::ArgMatches) -> Vec<&'static st
         ("session_ttl_ms", "--session-ttl-ms"),
         ("overload", "--overload"),
         ("overload_max_wait_ms", "--overload-max-wait-ms"),
+        ("disaggregate_min_uncached_tokens", "--disaggregate-min-uncached-tokens"),
         ("workers", "--worker"),
     ]
     .into_iter()
@@ -147,6 +153,10 @@ fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
                     ..Default::default()
                 },
             ),
+            disaggregation: a.disaggregate_min_uncached_tokens.map(|n| kvgate_server::config::RawDisaggregation {
+                min_uncached_tokens: Some(n),
+                ..Default::default()
+            }),
             ..Default::default()
         };
         match raw.models.iter_mut().find(|x| x.name == m.name) {

@@ -54,6 +54,13 @@ pub(crate) struct SimArgs {
     /// KV in FP8 is 160 KiB per token, ~6.5 µs at 25 GB/s host-to-device.
     #[arg(long, default_value_t = 6.5)]
     host_load_us_per_token: f64,
+    /// Microseconds to receive one token's KV from a prefill worker (the
+    /// decode side of a disaggregated request, `kv_transfer_params` with
+    /// `do_remote_prefill`): Llama-3.1-70B's KV in FP8 is 160 KiB per token,
+    /// 3.3 µs over an RDMA-class 400 Gb/s link (NIXL over InfiniBand or
+    /// RoCE); ~52 µs over 25 Gb/s TCP.
+    #[arg(long, default_value_t = 3.3)]
+    kv_transfer_us_per_token: f64,
     /// vLLM's max_num_seqs.
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
@@ -94,6 +101,9 @@ pub(crate) fn run(a: SimArgs) -> Result<()> {
     };
     if !(a.host_load_us_per_token.is_finite() && a.host_load_us_per_token >= 0.0) {
         bail!("--host-load-us-per-token {}: must be a finite number ≥ 0", a.host_load_us_per_token);
+    }
+    if !(a.kv_transfer_us_per_token.is_finite() && a.kv_transfer_us_per_token >= 0.0) {
+        bail!("--kv-transfer-us-per-token {}: must be a finite number ≥ 0", a.kv_transfer_us_per_token);
     }
     if a.workers == 0 || a.block_size == 0 || a.num_blocks == 0 || a.max_num_seqs == 0 || a.stream_interval == 0 {
         bail!("--workers, --block-size, --num-blocks, --max-num-seqs and --stream-interval must be > 0");
@@ -158,6 +168,7 @@ fn worker_options(
                 blocks: a.host_blocks,
                 load_ms_per_token: a.host_load_us_per_token / 1000.0,
             },
+            kv_transfer_ms_per_token: a.kv_transfer_us_per_token / 1000.0,
         },
         speedup: a.speedup,
         stream_interval: a.stream_interval,

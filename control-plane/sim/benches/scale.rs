@@ -102,6 +102,7 @@ fn main() {
                         block_size: 16,
                         timing: Timing::H200_LLAMA70B_FP8,
                         host: Default::default(),
+                        kv_transfer_ms_per_token: 0.0,
                     },
                     speedup: 1.0,
                     stream_interval: 1,

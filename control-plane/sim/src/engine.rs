@@ -14,6 +14,14 @@
 //! 4. takes the timing model's time for that mix, and reports first tokens
 //!    and completions at the step's end time.
 //!
+//! A request whose prompt KV was computed by a prefill worker and received
+//! over a KV connector ([`Engine::submit_transferred`], the decode side of
+//! disaggregated serving) is admitted with every prompt token but the last
+//! already in its blocks: they are stored in the prefix cache (with their
+//! `BlockStored` events, as vLLM caches received blocks), and its prefill
+//! computes only the last token. The transfer's duration is the server's
+//! to wait before submitting ([`crate::engine::EngineConfig::kv_transfer_ms_per_token`]).
+//!
 //! If a decode token needs a block and none is free, the newest running
 //! request is preempted (freed and re-queued at the front), as vLLM does,
 //! and nothing is admitted in that step.
@@ -42,6 +50,11 @@ pub struct EngineConfig {
     pub timing: Timing,
     /// Host tier (KV offloading), off by default.
     pub host: HostTier,
+    /// Time to receive one token's KV from a prefill worker, ms (KV bytes
+    /// per token over the link's bandwidth): the decode side of a
+    /// disaggregated request waits this × the tokens it does not hold
+    /// before it is submitted. 0 = instantaneous.
+    pub kv_transfer_ms_per_token: f64,
 }
 
 /// A host-memory KV tier (vLLM's CPU offloading connector, LMCache): evicted
@@ -134,6 +147,9 @@ pub struct Engine {
     running: Vec<Running>,
     vocab: Vec<u32>,
     slowdown: f64,
+    /// Requests submitted with their prompt's KV received from a prefill
+    /// worker, until admitted.
+    transferred: std::collections::HashSet<u64>,
 }
 
 impl Engine {
@@ -146,6 +162,7 @@ impl Engine {
             running: Vec::new(),
             vocab: Vec::new(),
             slowdown: 1.0,
+            transferred: std::collections::HashSet::new(),
         }
     }
 
@@ -198,11 +215,26 @@ impl Engine {
         self.waiting.push_back(req);
     }
 
+    /// Queues a request whose prompt KV, all but the last token, a prefill
+    /// worker computed and sent: admitted, it holds those tokens at once
+    /// and computes only the last one.
+    pub fn submit_transferred(&mut self, req: Request) {
+        self.transferred.insert(req.id);
+        self.waiting.push_back(req);
+    }
+
+    /// Prompt tokens of `prompt` this engine holds in device memory now
+    /// (whole leading blocks, keeping one token to compute).
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
+        self.pool.cached_prefix_tokens(prompt)
+    }
+
     /// Drops a request (the client went away), freeing its blocks. Returns
     /// whether it was queued or running.
     pub fn abort(&mut self, id: u64) -> bool {
         if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
             self.waiting.remove(i);
+            self.transferred.remove(&id);
             return true;
         }
         if let Some(i) = self.running.iter().position(|r| r.req.id == id) {
@@ -318,8 +350,18 @@ impl Engine {
             // Reserve the prompt plus one block of headroom for decoding.
             let Ok(seq) = self.pool.admit_prefix(&req.prompt) else { break };
             let Some(req) = self.waiting.pop_front() else { break };
-            let cached = seq.hit_tokens + seq.loaded_tokens;
+            let mut seq = seq;
+            let mut cached = seq.hit_tokens + seq.loaded_tokens;
             loaded_tokens += seq.loaded_tokens;
+            // Received from a prefill worker: all but the last token, with
+            // no compute (admit_prefix checked that the blocks are free).
+            let upto = req.prompt.len().saturating_sub(1);
+            if self.transferred.remove(&req.id)
+                && upto > cached
+                && self.pool.extend(&mut seq, &req.prompt[cached..upto])
+            {
+                cached = upto;
+            }
             step.admitted.push(req.id);
             self.running.push(Running { req, prefilled: cached, generated: 0, cached_tokens: cached, seq });
             let k = self.running.len() - 1;

@@ -412,6 +412,12 @@ impl BlockPool {
         Ok(seq)
     }
 
+    /// Tokens of the longest run of cached leading blocks of `prompt` (at
+    /// least one prompt token left to compute), without taking them.
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
+        self.longest_hit(prompt).len() * self.block_size
+    }
+
     /// The longest run of cached leading blocks of `prompt` (block, hash),
     /// keeping at least one prompt token to compute.
     fn longest_hit(&self, prompt: &[u32]) -> Vec<(usize, u64)> {

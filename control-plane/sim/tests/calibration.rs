@@ -42,6 +42,7 @@ fn run(convs: usize) -> (f64, f64, f64) {
         block_size: 32,
         timing: Timing::H200_LLAMA70B_FP8,
         host: Default::default(),
+        kv_transfer_ms_per_token: 0.0,
     });
     let seed = 0x9e37_79b9_7f4a_7c15u64 ^ convs as u64;
     // Ten conversation starters, shared by all conversations (as published).

@@ -11,6 +11,7 @@ fn engine(max_num_seqs: usize, num_blocks: usize) -> Engine {
         block_size: 32,
         timing: Timing::H200_LLAMA70B_FP8,
         host: Default::default(),
+        kv_transfer_ms_per_token: 0.0,
     })
 }
 
@@ -194,6 +195,7 @@ fn the_engine_charges_attention_over_the_cached_context() {
         block_size: 32,
         timing: Timing::preset("vllm-v1").unwrap(),
         host: Default::default(),
+        kv_transfer_ms_per_token: 0.0,
     };
     let ttft = |e: &mut Engine| {
         let (_, log) = run_to_end(e);
@@ -247,6 +249,7 @@ fn a_prompt_offloaded_to_host_memory_is_loaded_not_recomputed() {
         block_size: 32,
         timing: Timing::H200_LLAMA70B_FP8,
         host,
+        kv_transfer_ms_per_token: 0.0,
     });
     let first_token = |e: &mut Engine, id: u64, prompt: Vec<u32>| {
         e.submit(Request { id, prompt, max_tokens: 2 });
@@ -271,4 +274,31 @@ fn a_prompt_offloaded_to_host_memory_is_loaded_not_recomputed() {
     assert!(warm < cold / 4.0, "warm {warm} ms vs cold {cold} ms");
     let load = (offloaded * 32) as f64 * 0.0065;
     assert!(warm >= load, "the load of {offloaded} blocks is charged: {warm} ms");
+}
+
+/// The decode side of a disaggregated request: its prompt's KV arrives from
+/// a prefill worker, so it computes only the last prompt token, reports the
+/// received tokens as cached, and caches the received blocks (with their
+/// events) for the next request with that prefix.
+#[test]
+fn a_transferred_prompt_computes_only_its_last_token() {
+    let mut e = engine(64, 1000);
+    let prompt: Vec<u32> = (0..1000).collect();
+    e.submit_transferred(Request { id: 1, prompt: prompt.clone(), max_tokens: 2 });
+    let first = e.step();
+    assert_eq!(first.prefill_tokens, 1, "only the last token is computed");
+    assert!(first.outputs.iter().any(|o| matches!(o, Output::Token { id: 1, index: 0, cached_tokens: 999, .. })));
+    let stored: usize = first
+        .events
+        .iter()
+        .map(|ev| match ev {
+            kvgate_sim::pool::CacheEvent::Stored { hashes, .. } => hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    assert!(stored >= 999 / 32, "the received blocks are cached and announced ({stored})");
+    // The same prompt computed here: the whole prefill.
+    let mut cold = engine(64, 1000);
+    cold.submit(Request { id: 2, prompt, max_tokens: 2 });
+    assert_eq!(cold.step().prefill_tokens, 1000);
 }

@@ -67,6 +67,7 @@ fn start_ranks(speedup: f64, num_blocks: usize, stream_interval: usize, ranks: u
             block_size: 16,
             timing: Timing::H200_LLAMA70B_FP8,
             host: Default::default(),
+            kv_transfer_ms_per_token: 0.0,
         },
         speedup,
         stream_interval,

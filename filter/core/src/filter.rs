@@ -58,6 +58,8 @@ pub const DEBUG_FALLBACK: &str = "x-kvgate-fallback";
 /// Debug header: a larger prompt overlap the decision passed over, as
 /// `blocks@worker` (why a conversation moved).
 pub const DEBUG_PASSED_OVER: &str = "x-kvgate-passed-over";
+/// Debug header: the prefill worker (`ip:port`) of a disaggregated request.
+pub const DEBUG_PREFILL: &str = "x-kvgate-prefill";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -423,6 +425,9 @@ impl RequestFilter {
                         v.push('@');
                         v.push_str(worker);
                         host.add_response_header(DEBUG_PASSED_OVER, &v);
+                    }
+                    if let Some(p) = &d.prefill {
+                        host.add_response_header(DEBUG_PREFILL, p);
                     }
                 }
                 (None, Some(c)) => {

@@ -68,6 +68,12 @@ pub struct FleetOpts<'a> {
     /// Data-parallel ranks per simulated server (0 or 1: none); each rank
     /// is a worker `w<i>/dp<r>` of the control plane.
     pub data_parallel_size: u32,
+    /// Each worker's role (`prefill`, `decode`, `both`) for its relay's
+    /// `--role`; missing or "" = the relay's default.
+    pub roles: &'a [&'a str],
+    /// A `kvgate pd-sidecar` in front of every `decode` worker: its address
+    /// is the worker's endpoint (in `http` and in the relay's heartbeats).
+    pub pd_sidecar: bool,
 }
 
 /// The running fleet.
@@ -82,6 +88,11 @@ pub struct Fleet {
     pub admin: SocketAddr,
     /// Each relay's own /metrics address.
     pub relay_metrics: Vec<SocketAddr>,
+    /// Each worker's simulated engine (its `http` entry, or the engine
+    /// behind its P/D sidecar).
+    pub engines: Vec<SocketAddr>,
+    /// The P/D sidecars (`FleetOpts::pd_sidecar`).
+    pub sidecars: Vec<Proc>,
     /// The arguments each process was started with (to start it again):
     /// `procs[2w]` is sim `w`, `procs[2w + 1]` its relay, the last one the
     /// control plane.
@@ -115,7 +126,9 @@ impl Fleet {
 
     /// The most general start.
     pub fn start_opts(dir: &Path, workers: usize, speedup: &str, opts: FleetOpts<'_>) -> Fleet {
-        let FleetOpts { auth, serve_args, relay_args, sim_args: extra_sim_args, data_parallel_size } = opts;
+        let FleetOpts { auth, serve_args, relay_args, sim_args: extra_sim_args, data_parallel_size, roles, pd_sidecar } =
+            opts;
+        let (mut engines, mut sidecars) = (Vec::new(), Vec::new());
         let dp = data_parallel_size.max(1);
         let mut args: Vec<Vec<String>> = Vec::new();
         let (nats, nats_url) = match auth {
@@ -176,8 +189,20 @@ impl Fleet {
                 .unwrap_or(64);
             procs.push(Proc::spawn(&format!("sim-{w}"), kvgate_args(&sim_args), dir).unwrap());
             args.push(sim_args);
-            let addr: SocketAddr = ([127, 0, 0, 1], hp).into();
-            wait_for_tcp(addr, Duration::from_secs(30)).unwrap();
+            let engine: SocketAddr = ([127, 0, 0, 1], hp).into();
+            wait_for_tcp(engine, Duration::from_secs(30)).unwrap();
+            engines.push(engine);
+            let role = roles.get(w).copied().unwrap_or("");
+            let addr = if pd_sidecar && role == "decode" {
+                let front: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();
+                let (listen, decode) = (front.to_string(), engine.to_string());
+                let a = ["pd-sidecar", "--listen", &listen, "--decode", &decode, "--prefill-timeout-ms", "5000"];
+                sidecars.push(Proc::spawn(&format!("pd-sidecar-{w}"), kvgate(&a), dir).unwrap());
+                wait_for_tcp(front, Duration::from_secs(30)).unwrap();
+                front
+            } else {
+                engine
+            };
             http.push(addr);
             let worker = format!("w{w}");
             let spec = RelaySpec {
@@ -193,6 +218,13 @@ impl Fleet {
             };
             let rm: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();
             let mut relay_a = spec.args();
+            // The engine's metrics, behind a sidecar too.
+            if let Some(i) = relay_a.iter().position(|a| a == "--metrics-url") {
+                relay_a[i + 1] = format!("http://{engine}/metrics");
+            }
+            if !role.is_empty() {
+                relay_a.extend(["--role".to_owned(), role.to_owned()]);
+            }
             relay_a.extend(["--listen-metrics".to_owned(), rm.to_string()]);
             relay_a.extend(relay_args.iter().map(|a| (*a).to_owned()));
             relay_metrics.push(rm);
@@ -237,6 +269,8 @@ impl Fleet {
             grpc: grpc.parse().unwrap(),
             admin: admin.parse().unwrap(),
             relay_metrics,
+            engines,
+            sidecars,
             args,
             dir: dir.to_owned(),
         };
@@ -343,7 +377,7 @@ impl Fleet {
 
     /// Every process still runs.
     pub fn check(&mut self) {
-        for p in &mut self.procs {
+        for p in self.procs.iter_mut().chain(&mut self.sidecars) {
             p.ensure_running().unwrap();
         }
     }

@@ -88,9 +88,25 @@ impl EngineTask {
         }
     }
 
+    /// Queues a request; the decode side of a disaggregated one first waits
+    /// for the prompt KV it does not hold to arrive (see `kv_transfer`).
     fn admit(&mut self, s: Submit) {
+        if s.remote && !s.received {
+            let prompt = &s.req.prompt;
+            let missing = prompt.len().saturating_sub(1).saturating_sub(self.engine.cached_prefix_tokens(prompt));
+            let ms = missing as f64 * self.engine.config().kv_transfer_ms_per_token.max(0.0);
+            if ms > 0.0 {
+                let again = self.sh.ranks[self.rank].submit.clone();
+                let wait = Duration::from_secs_f64(ms / 1000.0 / self.speed);
+                tokio::spawn(async move {
+                    tokio::time::sleep(wait).await;
+                    let _ = again.send(Submit { received: true, ..s });
+                });
+                return;
+            }
+        }
         self.live.insert(s.req.id, (s.tx, s.at, None));
-        self.engine.submit(s.req);
+        if s.remote { self.engine.submit_transferred(s.req) } else { self.engine.submit(s.req) }
     }
 
     /// Waits the step's simulated time; false when there was nothing to do.

@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use super::kv_transfer::{Leg, prefill_answer};
 use super::{Delta, Shared, Submit, word};
 use crate::engine::Request;
 
@@ -21,6 +22,8 @@ pub(super) struct Parsed {
     pub(super) include_usage: bool,
     /// The data-parallel rank the request names (`x-data-parallel-rank`).
     pub(super) rank: Option<usize>,
+    /// Its part in a disaggregated request (`kv_transfer_params`).
+    pub(super) leg: Leg,
 }
 
 /// An OpenAI-style error answer, as vLLM writes it.
@@ -44,6 +47,8 @@ struct Answer {
     created: u64,
     prompt_tokens: usize,
     chat: bool,
+    /// `kv_transfer_params` of the answer (a prefill leg's), else null.
+    kv_transfer: Value,
 }
 
 impl Answer {
@@ -98,15 +103,24 @@ pub(super) async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool, arrived: In
     if overhead > 0.0 {
         tokio::time::sleep_until((arrived + Duration::from_secs_f64(overhead)).into()).await;
     }
-    let rank = &sh.ranks[sh.choose_rank(p.rank)];
+    let r = sh.choose_rank(p.rank);
+    let rank = &sh.ranks[r];
     rank.stats.lock().prompt_tokens += prompt_tokens as u64;
     rank.inflight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if rank.submit.send(Submit { req, tx, at: arrived }).is_err() {
+    let remote = p.leg == Leg::Decode;
+    if rank.submit.send(Submit { req, tx, at: arrived, remote, received: false }).is_err() {
         rank.inflight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
     }
     let rid = if chat { format!("chatcmpl-{id:032x}") } else { format!("cmpl-{id:032x}") };
-    let a = Answer { id, rid, model: sh.opts.model.clone(), created: sh.created, prompt_tokens, chat };
+    let kv_transfer = match p.leg {
+        Leg::Prefill => {
+            let engine_id = format!("{}-dp{r}", sh.opts.id);
+            prefill_answer(&engine_id, &rid, sh.opts.http, prompt_tokens, sh.opts.engine.block_size)
+        }
+        Leg::Whole | Leg::Decode => Value::Null,
+    };
+    let a = Answer { id, rid, model: sh.opts.model.clone(), created: sh.created, prompt_tokens, chat, kv_transfer };
     if p.stream {
         let (interval, include_usage) = (sh.opts.stream_interval.max(1), p.include_usage);
         stream(a, rx, interval, include_usage)
@@ -142,6 +156,7 @@ async fn whole(a: Answer, mut rx: mpsc::UnboundedReceiver<Delta>) -> Response {
         "choices": [choice],
         "usage": a.usage(n, cached),
         "prompt_logprobs": null,
+        "kv_transfer_params": a.kv_transfer,
     });
     ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }

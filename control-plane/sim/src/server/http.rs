@@ -68,7 +68,8 @@ fn common(sh: &Shared, headers: &HeaderMap, body: &Value, prompt: Vec<u32>) -> R
     }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
-    Ok(Parsed { prompt, max_tokens, stream, include_usage, rank })
+    let leg = super::kv_transfer::leg(body, prompt.len(), sh.opts.engine.block_size)?;
+    Ok(Parsed { prompt, max_tokens, stream, include_usage, rank, leg })
 }
 
 pub(super) async fn chat(State(sh): State<Arc<Shared>>, headers: HeaderMap, body: axum::body::Bytes) -> Response {

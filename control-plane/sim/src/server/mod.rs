@@ -25,11 +25,13 @@
 //! | `replay.rs` | the ZMQ sockets: PUB bound, the replay ROUTER task |
 //! | `http.rs` | OpenAI handlers (parse, tokenize, validate) and the simulator's own endpoints |
 //! | `generate.rs` | one request's answer: JSON, or SSE chunks as vLLM streams them |
+//! | `kv_transfer.rs` | disaggregated serving: `kv_transfer_params` in (either leg) and out (prefill leg) |
 //! | `metrics.rs` | `/metrics` in vLLM's exposition (names, labels, float formatting) |
 
 mod engine_task;
 mod generate;
 mod http;
+mod kv_transfer;
 mod metrics;
 mod replay;
 
@@ -106,6 +108,11 @@ struct Submit {
     req: Request,
     tx: mpsc::UnboundedSender<Delta>,
     at: Instant,
+    /// The decode side of a disaggregated request: its prompt's KV comes
+    /// from a prefill worker (`kv_transfer_params.do_remote_prefill`).
+    remote: bool,
+    /// ... and the transfer is done.
+    received: bool,
 }
 
 /// One data-parallel rank's engine as the handlers see it.

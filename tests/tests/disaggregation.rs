@@ -1,0 +1,168 @@
+//! Disaggregated prefill and decode end to end, llm-d's way: two simulated
+//! prefill workers and one decode worker behind `kvgate pd-sidecar`, their
+//! relays announcing the roles, NATS, the control plane (a local prefill of
+//! 64 tokens or more is disaggregated) and real Envoy with the filter.
+//!
+//! A long prompt is routed to the decode worker with `x-prefiller-host-port`
+//! naming a prefill worker; the sidecar runs the prefill leg there
+//! (`kv_transfer_params.do_remote_decode`), then the decode leg on its
+//! engine, which receives the prompt's KV instead of computing it, and the
+//! stream reaches the client. Roles hold: no request is decoded on a prefill
+//! worker. A slow prefill worker (past the sidecar's timeout) and dead ones
+//! leave requests aggregated on the decode worker, none failed.
+
+mod common;
+
+use common::{BLOCK, Fleet, FleetOpts, MODEL, prom, until};
+use kvgate_testkit::{http_request, scratch_dir};
+use serde_json::{Value, json};
+
+fn chat(text: &str, stream: bool) -> Vec<u8> {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8, "stream": stream,
+        "stream_options": {"include_usage": true}})
+    .to_string()
+    .into_bytes()
+}
+
+fn sim_cache(addr: std::net::SocketAddr) -> Value {
+    serde_json::from_slice(&http_request(addr, "GET", "/kvgate/sim/cache", &[], b"").unwrap().body).unwrap()
+}
+
+fn sidecar_metrics(fleet: &Fleet) -> String {
+    String::from_utf8(http_request(fleet.http[2], "GET", "/kvgate/pd/metrics", &[], b"").unwrap().body).unwrap()
+}
+
+fn fleet(dir: &std::path::Path) -> Fleet {
+    Fleet::start_opts(
+        dir,
+        3,
+        "20",
+        FleetOpts {
+            roles: &["prefill", "prefill", "decode"],
+            pd_sidecar: true,
+            serve_args: &["--disaggregate-min-uncached-tokens", "64"],
+            ..Default::default()
+        },
+    )
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_on_a_prefill_worker_and_streamed_by_the_decode_worker() {
+    let dir = scratch_dir("disaggregation").unwrap();
+    let mut fleet = fleet(&dir);
+    let roles: Vec<(String, String)> = fleet.workers()[MODEL]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["id"].as_str().unwrap().to_owned(), w["role"].as_str().unwrap().to_owned()))
+        .collect();
+    assert_eq!(roles, [("w0", "prefill"), ("w1", "prefill"), ("w2", "decode")].map(|(a, b)| (a.into(), b.into())));
+    let envoy = fleet.envoy(&json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}));
+    let json_ct = [("content-type", "application/json")];
+    let prefill_addrs = [fleet.http[0].to_string(), fleet.http[1].to_string()];
+
+    // A document of a few hundred tokens: disaggregated.
+    let doc = "Prefill workers compute prompts; decode workers stream the answers. ".repeat(30);
+    let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &chat(&doc, true)).unwrap();
+    let body = String::from_utf8_lossy(&r.body).into_owned();
+    assert_eq!(r.status, 200, "{body}");
+    assert!(body.contains("data: [DONE]"), "the stream reaches the client: {body}");
+    assert_eq!(r.header("x-kvgate-worker"), Some("w2"), "decoded on the decode worker");
+    let prefiller = r.header("x-kvgate-prefill").expect("disaggregated").to_owned();
+    assert!(prefill_addrs.contains(&prefiller), "{prefiller}");
+    // The usage chunk: the decode engine received all but the last token.
+    let usage: Value = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["usage"].is_object())
+        .map(|v| v["usage"].clone())
+        .expect("usage");
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt - 1), "{usage}");
+    let m = sidecar_metrics(&fleet);
+    assert_eq!(prom(&m, r#"kvgate_pd_requests_total{outcome="disaggregated",cause=""}"#), Some(1.0), "{m}");
+    // Both engines hold the prompt: the prefill worker computed it, the
+    // decode worker stored what it received (and announced it).
+    let p = prefill_addrs.iter().position(|a| *a == prefiller).unwrap();
+    assert!(sim_cache(fleet.engines[p])["cached_blocks"].as_u64().unwrap() >= prompt / BLOCK - 1);
+    assert!(sim_cache(fleet.engines[2])["cached_blocks"].as_u64().unwrap() >= prompt / BLOCK - 1);
+    let blocks_of = |f: &Fleet, id: &str| {
+        f.workers()[MODEL].as_array().and_then(|a| a.iter().find(|w| w["id"] == id).cloned()).unwrap_or_default()
+            ["device_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    until(20, "the received blocks of w2 in the index", || blocks_of(&fleet, "w2") >= prompt / BLOCK - 1);
+    fleet.wait_quiet();
+
+    // The same document again: the decode worker holds it now, its local
+    // prefill is one block: aggregated, a full cache hit.
+    let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &chat(&doc, false)).unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!((r.header("x-kvgate-worker"), r.header("x-kvgate-prefill")), (Some("w2"), None));
+    let m = sidecar_metrics(&fleet);
+    assert_eq!(prom(&m, r#"kvgate_pd_requests_total{outcome="aggregated",cause=""}"#), Some(1.0), "{m}");
+
+    // Roles hold: short and long prompts alike are decoded on w2.
+    for i in 0..6 {
+        let text = format!("Question {i}: ").repeat(if i % 2 == 0 { 2 } else { 60 });
+        let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &chat(&text, false)).unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.header("x-kvgate-worker"), Some("w2"), "request {i}");
+        assert_eq!(r.header("x-kvgate-prefill").is_some(), i % 2 == 1, "request {i}: long ones are disaggregated");
+    }
+    let cp = fleet.metrics();
+    assert_eq!(
+        prom(&cp, &format!(r#"kvgate_disaggregation_total{{model="{MODEL}",outcome="disaggregated"}}"#)),
+        Some(4.0)
+    );
+    fleet.check();
+}
+
+#[test]
+fn slow_or_dead_prefill_workers_leave_requests_aggregated_and_none_fails() {
+    let dir = scratch_dir("disaggregation-faults").unwrap();
+    let mut fleet = fleet(&dir);
+    let envoy = fleet.envoy(&json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}));
+    let json_ct = [("content-type", "application/json")];
+    let long = |i: usize| chat(&format!("Document {i} about prefill faults. ").repeat(40), false);
+
+    // Both prefill workers 10,000 times slower: the leg outlasts the
+    // sidecar's 5 s timeout and the decode worker prefills itself.
+    for w in 0..2 {
+        let r = http_request(fleet.engines[w], "POST", "/kvgate/sim/slowdown?factor=10000", &[], b"").unwrap();
+        assert_eq!(r.status, 200);
+    }
+    let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &long(0)).unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.header("x-kvgate-prefill").is_some(), "the control plane chose to disaggregate");
+    let m = sidecar_metrics(&fleet);
+    assert_eq!(prom(&m, r#"kvgate_pd_requests_total{outcome="fallback",cause="timeout"}"#), Some(1.0), "{m}");
+    let usage = serde_json::from_slice::<Value>(&r.body).unwrap()["usage"].clone();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(0), "prefilled locally: {usage}");
+
+    // Both prefill engines die. Until their relays report them down the
+    // control plane may still name one; the sidecar then finds nobody and
+    // serves aggregated. Every request succeeds, on the decode worker.
+    fleet.kill(Fleet::sim(0));
+    fleet.kill(Fleet::sim(1));
+    for i in 1..=12 {
+        let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &long(i)).unwrap();
+        assert_eq!(r.status, 200, "request {i}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.header("x-kvgate-worker"), Some("w2"));
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    // Once the relays report the engines unhealthy, nothing is disaggregated.
+    until(30, "the prefill workers out of routing", || {
+        fleet.workers()[MODEL].as_array().is_some_and(|a| a.iter().filter(|w| w["live"] == true).count() == 1)
+    });
+    let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &long(99)).unwrap();
+    assert_eq!((r.status, r.header("x-kvgate-prefill")), (200, None));
+    let cp = fleet.metrics();
+    let declined = format!(r#"kvgate_disaggregation_total{{model="{MODEL}",outcome="no_prefill_capacity"}}"#);
+    assert!(prom(&cp, &declined).unwrap_or(0.0) >= 1.0, "{cp}");
+    let m = sidecar_metrics(&fleet);
+    let errors = prom(&m, r#"kvgate_pd_requests_total{outcome="fallback",cause="status"}"#).unwrap_or(0.0);
+    assert_eq!(errors, 0.0, "{m}");
+}
