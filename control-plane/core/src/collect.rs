@@ -138,6 +138,25 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
         let on = u64::from(mode == st.mode());
         s.gauge("kvgate_mode", "1 for the current routing mode of the model.", l(&[("mode", mode.name())]), on);
     }
+    for p in st.pool_signals(now) {
+        let pl = l(&[("role", p.role)]);
+        s.gauge("kvgate_pool_workers", "Live workers of the pool (role).", pl.clone(), p.workers.into());
+        let help = "Uncached prompt tokens routed to the pool for prefill per second (10 s exponential average).";
+        s.gauge_f64("kvgate_pool_prefill_demand_tokens_per_second", help, pl.clone(), p.prefill_tokens_per_s);
+        let help = "Prompt tokens the pool prefills per second at its learned engine timing.";
+        s.gauge_f64(
+            "kvgate_pool_prefill_capacity_tokens_per_second",
+            help,
+            pl.clone(),
+            p.prefill_capacity_tokens_per_s,
+        );
+        let help = "Prefill demand over capacity: scale the pool out above ~0.8.";
+        s.gauge_f64("kvgate_pool_prefill_load", help, pl.clone(), p.prefill_load());
+        let help = "Requests on the pool over its running limits (max_num_seqs): scale out above ~0.8.";
+        s.gauge_f64("kvgate_pool_decode_load", help, pl.clone(), p.decode_load());
+        s.gauge_f64("kvgate_pool_kv_usage", "Mean KV cache fill of the pool's workers.", pl.clone(), p.kv_usage);
+        s.gauge("kvgate_pool_waiting", "Requests waiting in the pool's engines.", pl, p.waiting.into());
+    }
     for w in st.worker_views(now) {
         let wl = |extra: &[(&'static str, &str)]| {
             let mut v = l(&[("worker", &w.id)]);

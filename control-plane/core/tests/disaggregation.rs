@@ -158,3 +158,32 @@ fn a_fleet_without_prefill_workers_counts_nothing() {
     let c = st.counters();
     assert_eq!((c.disaggregated, c.below_threshold, c.no_prefill_capacity), (0, 0, 0));
 }
+
+#[test]
+fn each_pool_reports_its_prefill_demand_capacity_and_decode_load() {
+    let mut st = fleet(true, 0);
+    st.on_batch(common::stored("w2", 1, &tokens()[..96]), 1);
+    let out = pick(&mut st, "a", &tokens());
+    let decode_role = if out.worker_id == "w3" { "decode" } else { "both" };
+    let pools = st.pool_signals(2);
+    let by_role = |r: &str| pools.iter().find(|p| p.role == r).cloned().unwrap();
+    assert_eq!(pools.len(), 3);
+    let prefill = by_role("prefill");
+    // 128 prompt tokens, 96 held by w2: 32 to prefill there; the rate is a
+    // 10 s average.
+    assert_eq!(prefill.workers, 2);
+    assert!((prefill.prefill_tokens_per_s - 3.2).abs() < 1e-9, "{prefill:?}");
+    // The prior 0.1 ms per token: 10,000 tokens/s per worker.
+    assert!((prefill.prefill_capacity_tokens_per_s - 20_000.0).abs() < 1e-6, "{prefill:?}");
+    assert_eq!((prefill.requests, prefill.max_running), (1, 8), "the leg, until its first token");
+    let decode = by_role(decode_role);
+    assert_eq!((decode.requests, decode.max_running, decode.prefill_tokens_per_s), (1, 4, 0.0));
+    assert!((decode.decode_load() - 0.25).abs() < 1e-9);
+    // An aggregated request counts for the pool that prefills it.
+    let short: Vec<u32> = (0..40).map(|t| 9000 + t).collect();
+    let out = pick(&mut st, "b", &short);
+    assert!(out.prefill.is_none());
+    let role = if out.worker_id == "w3" { "decode" } else { "both" };
+    let p = st.pool_signals(2).into_iter().find(|p| p.role == role).unwrap();
+    assert!((p.prefill_tokens_per_s - 4.0).abs() < 1e-9, "{p:?}");
+}

@@ -11,6 +11,7 @@
 //! | [`sessions`] | session affinity: session key → worker, sliding TTL |
 //! | [`admission`] | overload protection: requests held while every worker is saturated |
 //! | [`disagg`] | disaggregated prefill/decode: whether a prefill goes to a prefill worker, and which |
+//! | [`pools`] | scaling signals per role: prefill demand vs learned capacity, decode load, queueing |
 //! | [`workers`] | registry, liveness, heartbeats, expiry, admin view |
 //! | [`counters`] | the model's counters and their metric labels |
 //!
@@ -25,6 +26,7 @@ pub mod admission;
 pub mod counters;
 pub mod disagg;
 pub mod pick;
+pub mod pools;
 pub mod sessions;
 pub mod sync;
 pub mod workers;
@@ -42,6 +44,7 @@ pub use admission::{AdmissionCounters, Admit, Released};
 pub use counters::ModelCounters;
 pub use disagg::DisaggConfig;
 pub use pick::{BY_LOAD, ByLoad, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
+pub use pools::PoolSignals;
 pub use sessions::SessionConfig;
 use sessions::Sessions;
 use sync::{Accept, Resync, StreamSync};
@@ -109,6 +112,8 @@ pub struct ModelState {
     /// Disaggregated requests whose prefill leg is in flight: pick time, by
     /// request id (the leg ends at the request's first token).
     prefill_legs: HashMap<String, u64>,
+    /// Uncached prompt tokens routed for prefill, per role (see [`pools`]).
+    prefill_rates: [pools::DecayingRate; 3],
     sessions: Sessions,
     /// Decisions are shared with other replicas (their in-flight events
     /// then carry the prompt's block hashes).
@@ -156,6 +161,7 @@ impl ModelState {
             names: HashMap::new(),
             predicted: HashMap::new(),
             prefill_legs: HashMap::new(),
+            prefill_rates: Default::default(),
             sessions: Sessions::new(config.session),
             share_with_replicas: false,
             held: config.overload.map(kvgate_scheduler::FairQueue::new),

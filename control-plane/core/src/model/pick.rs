@@ -206,7 +206,13 @@ impl ModelState {
             if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
                 self.prefill_legs.insert(input.request_id.to_owned(), now_ms);
             }
+            let tokens = (input.token_ids.len() as u32).saturating_sub(held.saturating_mul(bs.get()));
+            self.count_prefill(pb::WorkerRole::Prefill, tokens, now_ms);
             shared = hashes.len() as u32;
+        } else {
+            let role = self.workers.get(&c.ids[decision.chosen]).map_or(pb::WorkerRole::Both, |w| w.role);
+            let tokens = (input.token_ids.len() as u32).saturating_sub(shared.saturating_mul(bs.get()));
+            self.count_prefill(role, tokens, now_ms);
         }
         let added = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
         // A disaggregated request's first token is not the decode worker's
