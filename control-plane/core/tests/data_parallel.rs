@@ -6,8 +6,8 @@
 
 mod common;
 
-use kvgate_core::model::{ModelState, PickInput, PickOutput};
-use kvgate_protocol::{BlockSeed, pb};
+use kvgate_core::model::{ModelState, PickOutput};
+use kvgate_protocol::pb;
 use kvgate_scheduler::Mode;
 
 /// Rank `rank` of `size` at `endpoint`.
@@ -45,16 +45,7 @@ fn store(st: &mut ModelState, worker: &str) {
 
 fn pick(st: &mut ModelState, id: &str, now: u64) -> PickOutput {
     let t = tokens();
-    let input = PickInput {
-        request_id: id,
-        token_ids: &t,
-        seed: BlockSeed::default(),
-        text_prefix: &[],
-        max_tokens: Some(16),
-        by_load: None,
-        allowed: None,
-        session: "",
-    };
+    let input = common::input(id, &t, Some(16));
     st.pick(&input, now).unwrap()
 }
 

@@ -6,8 +6,8 @@
 
 mod common;
 
-use kvgate_core::model::{DisaggConfig, ModelConfig, ModelState, PickInput, PickOutput};
-use kvgate_protocol::{BlockSeed, pb};
+use kvgate_core::model::{DisaggConfig, ModelConfig, ModelState, PickOutput};
+use kvgate_protocol::pb;
 use kvgate_scheduler::Mode;
 
 /// Worker `id` with `role`, its load as given.
@@ -45,16 +45,7 @@ fn tokens() -> Vec<u32> {
 }
 
 fn pick(st: &mut ModelState, id: &str, t: &[u32]) -> PickOutput {
-    let input = PickInput {
-        request_id: id,
-        token_ids: t,
-        seed: BlockSeed::default(),
-        text_prefix: &[],
-        max_tokens: Some(16),
-        by_load: None,
-        allowed: None,
-        session: "",
-    };
+    let input = common::input(id, t, Some(16));
     st.pick(&input, 2).unwrap()
 }
 
@@ -110,16 +101,8 @@ fn prefill_workers_never_take_a_whole_request() {
     // Only prefill workers live: no decision.
     let mut only = ModelState::new(config(true), 1);
     only.on_heartbeat(&hb("w1", pb::WorkerRole::Prefill, 0), 0);
-    let input = PickInput {
-        request_id: "x",
-        token_ids: &tokens(),
-        seed: BlockSeed::default(),
-        text_prefix: &[],
-        max_tokens: None,
-        by_load: None,
-        allowed: None,
-        session: "",
-    };
+    let t = tokens();
+    let input = common::input("x", &t, None);
     assert!(only.pick(&input, 1).is_err());
 }
 

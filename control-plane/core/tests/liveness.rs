@@ -4,8 +4,8 @@
 
 mod common;
 
-use kvgate_core::model::{ModelConfig, ModelState, NoWorker, PickInput, reached_another};
-use kvgate_protocol::{BlockSeed, pb};
+use kvgate_core::model::{ModelConfig, ModelState, NoWorker, reached_another};
+use kvgate_protocol::pb;
 use kvgate_scheduler::Mode;
 
 fn state() -> ModelState {
@@ -21,16 +21,7 @@ fn picked(st: &mut ModelState, now: u64) -> Vec<String> {
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..100 {
         let id = format!("r{now}-{i}");
-        let input = PickInput {
-            request_id: &id,
-            token_ids: &[],
-            seed: BlockSeed::default(),
-            text_prefix: &[],
-            max_tokens: Some(1),
-            by_load: None,
-            allowed: None,
-            session: "",
-        };
+        let input = common::input(&id, &[], Some(1));
         match st.pick(&input, now) {
             Ok(o) => {
                 seen.insert(o.worker_id);
@@ -147,16 +138,7 @@ fn prediction_accuracy_judges_only_predictions_that_were_made() {
         let mut st = state();
         st.set_mode(mode);
         st.on_heartbeat(&hb("w0", H::Healthy), 0);
-        let input = PickInput {
-            request_id: "a",
-            token_ids: &[7; 64],
-            seed: BlockSeed::default(),
-            text_prefix: &[],
-            max_tokens: Some(1),
-            by_load: None,
-            allowed: None,
-            session: "",
-        };
+        let input = common::input("a", &[7; 64], Some(1));
         let out = st.pick(&input, 1).unwrap();
         let report = pb::CompletionReport {
             request_id: "a".into(),
@@ -184,16 +166,7 @@ fn a_move_for_load_names_the_overlap_it_passed_over() {
     }
     st.on_batch(common::stored("w0", 1, &tokens[..64]), 1);
     let pick = |st: &mut ModelState, id: &str| {
-        let input = PickInput {
-            request_id: id,
-            token_ids: &tokens,
-            seed: BlockSeed::default(),
-            text_prefix: &[],
-            max_tokens: Some(16),
-            by_load: None,
-            allowed: None,
-            session: "",
-        };
+        let input = common::input(id, &tokens, Some(16));
         st.pick(&input, 2).unwrap()
     };
     let calm = pick(&mut st, "a");

@@ -6,7 +6,7 @@
 mod common;
 
 use kvgate_core::model::{ModelConfig, ModelState, PickInput, PickOutput, SessionConfig};
-use kvgate_protocol::{BlockSeed, pb};
+use kvgate_protocol::pb;
 use kvgate_scheduler::Mode;
 
 const TTL: u64 = 60_000;
@@ -30,16 +30,7 @@ fn hb(id: &str, running: u32) -> pb::WorkerHeartbeat {
 
 /// One request of `session` at `now`, finished at once.
 fn pick(st: &mut ModelState, id: &str, session: &str, now: u64) -> PickOutput {
-    let input = PickInput {
-        request_id: id,
-        token_ids: &[5; 64],
-        seed: BlockSeed::default(),
-        text_prefix: &[],
-        max_tokens: Some(16),
-        by_load: None,
-        allowed: None,
-        session,
-    };
+    let input = PickInput { session, ..common::input(id, &[5; 64], Some(16)) };
     let out = st.pick(&input, now).unwrap();
     let report = pb::CompletionReport {
         request_id: id.into(),

@@ -2,8 +2,8 @@
 //! heartbeat, each with the defaults a test then overrides.
 #![allow(dead_code, unreachable_pub)]
 
-use kvgate_core::model::ModelConfig;
-use kvgate_protocol::{BlockSize, pb};
+use kvgate_core::model::{ModelConfig, PickInput};
+use kvgate_protocol::{BlockSeed, BlockSize, pb};
 use kvgate_scheduler::{KvConfig, Mode};
 
 /// Model `m`, block size 16, `mode`, a 1 s heartbeat timeout, session
@@ -59,5 +59,20 @@ pub fn stored(id: &str, relay_seq: u64, tokens: &[u32]) -> pb::KvEventBatch {
             })),
         }],
         ..Default::default()
+    }
+}
+
+/// A Pick of `tokens` (no salt, LoRA, text prefix, subset or session),
+/// scored by the model's mode.
+pub fn input<'a>(request_id: &'a str, tokens: &'a [u32], max_tokens: Option<u32>) -> PickInput<'a> {
+    PickInput {
+        request_id,
+        token_ids: tokens,
+        seed: BlockSeed::default(),
+        text_prefix: &[],
+        max_tokens,
+        by_load: None,
+        allowed: None,
+        session: "",
     }
 }
