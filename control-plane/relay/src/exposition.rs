@@ -131,13 +131,36 @@ fn samples(c: &RelayCounters, g: &RelayGauges) -> Vec<(&'static str, &'static st
 
 type Labels = Vec<(String, String)>;
 
+/// Registers one family: a sample per rank, each set by `set` from its value.
+fn family<'a, M>(
+    r: &mut Registry,
+    name: &str,
+    help: &str,
+    values: impl Iterator<Item = (&'a Labels, Value)>,
+    set: impl Fn(&M, Value),
+) where
+    M: prometheus_client::metrics::TypedMetric
+        + prometheus_client::encoding::EncodeMetric
+        + Default
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let f = prometheus_client::metrics::family::Family::<Labels, M>::default();
+    for (l, v) in values {
+        set(&f.get_or_create(l), v);
+    }
+    r.register(name, help, f);
+}
+
 /// Renders every counter and gauge of every rank, labelled with the worker
 /// and model, through `prometheus-client` (OpenMetrics text): one family
 /// per metric, one sample per rank.
 pub fn render(ranks: &[RankMetrics], model: &str) -> String {
     use prometheus_client::metrics::counter::Counter;
-    use prometheus_client::metrics::family::Family;
     use prometheus_client::metrics::gauge::Gauge;
+    use std::sync::atomic::AtomicU64;
     let mut r = Registry::with_prefix("kvgate_relay");
     let per_rank: Vec<(Labels, Vec<_>)> = ranks
         .iter()
@@ -150,33 +173,21 @@ pub fn render(ranks: &[RankMetrics], model: &str) -> String {
     for (i, (name, help, kind)) in names.into_iter().enumerate() {
         let values = per_rank.iter().map(|(l, s)| (l, s[i].2));
         match kind {
-            Value::Counter(_) => {
-                let f = Family::<Labels, Counter>::default();
-                for (l, v) in values {
-                    if let Value::Counter(v) = v {
-                        f.get_or_create(l).inc_by(v);
-                    }
+            Value::Counter(_) => family(&mut r, name, help, values, |c: &Counter, v| {
+                if let Value::Counter(v) = v {
+                    c.inc_by(v);
                 }
-                r.register(name, help, f);
-            }
-            Value::Gauge(_) => {
-                let f = Family::<Labels, Gauge>::default();
-                for (l, v) in values {
-                    if let Value::Gauge(v) = v {
-                        f.get_or_create(l).set(v);
-                    }
+            }),
+            Value::Gauge(_) => family(&mut r, name, help, values, |g: &Gauge, v| {
+                if let Value::Gauge(v) = v {
+                    g.set(v);
                 }
-                r.register(name, help, f);
-            }
-            Value::Ratio(_) => {
-                let f = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-                for (l, v) in values {
-                    if let Value::Ratio(v) = v {
-                        f.get_or_create(l).set(v);
-                    }
+            }),
+            Value::Ratio(_) => family(&mut r, name, help, values, |g: &Gauge<f64, AtomicU64>, v| {
+                if let Value::Ratio(v) = v {
+                    g.set(v);
                 }
-                r.register(name, help, f);
-            }
+            }),
         }
     }
     let mut out = String::with_capacity(8192 * ranks.len().max(1));

@@ -129,6 +129,9 @@ fn routing(c: &mut Criterion) {
                 b.iter(|| {
                     let seqs = sequence_hashes(black_box(&f.prompt), bs, BlockSeed::BASE);
                     f.index.find_matches(&seqs, Tier::Device, &mut out);
+                    // What each worker's requests in flight share, in one walk (as the core does).
+                    let shares = f.tracker.inflight_shares(&seqs);
+                    let share = |w: &WorkerIdx| shares.get(w.0 as usize).copied().unwrap_or_default();
                     let mut cands: Vec<Candidate> = f
                         .workers
                         .iter()
@@ -136,8 +139,8 @@ fn routing(c: &mut Criterion) {
                             worker: *w,
                             overlap_blocks: 0,
                             overlap_any_tier_blocks: 0,
-                            inflight_overlap_blocks: f.tracker.inflight_prefix(*w, &seqs),
-                            inflight_computing_blocks: 0,
+                            inflight_overlap_blocks: share(w).blocks,
+                            inflight_computing_blocks: share(w).computing,
                             load: f.tracker.load(*w),
                             timing: None,
                             excluded: false,

@@ -190,11 +190,12 @@ impl LoadTracker {
     /// indexed by `WorkerIdx` (workers beyond the vector's end share
     /// nothing). One walk of the prompt: a worker's share goes on while it
     /// held every block so far; the walk stops at the first block no worker
-    /// still matching holds.
+    /// still matching holds. The vector grows to the largest holder of the
+    /// first block (only those can share anything).
     pub fn inflight_shares(&self, prompt: &[SequenceHash]) -> Vec<InflightShare> {
         let mut out: Vec<InflightShare> = Vec::new();
         let Some(first) = prompt.first().and_then(|h| self.prompt_blocks.get(h)) else { return out };
-        let top = self.workers.keys().map(|w| w.0 as usize + 1).max().unwrap_or(0);
+        let top = first.iter().map(|(w, _)| w.0 as usize + 1).max().unwrap_or(0);
         out.resize(top, InflightShare::default());
         let mut holders = first;
         for (i, h) in prompt.iter().enumerate() {

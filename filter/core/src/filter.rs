@@ -637,23 +637,29 @@ mod tests {
         assert!(r.stream);
     }
 
+    /// A request steered with the answer `edit` makes of a plain one, the
+    /// client having sent its own `header: spoofed`: the header as the
+    /// engine receives it (the client's is always removed and counted).
+    fn steered_header(header: &str, spoofed: &str, edit: impl FnOnce(&mut pb::PickResponse)) -> Option<String> {
+        let h = MockHost::post("/v1/chat/completions");
+        h.set_request_header(header, Some(spoofed));
+        let mut f = RequestFilter::new(cfg(""));
+        let t = to_pick(&mut f, &h, CHAT);
+        assert_eq!(h.request_header(header), None, "the client's {header} is removed");
+        let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
+        edit(&mut a);
+        f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
+        assert_eq!(h.metric_value(Metric::SpoofedHeaders), 1);
+        assert!(h.request_header(DESTINATION_HEADER).is_some_and(|d| d.starts_with("10.0.0.1:8000")));
+        h.request_header(header)
+    }
+
     /// A worker that is one data-parallel rank of its server: the rank goes
     /// to vLLM in `x-data-parallel-rank`; a client's own rank header never
     /// reaches the engine, steered or not.
     #[test]
     fn a_data_parallel_rank_goes_in_the_rank_header() {
-        let steer = |rank: Option<u32>| {
-            let h = MockHost::post("/v1/chat/completions");
-            h.set_request_header(DP_RANK_HEADER, Some("7"));
-            let mut f = RequestFilter::new(cfg(""));
-            let t = to_pick(&mut f, &h, CHAT);
-            assert_eq!(h.request_header(DP_RANK_HEADER), None, "the client's rank is removed");
-            let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
-            a.data_parallel_rank = rank;
-            f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
-            assert_eq!(h.metric_value(Metric::SpoofedHeaders), 1);
-            h.request_header(DP_RANK_HEADER)
-        };
+        let steer = |rank: Option<u32>| steered_header(DP_RANK_HEADER, "7", |a| a.data_parallel_rank = rank);
         assert_eq!(steer(Some(3)).as_deref(), Some("3"));
         assert_eq!(steer(Some(0)).as_deref(), Some("0"));
         assert_eq!(steer(None), None);
@@ -664,18 +670,7 @@ mod tests {
     /// reaches the decode side, and an unusable one is not sent.
     #[test]
     fn a_prefill_worker_goes_in_the_prefiller_header() {
-        let steer = |prefill: &str| {
-            let h = MockHost::post("/v1/chat/completions");
-            h.set_request_header(PREFILLER_HEADER, Some("6.6.6.6:80"));
-            let mut f = RequestFilter::new(cfg(""));
-            let t = to_pick(&mut f, &h, CHAT);
-            assert_eq!(h.request_header(PREFILLER_HEADER), None, "the client's prefiller is removed");
-            let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
-            a.prefill_endpoint = prefill.to_owned();
-            f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
-            assert!(h.request_header(DESTINATION_HEADER).is_some_and(|d| d.starts_with("10.0.0.1:8000")));
-            h.request_header(PREFILLER_HEADER)
-        };
+        let steer = |p: &str| steered_header(PREFILLER_HEADER, "6.6.6.6:80", |a| a.prefill_endpoint = p.to_owned());
         assert_eq!(steer("10.0.0.9:8000").as_deref(), Some("10.0.0.9:8000"));
         assert_eq!(steer(""), None);
         assert_eq!(steer("10.0.0.9:8000\r\nx-evil: 1"), None);

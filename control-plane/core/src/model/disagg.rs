@@ -64,11 +64,14 @@ impl DisaggConfig {
     }
 }
 
-/// The prefill workers that can take a prefill leg now: not excluded and not
-/// saturated for a one-token request.
-pub(super) fn with_capacity(view: &RequestView<'_>, prefill: &[Candidate], kv: KvConfig) -> Vec<Candidate> {
+/// The prefill workers as candidates for a leg: excluded when saturated for
+/// a one-token request (running limit, KV blocks), the rest open.
+pub(super) fn open_for_a_leg(view: &RequestView<'_>, mut prefill: Vec<Candidate>, kv: KvConfig) -> Vec<Candidate> {
     let judge = KvPolicy::new(kv);
-    prefill.iter().filter(|c| !c.excluded && !judge.saturated(view, c)).copied().collect()
+    for c in &mut prefill {
+        c.excluded = judge.saturated(view, c);
+    }
+    prefill
 }
 
 #[cfg(test)]

@@ -115,6 +115,9 @@ struct Candidates {
     /// Positions of the live `prefill` workers (excluded from the decode
     /// pick), for a prefill leg.
     prefill: Vec<usize>,
+    /// Some registered worker, live or not, is a `prefill` worker (a fleet
+    /// without any never counts a disaggregation outcome).
+    prefill_registered: bool,
 }
 
 /// Wire name of a reason.
@@ -196,7 +199,10 @@ impl ModelState {
         let output_blocks = u64::from(expected_output_tokens.div_ceil(bs.get()));
         // Its new prefill excludes what requests in flight there compute.
         let mut shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
-        let prefill = if input.by_load.is_none() { self.prefill_choice(input, &view, &c, &chosen) } else { None };
+        // Prompt tokens a worker holding `held` leading blocks computes.
+        let uncached = |held: u32| (input.token_ids.len() as u32).saturating_sub(held.saturating_mul(bs.get()));
+        let prefill =
+            if input.by_load.is_none() { self.prefill_choice(&view, &c, &chosen, uncached(shared)) } else { None };
         if let Some(p) = prefill {
             // The prefill worker computes the prompt for one token; the
             // decode worker receives the blocks and computes none.
@@ -206,13 +212,11 @@ impl ModelState {
             if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
                 self.prefill_legs.insert(input.request_id.to_owned(), now_ms);
             }
-            let tokens = (input.token_ids.len() as u32).saturating_sub(held.saturating_mul(bs.get()));
-            self.count_prefill(pb::WorkerRole::Prefill, tokens, now_ms);
+            self.count_prefill(pb::WorkerRole::Prefill, uncached(held), now_ms);
             shared = hashes.len() as u32;
         } else {
             let role = self.workers.get(&c.ids[decision.chosen]).map_or(pb::WorkerRole::Both, |w| w.role);
-            let tokens = (input.token_ids.len() as u32).saturating_sub(shared.saturating_mul(bs.get()));
-            self.count_prefill(role, tokens, now_ms);
+            self.count_prefill(role, uncached(shared), now_ms);
         }
         let added = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
         // A disaggregated request's first token is not the decode worker's
@@ -248,29 +252,26 @@ impl ModelState {
 
     /// The prefill worker for this request when disaggregating it pays
     /// (see [`super::disagg`]): its position among the candidates.
+    /// `uncached` is the decode worker's own prefill in tokens.
     fn prefill_choice(
         &mut self,
-        input: &PickInput<'_>,
         view: &RequestView<'_>,
         c: &Candidates,
         decode: &Candidate,
+        uncached: u32,
     ) -> Option<usize> {
         let cfg = self.config.disaggregation;
-        if !cfg.enabled || (c.prefill.is_empty() && !self.has_prefill_workers()) {
+        if !cfg.enabled || !c.prefill_registered {
             return None;
         }
-        let bs = view.block_size;
-        let held = decode.overlap_blocks.max(decode.inflight_overlap_blocks).saturating_mul(bs);
-        let uncached = (input.token_ids.len() as u32).saturating_sub(held);
+        let held = decode.overlap_blocks.max(decode.inflight_overlap_blocks).saturating_mul(view.block_size);
         if !cfg.worth_it(uncached, held, decode.timing, &self.config.kv) {
             self.counters.below_threshold += 1;
             return None;
         }
         let one_token = RequestView { expected_output_tokens: 1, ..*view };
-        let prefill: Vec<Candidate> = c.prefill.iter().map(|p| Candidate { excluded: false, ..c.cands[*p] }).collect();
-        let open = super::disagg::with_capacity(&one_token, &prefill, self.config.kv);
-        let judged: Vec<Candidate> =
-            prefill.iter().map(|p| Candidate { excluded: !open.iter().any(|o| o.worker == p.worker), ..*p }).collect();
+        let prefill: Vec<Candidate> = c.prefill.iter().map(|p| c.cands[*p]).collect();
+        let judged = super::disagg::open_for_a_leg(&one_token, prefill, self.config.kv);
         match self.policy.pick(&one_token, &judged, &mut self.rng) {
             Some(d) if !judged[d.chosen].excluded => {
                 self.counters.disaggregated += 1;
@@ -281,11 +282,6 @@ impl ModelState {
                 None
             }
         }
-    }
-
-    /// Whether any registered worker (live or not) is a prefill worker.
-    fn has_prefill_workers(&self) -> bool {
-        self.workers.values().any(|w| w.role == pb::WorkerRole::Prefill)
     }
 
     /// The live workers with their overlaps and loads; those outside
@@ -307,15 +303,17 @@ impl ModelState {
         // What each worker's requests in flight share with the prompt, in
         // one walk of it.
         let shares = if self.mode == Mode::Kv { self.tracker.inflight_shares(hashes) } else { Vec::new() };
-        let mut live: Vec<(&String, Candidate)> = Vec::with_capacity(self.workers.len());
+        let mut live: Vec<(&String, Candidate, bool)> = Vec::with_capacity(self.workers.len());
+        let mut prefill_registered = false;
         for (id, w) in &self.workers {
+            let prefill_only = w.role == pb::WorkerRole::Prefill;
+            prefill_registered |= prefill_only;
             if !self.live(w, now_ms) {
                 continue;
             }
             let d = device.get(&w.idx).copied().unwrap_or(0);
             let h = any.get(&w.idx).copied().unwrap_or(0);
             let inflight = shares.get(w.idx.0 as usize).copied().unwrap_or_default();
-            let prefill_only = w.role == pb::WorkerRole::Prefill;
             let excluded = prefill_only || allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
             let cand = Candidate {
                 worker: w.idx,
@@ -327,13 +325,12 @@ impl ModelState {
                 timing: self.calibration.timing(w.idx),
                 excluded,
             };
-            live.push((id, cand));
+            live.push((id, cand, prefill_only));
         }
         live.sort_by(|a, b| a.0.cmp(b.0));
-        let ids = live.iter().map(|(id, _)| (*id).clone()).collect();
-        let is_prefill = |id: &str| self.workers.get(id).is_some_and(|w| w.role == pb::WorkerRole::Prefill);
-        let prefill = live.iter().enumerate().filter(|(_, (id, _))| is_prefill(id)).map(|(i, _)| i).collect();
-        Candidates { cands: live.into_iter().map(|(_, c)| c).collect(), ids, prefill }
+        let ids = live.iter().map(|(id, _, _)| (*id).clone()).collect();
+        let prefill = live.iter().enumerate().filter(|(_, (_, _, p))| *p).map(|(i, _)| i).collect();
+        Candidates { cands: live.into_iter().map(|(_, c, _)| c).collect(), ids, prefill, prefill_registered }
     }
 
     /// The runners-up's endpoints Envoy may retry on: distinct and not the
@@ -388,7 +385,7 @@ impl ModelState {
             .cands
             .iter()
             .enumerate()
-            .filter(|(i, _)| !c.prefill.contains(i))
+            .filter(|(i, _)| c.prefill.binary_search(i).is_err())
             .max_by_key(|(i, c)| (c.overlap_blocks, std::cmp::Reverse(*i)));
         let passed_over = match best {
             Some((i, b)) if b.overlap_blocks > chosen.overlap_blocks => (b.overlap_blocks, c.ids[i].clone()),
