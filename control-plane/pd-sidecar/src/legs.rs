@@ -14,6 +14,9 @@ use serde_json::{Map, Value, json};
 /// Why a request is served aggregated although it named a prefill worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Fallback {
+    /// The prefiller header is not a plain `host:port`.
+    #[error("x-prefiller-host-port is not host:port")]
+    BadHeader,
     /// The body is not a JSON object.
     #[error("the request body is not a JSON object")]
     NotJson,
@@ -35,6 +38,7 @@ impl Fallback {
     /// Metric label.
     pub fn label(self) -> &'static str {
         match self {
+            Self::BadHeader => "bad_header",
             Self::NotJson => "not_json",
             Self::Unreachable => "unreachable",
             Self::Timeout => "timeout",
@@ -44,7 +48,8 @@ impl Fallback {
     }
 
     /// Every cause, for metrics.
-    pub const ALL: [Self; 5] = [Self::NotJson, Self::Unreachable, Self::Timeout, Self::Status, Self::NoParams];
+    pub const ALL: [Self; 6] =
+        [Self::BadHeader, Self::NotJson, Self::Unreachable, Self::Timeout, Self::Status, Self::NoParams];
 }
 
 /// The request body parsed as a JSON object.

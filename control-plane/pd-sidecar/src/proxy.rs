@@ -152,9 +152,21 @@ async fn handle(State(sc): State<Arc<Sidecar>>, req: Request) -> Response {
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
     let prefiller = parts.headers.get(PREFILLER_HEADER).and_then(|v| v.to_str().ok()).map(str::trim);
+    // Only generation requests are counted and may be disaggregated; any
+    // other path goes to the local vLLM as it came.
     let body = match prefiller {
-        Some(p) if parts.method == Method::POST && generation(&path) && authority_ok(p) => {
-            match sc.prefill(&parts.headers, &path, &body, p).await {
+        _ if parts.method != Method::POST || !generation(&path) => body,
+        None => {
+            sc.metrics.outcome(Outcome::Aggregated);
+            body
+        }
+        Some(p) => {
+            let legs = if authority_ok(p) {
+                sc.prefill(&parts.headers, &path, &body, p).await
+            } else {
+                Err(Fallback::BadHeader)
+            };
+            match legs {
                 Ok(decode) => {
                     sc.metrics.outcome(Outcome::Disaggregated);
                     decode
@@ -165,16 +177,6 @@ async fn handle(State(sc): State<Arc<Sidecar>>, req: Request) -> Response {
                     body
                 }
             }
-        }
-        Some(_) => {
-            sc.metrics.outcome(Outcome::Fallback(Fallback::NotJson));
-            body
-        }
-        None => {
-            if parts.method == Method::POST && generation(&path) {
-                sc.metrics.outcome(Outcome::Aggregated);
-            }
-            body
         }
     };
     match sc.send(parts.method, &sc.opts.decode, &path, &parts.headers, body).await {

@@ -140,9 +140,16 @@ async fn a_failed_slow_or_unusable_prefill_leaves_the_request_aggregated() {
         let m = metrics(sc).await;
         assert!(m.contains(&format!(r#"kvgate_pd_requests_total{{outcome="fallback",cause="{cause}"}} 1"#)), "{m}");
     }
-    // No prefiller named: straight through; other paths too.
+    // A prefiller that is not host:port: aggregated, counted as such.
+    let (status, _) = post(sc, Some("http://10.0.0.9:8000/x")).await;
+    assert_eq!(status, 200);
+    let m = metrics(sc).await;
+    assert!(m.contains(r#"kvgate_pd_requests_total{outcome="fallback",cause="bad_header"} 1"#), "{m}");
+    // No prefiller named: straight through.
     let (status, _) = post(sc, None).await;
     assert_eq!(status, 200);
-    assert!(metrics(sc).await.contains(r#"kvgate_pd_requests_total{outcome="aggregated",cause=""} 1"#));
-    assert_eq!(dseen.lock().unwrap().len(), 5);
+    let m = metrics(sc).await;
+    assert!(m.contains(r#"kvgate_pd_requests_total{outcome="aggregated",cause=""} 1"#), "{m}");
+    assert!(m.contains(r#"kvgate_pd_requests_total{outcome="fallback",cause="not_json"} 0"#), "{m}");
+    assert_eq!(dseen.lock().unwrap().len(), 6);
 }
