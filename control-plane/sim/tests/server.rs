@@ -430,3 +430,53 @@ fn data_parallel_ranks_have_their_own_cache_events_and_metrics() {
     let load = kvgate_relay::metrics::parse_vllm_metrics(&m, Some(1));
     assert_eq!((load.capacity_blocks, load.running), (Some(1024), Some(0)));
 }
+
+/// vLLM's KV-connector protocol on both sides: a prefill leg answers the
+/// parameters the decode side needs (at the address bound, even from port
+/// 0); a decode leg with them receives all but the last prompt token; one
+/// that names too few remote blocks is refused.
+#[test]
+fn prefill_and_decode_legs_speak_kv_transfer_params() {
+    let (p, d) = (start(50.0, 2048), start(50.0, 2048));
+    let ct = [("content-type", "application/json")];
+    let prompt: Vec<u32> = (1000..1400).collect();
+    let body = |extra: serde_json::Value| {
+        let mut b = serde_json::json!({"model": "deepseek-v3", "prompt": prompt, "max_tokens": 4});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b.to_string().into_bytes()
+    };
+    let leg = body(
+        serde_json::json!({"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
+    );
+    let r = kvgate_testkit::http_request(p.http, "POST", "/v1/completions", &ct, &leg).unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    let params = v["kv_transfer_params"].clone();
+    assert_eq!(params["remote_port"].as_u64(), Some(u64::from(p.http.port())), "{params}");
+    assert_eq!(params["remote_block_ids"].as_array().map(Vec::len), Some(400usize.div_ceil(16)));
+    // The decode leg, with the prefill side's parameters.
+    let r = kvgate_testkit::http_request(
+        d.http,
+        "POST",
+        "/v1/completions",
+        &ct,
+        &body(serde_json::json!({"kv_transfer_params": params})),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(399), "{v}");
+    assert!(v["kv_transfer_params"].is_null());
+    // Too few remote blocks for this prompt.
+    let mut short = params;
+    short["remote_block_ids"] = serde_json::json!([0, 1]);
+    let r = kvgate_testkit::http_request(
+        d.http,
+        "POST",
+        "/v1/completions",
+        &ct,
+        &body(serde_json::json!({"kv_transfer_params": short})),
+    )
+    .unwrap();
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+}

@@ -116,7 +116,7 @@ pub(super) async fn generate(sh: Arc<Shared>, p: Parsed, chat: bool, arrived: In
     let kv_transfer = match p.leg {
         Leg::Prefill => {
             let engine_id = format!("{}-dp{r}", sh.opts.id);
-            prefill_answer(&engine_id, &rid, sh.opts.http, prompt_tokens, sh.opts.engine.block_size)
+            prefill_answer(&engine_id, &rid, sh.addr, prompt_tokens, sh.opts.engine.block_size)
         }
         Leg::Whole | Leg::Decode => Value::Null,
     };

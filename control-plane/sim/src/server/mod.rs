@@ -127,6 +127,8 @@ struct Rank {
 
 struct Shared {
     opts: WorkerOptions,
+    /// The HTTP address bound (`opts.http` may name port 0).
+    addr: SocketAddr,
     /// The engines, in rank order (one without data parallelism).
     ranks: Vec<Rank>,
     /// Event-stream faults to inject into the next published batch
@@ -246,6 +248,7 @@ pub async fn run_worker(
         engines.push((replay_buffer, publisher, rx));
     }
     let shared = Arc::new(Shared {
+        addr: bound,
         ranks,
         next_id: std::sync::atomic::AtomicU64::new(1),
         created: now_unix(),
