@@ -29,7 +29,8 @@ pub enum Fallback {
     /// It answered with an error status.
     #[error("the prefill worker answered an error")]
     Status,
-    /// Its answer carried no usable `kv_transfer_params`.
+    /// Its answer carried no usable `kv_transfer_params` (or was larger
+    /// than a prefill answer can be, `MAX_ANSWER`).
     #[error("the prefill answer has no kv_transfer_params")]
     NoParams,
 }
@@ -102,6 +103,23 @@ pub fn decode_body(original: Map<String, Value>, prefill_answer: &[u8]) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any request body and any prefill answer: an answer or a
+        /// fallback, never a panic.
+        #[test]
+        fn any_bytes_are_a_leg_or_a_fallback(body in proptest::collection::vec(any::<u8>(), 0..256),
+                                             answer in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Ok(m) = parse(&body) {
+                let p = prefill_body(&m);
+                prop_assert_eq!(p["max_tokens"].as_u64(), Some(1));
+                let _ = decode_body(m, &answer);
+            }
+            let wrapped = format!(r#"{{"kv_transfer_params":{}}}"#, String::from_utf8_lossy(&answer));
+            let _ = decode_body(Map::new(), wrapped.as_bytes());
+        }
+    }
 
     fn original() -> Map<String, Value> {
         parse(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":200,"min_tokens":5}"#).unwrap()

@@ -34,6 +34,10 @@ use crate::metrics::{Metrics, Outcome};
 /// client).
 pub const MAX_BODY: usize = 256 << 20;
 
+/// Largest prefill answer read (a one-token completion is a few KB; a
+/// larger one is not a prefill leg's answer).
+pub const MAX_ANSWER: usize = 16 << 20;
+
 /// Path of the sidecar's own metrics (everything else goes to vLLM).
 pub const METRICS_PATH: &str = "/kvgate/pd/metrics";
 
@@ -79,7 +83,11 @@ impl Sidecar {
             if !r.status().is_success() {
                 return Err(Fallback::Status);
             }
-            r.into_body().collect().await.map(|b| b.to_bytes()).map_err(|_| Fallback::Unreachable)
+            http_body_util::Limited::new(r.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .map_err(|_| Fallback::NoParams)
         };
         let answer = tokio::time::timeout(self.opts.prefill_timeout, answer).await.map_err(|_| Fallback::Timeout)??;
         self.metrics.prefill_seconds.observe(t0.elapsed().as_secs_f64());
