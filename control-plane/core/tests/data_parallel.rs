@@ -100,6 +100,31 @@ fn fallbacks_are_other_servers_that_run_the_rank() {
     assert_eq!(fb, vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()]);
 }
 
+/// The runners-up that qualify are taken from the policy's whole ranking:
+/// with the default two fallbacks, the best runners-up being the chosen
+/// server's other rank and a server without rank 1 does not leave the
+/// request with none.
+#[test]
+fn a_rank_keeps_its_fallbacks_when_the_best_runners_up_cannot_serve_it() {
+    let mut st = ModelState::new(common::config(Mode::Kv), 1);
+    let busy = |endpoint: &str, rank: u32, size: u32, running: u32| pb::WorkerHeartbeat {
+        running,
+        max_num_seqs: 64,
+        ..rank_hb(endpoint, rank, size)
+    };
+    // Least loaded after A/dp1: A/dp0, then C (rank 0 only), then B and D.
+    for (endpoint, loads) in [("10.0.0.1:8000", [0, 0]), ("10.0.0.2:8000", [20, 8]), ("10.0.0.4:8000", [20, 9])] {
+        for r in 0..2 {
+            st.on_heartbeat(&busy(endpoint, r, 2, loads[r as usize]), 0);
+        }
+    }
+    st.on_heartbeat(&busy("10.0.0.3:8000", 0, 1, 1), 0);
+    store(&mut st, "10.0.0.1:8000/dp1");
+    let out = pick(&mut st, "a", 2);
+    assert_eq!((out.worker_id.as_str(), out.dp_rank), ("10.0.0.1:8000/dp1", Some(1)));
+    assert_eq!(out.fallbacks, vec!["10.0.0.2:8000".to_owned(), "10.0.0.4:8000".to_owned()]);
+}
+
 #[test]
 fn a_server_that_refuses_connections_takes_all_its_ranks_out() {
     let mut st = fleet();

@@ -112,7 +112,6 @@ impl Policy for ApproxPolicy {
                 let mut rest = self.fallback.pick(request, candidates, rng)?;
                 rest.fallbacks.insert(0, rest.chosen);
                 rest.fallbacks.retain(|i| *i != chosen);
-                rest.fallbacks.truncate(2);
                 return Some(Decision { chosen, fallbacks: rest.fallbacks, reason: Reason::Approximate });
             }
         }

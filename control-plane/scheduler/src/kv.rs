@@ -111,8 +111,9 @@
 //!
 //! # Complexity
 //!
-//! O(W log W) for W candidates (the sort for fallbacks); no allocation
-//! beyond the ranking vector.
+//! O(W log W) for W candidates (the sort, which also ranks every runner-up
+//! for the caller's fallbacks); no allocation beyond the ranking vector and
+//! the runners-up's indices.
 
 use crate::policy::{Candidate, Decision, EngineTiming, Policy, Reason, RequestView, eligible};
 
@@ -212,7 +213,8 @@ pub struct KvConfig {
     pub tie_epsilon: f64,
     /// Softmax temperature per prompt block; 0 = always the lowest cost.
     pub temperature: f64,
-    /// Runners-up returned for retries.
+    /// Runners-up the control plane sends for retries (the policy ranks
+    /// them all; the model state keeps this many usable ones).
     pub fallbacks: usize,
 }
 
@@ -420,7 +422,7 @@ impl Policy for KvPolicy {
             softmax_promote(&mut scored, self.config.temperature * f64::from(n.max(1)), rng);
         }
         let chosen = scored.first()?.idx;
-        let fallbacks = scored.iter().skip(1).take(self.config.fallbacks).map(|s| s.idx).collect();
+        let fallbacks = scored.iter().skip(1).map(|s| s.idx).collect();
         // Overlap the cost counted: device, in flight, and host memory
         // unless the host tier is ignored.
         let host = self.config.host_hit_weight > 0.0;

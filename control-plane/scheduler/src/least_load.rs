@@ -30,7 +30,6 @@ impl Policy for LeastLoadPolicy {
         rank_by(
             candidates,
             rng,
-            2,
             |_| Reason::Load,
             |c| {
                 (

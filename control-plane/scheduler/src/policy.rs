@@ -168,7 +168,10 @@ pub enum Reason {
 pub struct Decision {
     /// The chosen candidate.
     pub chosen: usize,
-    /// Next-best candidates, best first (for Envoy retries).
+    /// Every other eligible candidate, best first: the caller keeps as many
+    /// as it retries on, after its own filters (a data-parallel rank's
+    /// fallbacks must run that rank), so that a filter never leaves it with
+    /// fewer than it wants while usable runners-up exist.
     pub fallbacks: Vec<usize>,
     /// Why.
     pub reason: Reason,
@@ -203,11 +206,10 @@ pub(crate) fn eligible(candidates: &[Candidate]) -> impl Iterator<Item = usize> 
 }
 
 /// Orders eligible candidates by `key` (lower is better) with random ties,
-/// and builds a decision with up to `fallbacks` runners-up.
+/// and builds a decision with every runner-up in that order.
 pub(crate) fn rank_by<K: PartialOrd + Copy>(
     candidates: &[Candidate],
     rng: &mut fastrand::Rng,
-    fallbacks: usize,
     reason: impl FnOnce(usize) -> Reason,
     mut key: impl FnMut(&Candidate) -> K,
 ) -> Option<Decision> {
@@ -219,5 +221,5 @@ pub(crate) fn rank_by<K: PartialOrd + Copy>(
     order.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
     let mut it = order.into_iter().map(|(_, _, i)| i);
     let chosen = it.next()?;
-    Some(Decision { chosen, fallbacks: it.take(fallbacks).collect(), reason: reason(chosen) })
+    Some(Decision { chosen, fallbacks: it.collect(), reason: reason(chosen) })
 }

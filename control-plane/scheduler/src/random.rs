@@ -27,6 +27,6 @@ impl Policy for RandomPolicy {
         }
         rng.shuffle(&mut pool);
         let chosen = *pool.first()?;
-        Some(Decision { chosen, fallbacks: pool.into_iter().skip(1).take(2).collect(), reason: Reason::Random })
+        Some(Decision { chosen, fallbacks: pool.into_iter().skip(1).collect(), reason: Reason::Random })
     }
 }

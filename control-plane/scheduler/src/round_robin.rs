@@ -37,7 +37,7 @@ impl Policy for RoundRobinPolicy {
         let mut order = (0..n).map(|k| (start + k) % n).filter(|i| candidates.get(*i).is_some_and(|c| !c.excluded));
         let chosen = order.next()?;
         self.next = chosen + 1;
-        let fallbacks = order.take(2).collect();
+        let fallbacks = order.collect();
         Some(Decision { chosen, fallbacks, reason: Reason::RoundRobin })
     }
 }

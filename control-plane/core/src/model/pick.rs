@@ -338,13 +338,24 @@ impl ModelState {
     /// ranks). The request keeps the primary's rank header on a retry, so
     /// for a rank `r` only servers that run rank `r` qualify (a server
     /// without data parallelism runs rank 0 only; vLLM refuses a rank it
-    /// does not run with a 400).
-    fn fallbacks(&self, ranked: impl Iterator<Item = String>, primary: &str, rank: Option<u32>) -> Vec<String> {
+    /// does not run with a 400). The first `max` that qualify, taken from the
+    /// policy's whole ranking (endpoints are looked up only as far as
+    /// needed).
+    fn fallbacks(
+        &self,
+        ranked: impl Iterator<Item = String>,
+        primary: &str,
+        rank: Option<u32>,
+        max: usize,
+    ) -> Vec<String> {
         let runs_rank = |e: &str, r: u32| {
             self.workers.values().any(|w| w.endpoint.as_deref() == Some(e) && w.dp_rank.unwrap_or(0) == r)
         };
         let mut out: Vec<String> = Vec::new();
         for e in ranked {
+            if out.len() >= max {
+                break;
+            }
             if e.is_empty() || e == primary || out.contains(&e) {
                 continue;
             }
@@ -373,7 +384,8 @@ impl ModelState {
         let endpoint_of = |i: usize| self.workers.get(&c.ids[i]).and_then(|w| w.endpoint.clone()).unwrap_or_default();
         let endpoint = endpoint_of(decision.chosen);
         let dp_rank = self.workers.get(&c.ids[decision.chosen]).and_then(|w| w.dp_rank);
-        let fallbacks = self.fallbacks(decision.fallbacks.iter().map(|i| endpoint_of(*i)), &endpoint, dp_rank);
+        let ranked = decision.fallbacks.iter().map(|i| endpoint_of(*i));
+        let fallbacks = self.fallbacks(ranked, &endpoint, dp_rank, self.config.kv.fallbacks);
         let chosen = c.cands[decision.chosen];
         let worker_id = c.ids[decision.chosen].clone();
         let (mode, reason) = match input.by_load {
