@@ -2,13 +2,14 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-scale bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-scale bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout bench-pd dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
 	@echo "make bench-doks - the full DOKS sweep (7 levels x 5 modes, ~35 min) -> bench/results/doks-multiturn.json"
 	@echo "make bench-workloads - Workato long prefix, shared-prefix groups, Mooncake replay (~35 min)"
 	@echo "make bench-fanout - agent fan-out bursts on a new long prefix: kvgate vs round robin vs approx vs NVIDIA Dynamo (~20 min)"
+	@echo "make bench-pd     - disaggregated prefill/decode: aggregated kv vs disaggregated 1:3 and 2:2 vs conditional, long inputs (~25 min)"
 	@echo "make bench-cache-pressure - tenants' prefixes 3x the KV cache: kvgate vs sglang-router vs NVIDIA Dynamo (~60 min)"
 	@echo "make dashboard - live dashboard on http://127.0.0.1:8090/: kv, round robin, sglang under one slider"
 	@echo "make report - rewrite the .md/.html/.svg reports of bench/results/*.json from the JSON"
@@ -83,6 +84,13 @@ bench-fanout: setup
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench fanout --preset dynamo-mocker \
 	  --modes round_robin,approx,kv,dynamo,dynamo_round_robin --speedup 2 --levels 4,8 --warmup-s 40 --measure-s 120 $(ARGS)
+
+# Disaggregated prefill/decode (~25 min): 4 simulated H200 workers, long inputs;
+# bench/results/pd.json (the issue's rows) and pd-sweep.json (the full report).
+bench-pd: setup
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; target/release/kvgate-bench pd $(ARGS)
 
 # The request-level workloads (~35 min): workato-longprefix, prefix-groups, mooncake.
 bench-workloads: setup

@@ -56,6 +56,13 @@ enum Cli {
     /// in percent of the recorded one (100 = as recorded, 50 = the recorded
     /// gaps doubled).
     Mooncake(ReqArgs),
+    /// Disaggregated prefill/decode (issue #25): long inputs (48 documents
+    /// of 8K-100K tokens, 100-400-token questions, 200-800 output tokens,
+    /// Poisson) on 4 workers: aggregated `kv` against disaggregated and
+    /// conditional fleets (`disaggregated_1p3d`, `disaggregated_2p2d`,
+    /// `conditional_1p3d`, ...); levels are requests per minute (simulated).
+    /// Writes bench/results/pd.json rows in the issue's format too.
+    Pd(ReqArgs),
     /// Real vLLM (issue #20): kv, round robin and sglang-router's
     /// cache_aware on two real engines; hit rate, prediction accuracy,
     /// load skew and errors to bench/results/vllm.json.
@@ -389,6 +396,7 @@ fn main() -> Result<()> {
         Cli::Overload(a) => requests_sweep(Kind::Overload, a),
         Cli::Fanout(a) => requests_sweep(Kind::Fanout, a),
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
+        Cli::Pd(a) => requests_sweep(Kind::Pd, a),
         Cli::Dashboard(a) => dashboard(a),
         Cli::Vllm(a) => kvgate_bench::vllm_cell::run(&a),
         Cli::Calibration(a) => kvgate_bench::calibrate::run(&a),
@@ -410,6 +418,7 @@ enum Kind {
     Overload,
     Fanout,
     Mooncake,
+    Pd,
 }
 
 /// A sweep of a request-level workload: per level, every mode on a fresh
@@ -453,12 +462,25 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             1.0,
         ),
         Kind::Mooncake => ("mooncake", "Mooncake conversation trace replay", "rate %", vec![50, 100], 2.0),
+        Kind::Pd => (
+            "pd-sweep",
+            "Disaggregated prefill/decode (48 documents of 8K-100K tokens, 100-400-token questions, 200-800 output tokens, Poisson)",
+            "req/min",
+            vec![15, 30, 45],
+            4.0,
+        ),
     };
     if a.levels.is_empty() {
         a.levels = default_levels;
     }
     if kind == Kind::Tiers && a.sweep.modes.is_empty() {
         a.sweep.modes = ["kv", "kv_tier_blind", "round_robin"].iter().map(|m| (*m).to_owned()).collect();
+    }
+    if kind == Kind::Pd && a.sweep.modes.is_empty() {
+        a.sweep.modes = ["kv", "disaggregated_1p3d", "disaggregated_2p2d", "conditional_1p3d"]
+            .iter()
+            .map(|m| (*m).to_owned())
+            .collect();
     }
     if kind == Kind::Overload && a.sweep.modes.is_empty() {
         a.sweep.modes = ["kv", "kv_overload"].iter().map(|m| (*m).to_owned()).collect();
@@ -477,7 +499,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         })
     });
     let mut sweep = Sweep::new(&a.sweep, speedup, a.measure_s, a.drain_s, out)?;
-    if matches!(kind, Kind::Workato | Kind::Mooncake) {
+    if matches!(kind, Kind::Workato | Kind::Mooncake | Kind::Pd) {
         // A larger fleet; each worker holds several long documents.
         sweep.fleet.workers = 4;
         sweep.fleet.num_blocks = 20_000;
@@ -494,6 +516,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
             Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
             Kind::Fanout => (Requests::Fanout(Fanout::new(level as f64, horizon)), Load::Open { speedup }),
+            Kind::Pd => (Requests::Groups(Groups::pd(level as f64 / 60.0, horizon)), Load::Open { speedup }),
             Kind::CachePressure | Kind::Tiers => {
                 (Requests::Groups(Groups::cache_pressure(level as f64, horizon, tenants)), Load::Open { speedup })
             }
@@ -558,7 +581,44 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         serde_json::json!({"workload": name, "title": title, "context": context, "level": level_name, "rows": rows,
                            "tenants": tenant_rows}),
     );
-    sweep.publish(&doc, title, &context, level_name, &rows)
+    sweep.publish(&doc, title, &context, level_name, &rows)?;
+    if kind == Kind::Pd {
+        let gpus = sweep.fleet.kinds().len();
+        let pd_out = sweep.out.with_file_name(if a.quick { "pd-quick-rows.json" } else { "pd.json" });
+        let pd = serde_json::json!({
+            "commit": sweep.commit,
+            "machine": sweep.machine,
+            "settings": context,
+            "sweep": sweep.out.file_name().and_then(|f| f.to_str()),
+            "rows": pd_rows(&rows, gpus),
+        });
+        std::fs::write(&pd_out, serde_json::to_string_pretty(&pd)? + "\n")?;
+        println!("P/D rows: {}", pd_out.display());
+    }
+    Ok(())
+}
+
+/// The sweep's rows in the `pd` result format (issue #25): the mode's kind
+/// (aggregated, disaggregated, conditional), its prefill and decode
+/// workers, and throughput per GPU (one simulated GPU per worker).
+fn pd_rows(rows: &[stats::Row], gpus: usize) -> Vec<serde_json::Value> {
+    rows.iter()
+        .map(|r| {
+            let (kind, p, d) = match Frontend::parse(&r.mode) {
+                Ok(Frontend::Pd { prefill, decode, conditional }) => {
+                    (if conditional { "conditional" } else { "disaggregated" }, prefill, decode)
+                }
+                _ => ("aggregated", 0, gpus),
+            };
+            serde_json::json!({
+                "mode": kind, "mode_name": r.mode, "prefill_workers": p, "decode_workers": d, "gpus": gpus,
+                "level": r.concurrency, "ttft_p50_ms": r.ttft_p50_ms, "ttft_p95_ms": r.ttft_p95_ms,
+                "itl_p50_ms": r.itl_p50_ms, "itl_p95_ms": r.itl_p95_ms, "output_tok_per_s": r.output_tok_per_s,
+                "output_tok_per_s_per_gpu": r.output_tok_per_s / gpus.max(1) as f64, "errors": r.errors,
+                "requests": r.requests, "valid": r.valid,
+            })
+        })
+        .collect()
 }
 
 fn kv_lines(settings: &[String]) -> Result<Vec<String>> {

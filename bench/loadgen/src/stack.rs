@@ -6,7 +6,10 @@
 //!   `kvgate serve` in the mode under test, and Envoy 1.40 with the kvgate
 //!   filter in front of the workers;
 //! - for the peer: `sglang-router launch --policy cache_aware` in front of
-//!   the same workers (PyPI `sglang-router`, installed by scripts/setup.sh).
+//!   the same workers (PyPI `sglang-router`, installed by scripts/setup.sh);
+//! - for the disaggregated modes ([`Frontend::Pd`]): the first workers are
+//!   prefill workers, the rest decode workers each behind `kvgate
+//!   pd-sidecar`, their relays announcing the roles.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -174,6 +177,14 @@ pub enum Frontend {
     /// Envoy with the kvgate filter (callout timeout above the hold); the
     /// control plane in `kv` mode with overload protection on ([`OVERLOAD`]).
     KvOverload,
+    /// Envoy with the kvgate filter; the control plane in `kv` mode with a
+    /// disaggregated fleet: the first `prefill` workers prefill only, the
+    /// other `decode` ones decode behind `kvgate pd-sidecar`. `conditional`:
+    /// a request is disaggregated when the decode worker's own prefill
+    /// would take 100 ms (simulated) or more at its learned timing (the
+    /// control plane's default); else every request is
+    /// (`min_uncached_tokens = 1`), while a prefill worker has room.
+    Pd { prefill: usize, decode: usize, conditional: bool },
     /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
     /// `round-robin`) in front of Dynamo's own mocker workers
     /// ([`Stack::start_dynamo`]).
@@ -190,6 +201,9 @@ impl Frontend {
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::KvTierBlind => "kv_tier_blind".into(),
             Frontend::KvOverload => "kv_overload".into(),
+            Frontend::Pd { prefill, decode, conditional } => {
+                format!("{}_{prefill}p{decode}d", if *conditional { "conditional" } else { "disaggregated" })
+            }
             Frontend::Dynamo(m) if m == "kv" => "dynamo".into(),
             Frontend::Dynamo(m) => format!("dynamo_{}", m.replace('-', "_")),
         }
@@ -205,10 +219,19 @@ impl Frontend {
             "kv_overload" => Frontend::KvOverload,
             "dynamo" => Frontend::Dynamo("kv".into()),
             "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
+            _ if s.starts_with("disaggregated_") || s.starts_with("conditional_") => {
+                let (kind, shape) = s.split_once('_').unwrap_or_default();
+                let parsed = shape.strip_suffix('d').and_then(|x| x.split_once('p'));
+                let Some((Ok(prefill), Ok(decode))) = parsed.map(|(p, d)| (p.parse(), d.parse())) else {
+                    bail!("mode {s:?}: expected {kind}_<P>p<D>d, e.g. {kind}_1p3d");
+                };
+                ensure!(prefill > 0 && decode > 0, "mode {s:?}: at least one prefill and one decode worker");
+                Frontend::Pd { prefill, decode, conditional: kind == "conditional" }
+            }
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo or dynamo_round_robin)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d or conditional_<P>p<D>d)"
                 ),
             },
         })
@@ -219,8 +242,11 @@ impl Frontend {
 pub struct Stack {
     /// Where clients send OpenAI requests.
     pub front: SocketAddr,
-    /// Each worker's OpenAI address (for `/metrics`).
+    /// Each worker's OpenAI address (for `/metrics`; a decode worker's
+    /// P/D sidecar, which passes `/metrics` through).
     pub workers: Vec<SocketAddr>,
+    /// Each worker's engine (its OpenAI address without a sidecar).
+    pub engines: Vec<SocketAddr>,
     /// The control plane's admin address (kvgate modes).
     pub cp_admin: Option<SocketAddr>,
     /// `(role, pid)` of every process, for CPU accounting.
@@ -350,6 +376,7 @@ impl Stack {
         }
         let mut stack = Stack {
             front: workers[0],
+            engines: workers.clone(),
             workers,
             cp_admin: None,
             pids,
@@ -358,37 +385,74 @@ impl Stack {
             envoy: None,
             _nats: None,
         };
+        let no_roles: &[&str] = &[];
         match front {
-            Frontend::Kvgate(mode) => stack.start_kvgate(fleet, mode, &tk, &zmq)?,
+            Frontend::Kvgate(mode) => stack.start_kvgate(fleet, mode, &tk, &zmq, no_roles)?,
             Frontend::Sglang(policy) => stack.start_sglang(policy)?,
             Frontend::KvTrueConstants => {
                 let mut told = fleet.clone();
                 told.kv_settings.extend(fleet.true_constants()?);
-                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+                stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
             Frontend::KvNoSpeculation => {
                 let mut told = fleet.clone();
                 told.kv_settings.extend(NO_SPECULATION.iter().map(|l| (*l).to_owned()));
-                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+                stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
             Frontend::KvTierBlind => {
                 let mut told = fleet.clone();
                 told.kv_settings.push(TIER_BLIND.to_owned());
-                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+                stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
             Frontend::KvOverload => {
                 let mut told = fleet.clone();
                 // A table after `[models.kv]`'s lines (TOML allows it).
                 told.kv_settings.extend(OVERLOAD.iter().map(|l| (*l).to_owned()));
                 told.filter_timeout_ms = OVERLOAD_FILTER_TIMEOUT_MS;
-                stack.start_kvgate(&told, "kv", &tk, &zmq)?
+                stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
+            }
+            Frontend::Pd { prefill, decode, conditional } => {
+                let n = stack.workers.len();
+                ensure!(prefill + decode == n, "mode {}: {n} workers in the fleet", front.name());
+                let roles: Vec<&str> = (0..n).map(|w| if w < *prefill { "prefill" } else { "decode" }).collect();
+                stack.start_sidecars(fleet, &roles)?;
+                let mut told = fleet.clone();
+                told.kv_settings.push("[models.disaggregation]".into());
+                // Conditional: the control plane's own default (100 ms of
+                // local prefill), in the wall-clock time it learns in.
+                told.kv_settings.push(if *conditional {
+                    format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0))
+                } else {
+                    "min_uncached_tokens = 1".into()
+                });
+                stack.start_kvgate(&told, "kv", &tk, &zmq, &roles)?
             }
             Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),
         }
         Ok(stack)
     }
 
-    fn start_kvgate(&mut self, fleet: &FleetSpec, mode: &str, tk: &str, zmq: &[u16]) -> Result<()> {
+    /// A `kvgate pd-sidecar` in front of every `decode` worker: it becomes
+    /// the worker's address (its engine stays in `engines`).
+    fn start_sidecars(&mut self, fleet: &FleetSpec, roles: &[&str]) -> Result<()> {
+        for (w, role) in roles.iter().enumerate() {
+            if *role != "decode" {
+                continue;
+            }
+            let front = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+            let (listen, decode) = (front.to_string(), self.engines[w].to_string());
+            let sc = kvgate(&fleet.kvgate, &["pd-sidecar", "--listen", &listen, "--decode", &decode]);
+            let p = Proc::spawn(&format!("pd-sidecar-{w}"), sc, &self.dir)?;
+            self.pids.push((format!("pd-sidecar-{w}"), p.pid()));
+            self.procs.push(p);
+            wait_for_tcp(front, Duration::from_secs(30)).with_context(|| format!("pd-sidecar {w}"))?;
+            self.workers[w] = front;
+        }
+        Ok(())
+    }
+
+    /// `roles[w]` (when given) is worker `w`'s relay `--role`.
+    fn start_kvgate(&mut self, fleet: &FleetSpec, mode: &str, tk: &str, zmq: &[u16], roles: &[&str]) -> Result<()> {
         let nats = NatsServer::start(&self.dir)?;
         self.pids.push(("nats".into(), nats.proc.pid()));
         let nats_url = format!("nats://127.0.0.1:{}", nats.port);
@@ -407,8 +471,16 @@ impl Stack {
                 data_parallel_size: 1,
                 heartbeat_ms: 200,
             };
+            let mut args = spec.args();
+            // The engine's metrics (a decode worker's address is its sidecar).
+            if let Some(i) = args.iter().position(|a| a == "--metrics-url") {
+                args[i + 1] = format!("http://{}/metrics", self.engines[w]);
+            }
+            if let Some(role) = roles.get(w) {
+                args.extend(["--role".to_owned(), (*role).to_owned()]);
+            }
             let mut relay = Command::new(&fleet.kvgate);
-            relay.args(spec.args());
+            relay.args(args);
             let p = Proc::spawn(&format!("relay-{w}"), relay, &self.dir)?;
             self.pids.push((format!("relay-{w}"), p.pid()));
             self.procs.push(p);
@@ -521,6 +593,7 @@ impl Stack {
         let mut stack = Stack {
             front,
             workers: Vec::new(),
+            engines: Vec::new(),
             cp_admin: None,
             pids: vec![("dynamo-mocker".into(), mp.pid()), ("dynamo-frontend".into(), fp.pid())],
             dir: dir.to_owned(),
@@ -624,4 +697,32 @@ pub fn spawn_sglang(workers: &[SocketAddr], dir: &Path, policy: &str) -> Result<
     cmd.args(["--prometheus-port", &free_port()?.to_string(), "--prometheus-host", "127.0.0.1"]);
     let p = Proc::spawn(&format!("sglang-router-{policy}"), cmd, dir)?;
     Ok((p, ([127, 0, 0, 1], port).into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_mode_name_parses_back_and_bad_shapes_are_refused() {
+        for name in [
+            "kv",
+            "round_robin",
+            "kv_overload",
+            "sglang_cache_aware",
+            "dynamo",
+            "dynamo_round_robin",
+            "disaggregated_1p3d",
+            "conditional_2p2d",
+        ] {
+            assert_eq!(Frontend::parse(name).unwrap().name(), name);
+        }
+        assert_eq!(
+            Frontend::parse("disaggregated_1p3d").unwrap(),
+            Frontend::Pd { prefill: 1, decode: 3, conditional: false }
+        );
+        for bad in ["disaggregated_", "disaggregated_1p", "conditional_0p4d", "conditional_xpyd", "pd"] {
+            assert!(Frontend::parse(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -339,6 +339,26 @@ impl Groups {
         }
     }
 
+    /// The `pd` workload (issue #25): long inputs, 48 documents of 8K–100K
+    /// tokens (each asked about ~3 times in a 300 s run at 0.5 request/s, so
+    /// a decode worker sometimes holds the document already), a question of
+    /// 100–400 tokens, 200–800 output tokens, Poisson arrivals at `qps`.
+    pub fn pd(qps: f64, horizon_s: f64) -> Groups {
+        let seed = 0xD15A;
+        Groups {
+            name: "pd",
+            groups: 48,
+            users: 1,
+            system_tokens: (8_000, 100_000),
+            context_tokens: (0, 0),
+            question_tokens: (100, 400),
+            output_tokens: (200, 800),
+            qps,
+            seed,
+            arrivals: std::sync::Arc::new(poisson(seed, qps, horizon_s)),
+        }
+    }
+
     /// Tenants whose prefixes (6,000 tokens on average) are `times` the
     /// fleet's KV capacity of `capacity_tokens`.
     pub fn tenants_for(capacity_tokens: u64, times: f64) -> usize {
