@@ -466,7 +466,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             "pd-sweep",
             "Disaggregated prefill/decode (48 documents of 8K-100K tokens, 100-400-token questions, 200-800 output tokens, Poisson)",
             "req/min",
-            vec![15, 30, 45],
+            vec![20, 40],
             4.0,
         ),
     };
@@ -477,7 +477,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         a.sweep.modes = ["kv", "kv_tier_blind", "round_robin"].iter().map(|m| (*m).to_owned()).collect();
     }
     if kind == Kind::Pd && a.sweep.modes.is_empty() {
-        a.sweep.modes = ["kv", "disaggregated_1p3d", "disaggregated_2p2d", "conditional_1p3d"]
+        a.sweep.modes = ["kv", "disaggregated_1p3d", "disaggregated_2p2d", "conditional_1p3d", "conditional_2p2d"]
             .iter()
             .map(|m| (*m).to_owned())
             .collect();

@@ -180,10 +180,12 @@ pub enum Frontend {
     /// Envoy with the kvgate filter; the control plane in `kv` mode with a
     /// disaggregated fleet: the first `prefill` workers prefill only, the
     /// other `decode` ones decode behind `kvgate pd-sidecar`. `conditional`:
-    /// a request is disaggregated when the decode worker's own prefill
-    /// would take 100 ms (simulated) or more at its learned timing (the
-    /// control plane's default); else every request is
-    /// (`min_uncached_tokens = 1`), while a prefill worker has room.
+    /// the control plane's defaults (a request is disaggregated when the
+    /// decode worker's own prefill would take 100 ms, simulated, or more at
+    /// its learned timing, and a prefill worker would finish it no later);
+    /// else every request is (`min_uncached_tokens = 1`,
+    /// `only_if_sooner = false`) while a prefill worker is below its
+    /// running limit.
     Pd { prefill: usize, decode: usize, conditional: bool },
     /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
     /// `round-robin`) in front of Dynamo's own mocker workers
@@ -420,11 +422,11 @@ impl Stack {
                 told.kv_settings.push("[models.disaggregation]".into());
                 // Conditional: the control plane's own default (100 ms of
                 // local prefill), in the wall-clock time it learns in.
-                told.kv_settings.push(if *conditional {
-                    format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0))
+                if *conditional {
+                    told.kv_settings.push(format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0)));
                 } else {
-                    "min_uncached_tokens = 1".into()
-                });
+                    told.kv_settings.extend(["min_uncached_tokens = 1".into(), "only_if_sooner = false".into()]);
+                }
                 stack.start_kvgate(&told, "kv", &tk, &zmq, &roles)?
             }
             Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),

@@ -170,3 +170,44 @@ fn each_pool_reports_its_prefill_demand_capacity_and_decode_load() {
     let p = st.pool_signals(2).into_iter().find(|p| p.role == role).unwrap();
     assert!((p.prefill_tokens_per_s - 4.0).abs() < 1e-9, "{p:?}");
 }
+
+/// A backed-up prefill pool does not take legs it would finish later than
+/// the decode worker itself: the prefill queued on the prefill workers (the
+/// legs routed there, until their first tokens) against the decode
+/// worker's own.
+#[test]
+fn a_prefill_worker_that_would_finish_later_than_the_decode_worker_gets_no_leg() {
+    let mut st = fleet(true, 0);
+    let prompt = |k: u32| -> Vec<u32> { (0..16 * 8).map(|t| 100_000 * (k + 1) + t).collect() };
+    // Two legs fill both prefill workers' queues with 8 blocks each.
+    for k in 0..2 {
+        assert!(pick(&mut st, &format!("r{k}"), &prompt(k)).prefill.is_some(), "leg {k}");
+    }
+    // A third new prompt: 8 blocks queued + 8 its own on either prefill
+    // worker, 8 on an idle decode worker: local.
+    let out = pick(&mut st, "r2", &prompt(2));
+    assert!(out.prefill.is_none());
+    assert_eq!(st.counters().no_prefill_capacity, 1);
+    // The legs end when their prefill should be done (128 tokens at the
+    // prior 0.1 ms each: by 15 ms), before any report: legs again.
+    st.reap(100);
+    assert_eq!((inflight(&st, "w1"), inflight(&st, "w2")), (0, 0));
+    assert!(pick(&mut st, "r3", &prompt(3)).prefill.is_some());
+    // Off, the same request would queue behind them.
+    let cfg = ModelConfig {
+        disaggregation: DisaggConfig {
+            min_uncached_tokens: Some(64),
+            only_if_sooner: false,
+            ..DisaggConfig::default()
+        },
+        ..common::config(Mode::Kv)
+    };
+    let mut off = ModelState::new(cfg, 1);
+    for (id, role) in [("w1", pb::WorkerRole::Prefill), ("w2", pb::WorkerRole::Prefill), ("w3", pb::WorkerRole::Decode)]
+    {
+        off.on_heartbeat(&hb(id, role, 0), 0);
+    }
+    for k in 0..3 {
+        assert!(pick(&mut off, &format!("r{k}"), &prompt(k)).prefill.is_some(), "leg {k}");
+    }
+}

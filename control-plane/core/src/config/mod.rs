@@ -173,6 +173,9 @@ pub struct RawDisaggregation {
     /// A local prefill the learned timing says would take this long or
     /// longer goes to a prefill worker (default 100 ms).
     pub max_local_prefill_ms: Option<f64>,
+    /// A prefill worker takes a leg only when it would finish that prefill
+    /// no later than the decode worker would locally (default true).
+    pub only_if_sooner: Option<bool>,
 }
 
 /// Optional `[models.overload]` table: requests held while every worker is

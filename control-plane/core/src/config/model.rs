@@ -163,6 +163,7 @@ fn disagg_config(f: &dyn Fn(&str) -> String, d: RawDisaggregation) -> Result<Dis
         enabled: d.enabled.unwrap_or(def.enabled),
         min_uncached_tokens: d.min_uncached_tokens,
         max_local_prefill_ms: ms,
+        only_if_sooner: d.only_if_sooner.unwrap_or(def.only_if_sooner),
     })
 }
 

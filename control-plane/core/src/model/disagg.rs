@@ -5,8 +5,13 @@
 //! the `decode` and `both` workers (a `prefill` worker never receives a
 //! whole request). Its local prefill is the prompt tokens it neither holds
 //! nor computes for a request in flight. The request is disaggregated when
-//! 1. some `prefill` worker is live and not saturated (its running limit,
-//!    its KV blocks), and
+//! 1. some `prefill` worker is live, not saturated (its running limit, its
+//!    KV blocks) and, with `only_if_sooner` (the default), would finish this
+//!    prefill no later than the decode worker itself: its queued prefill
+//!    plus this prompt's uncached part there, against the decode worker's
+//!    queued prefill plus its own uncached part, each at that worker's
+//!    learned timing (a backed-up prefill pool then leaves requests local
+//!    instead of queueing them behind it), and
 //! 2. the local prefill reaches the threshold: `min_uncached_tokens` when
 //!    configured, else the tokens whose prefill on the decode worker, at its
 //!    learned engine timing (the priors until it learned), would take
@@ -21,7 +26,11 @@
 //!
 //! Cost: O(P log P) for P prefill workers on top of the decode pick.
 
+use std::collections::{BTreeSet, HashMap};
+
 use kvgate_scheduler::{Candidate, EngineTiming, KvConfig, KvPolicy, RequestView};
+
+use super::ModelState;
 
 /// Suffix of a prefill leg's id in the load tracker.
 pub const PREFILL_LEG: &str = "#prefill";
@@ -39,12 +48,25 @@ pub struct DisaggConfig {
     /// Without `min_uncached_tokens`: a local prefill that would take this
     /// long or longer goes to a prefill worker.
     pub max_local_prefill_ms: f64,
+    /// A prefill worker takes a leg only when it would finish the prefill
+    /// no later than the decode worker would locally (default true).
+    pub only_if_sooner: bool,
 }
 
 impl Default for DisaggConfig {
     fn default() -> Self {
-        Self { enabled: true, min_uncached_tokens: None, max_local_prefill_ms: 100.0 }
+        Self { enabled: true, min_uncached_tokens: None, max_local_prefill_ms: 100.0, only_if_sooner: true }
     }
+}
+
+/// Milliseconds until `c` has prefilled `uncached` tokens of a prompt after
+/// `cached` ones, behind the prefill already queued there (its learned
+/// timing, the priors until learned).
+pub fn prefill_done_ms(c: &Candidate, uncached: u32, cached: u32, block_size: u32, kv: &KvConfig) -> f64 {
+    let t = c.timing.unwrap_or(EngineTiming::linear(kv.prefill_ms_per_token, kv.decode_ms_per_seq));
+    let queued = c.load.prefill_pending_blocks as f64 * f64::from(block_size);
+    let n = queued + f64::from(uncached);
+    n * t.prefill_ms_per_token_at(n, f64::from(cached))
 }
 
 impl DisaggConfig {
@@ -64,14 +86,81 @@ impl DisaggConfig {
     }
 }
 
-/// The prefill workers as candidates for a leg: excluded when saturated for
-/// a one-token request (running limit, KV blocks), the rest open.
-pub(super) fn open_for_a_leg(view: &RequestView<'_>, mut prefill: Vec<Candidate>, kv: KvConfig) -> Vec<Candidate> {
+/// The prefill workers as candidates for a leg of a `prompt_tokens`-token
+/// prompt: excluded when saturated for a one-token request (running limit,
+/// KV blocks) or, with `local_ms` (the decode worker's own finish time,
+/// [`prefill_done_ms`]), when they would finish later than that.
+pub(super) fn open_for_a_leg(
+    view: &RequestView<'_>,
+    mut prefill: Vec<Candidate>,
+    kv: KvConfig,
+    prompt_tokens: u32,
+    local_ms: Option<f64>,
+) -> Vec<Candidate> {
     let judge = KvPolicy::new(kv);
+    let bs = view.block_size;
     for c in &mut prefill {
-        c.excluded = judge.saturated(view, c);
+        let held = c.overlap_blocks.max(c.inflight_overlap_blocks).saturating_mul(bs).min(prompt_tokens);
+        let later = local_ms.is_some_and(|l| prefill_done_ms(c, prompt_tokens - held, held, bs, &kv) > l);
+        c.excluded = later || judge.saturated(view, c);
     }
     prefill
+}
+
+/// Prefill legs in flight, by request id and by the time their prefill
+/// should be done (the prefill worker's queue and this prefill at the
+/// learned timing). A leg ends then, or at its request's first report if
+/// sooner: the filter reports a request once it ended, up to a report
+/// interval later, long after its prefill leg.
+#[derive(Debug, Default)]
+pub(super) struct Legs {
+    by_id: HashMap<String, u64>,
+    by_time: BTreeSet<(u64, String)>,
+}
+
+impl Legs {
+    pub(super) fn insert(&mut self, request_id: &str, done_by_ms: u64) {
+        if let Some(old) = self.by_id.insert(request_id.to_owned(), done_by_ms) {
+            self.by_time.remove(&(old, request_id.to_owned()));
+        }
+        self.by_time.insert((done_by_ms, request_id.to_owned()));
+    }
+
+    /// Forgets a leg; whether it was in flight.
+    pub(super) fn remove(&mut self, request_id: &str) -> bool {
+        let Some(t) = self.by_id.remove(request_id) else { return false };
+        self.by_time.remove(&(t, request_id.to_owned()));
+        true
+    }
+
+    /// The legs due by `now_ms`, forgotten. O(1) when none is.
+    fn due(&mut self, now_ms: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some((t, _)) = self.by_time.first() {
+            if *t > now_ms {
+                break;
+            }
+            if let Some((_, id)) = self.by_time.pop_first() {
+                self.by_id.remove(&id);
+                out.push(id);
+            }
+        }
+        out
+    }
+}
+
+/// The tracker's id of a request's prefill leg.
+pub(super) fn leg_id(request_id: &str) -> String {
+    format!("{request_id}{PREFILL_LEG}")
+}
+
+impl ModelState {
+    /// Ends the prefill legs due by `now_ms` (every Pick and every tick).
+    pub(super) fn end_prefill_legs(&mut self, now_ms: u64) {
+        for id in self.prefill_legs.due(now_ms) {
+            let _ = self.tracker.done(&leg_id(&id));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -109,9 +109,8 @@ pub struct ModelState {
     names: HashMap<WorkerIdx, String>,
     /// Predicted cached tokens and pick time, by request id (kv mode).
     predicted: HashMap<String, (u32, u64)>,
-    /// Disaggregated requests whose prefill leg is in flight: pick time, by
-    /// request id (the leg ends at the request's first token).
-    prefill_legs: HashMap<String, u64>,
+    /// Disaggregated requests whose prefill leg is in flight.
+    prefill_legs: disagg::Legs,
     /// Uncached prompt tokens routed for prefill, per role (see [`pools`]).
     prefill_rates: [pools::DecayingRate; 3],
     sessions: Sessions,
@@ -160,7 +159,7 @@ impl ModelState {
             workers: HashMap::new(),
             names: HashMap::new(),
             predicted: HashMap::new(),
-            prefill_legs: HashMap::new(),
+            prefill_legs: Default::default(),
             prefill_rates: Default::default(),
             sessions: Sessions::new(config.session),
             share_with_replicas: false,
@@ -381,8 +380,8 @@ impl ModelState {
             self.counters.reports_unknown += 1;
         }
         // Its prefill worker finished the leg by the first token.
-        if self.prefill_legs.remove(&r.request_id).is_some() {
-            let _ = self.tracker.done(&format!("{}{}", r.request_id, disagg::PREFILL_LEG));
+        if self.prefill_legs.remove(&r.request_id) {
+            let _ = self.tracker.done(&disagg::leg_id(&r.request_id));
         }
         // A report before the end marks the first token (the filter reports
         // once, at the end; the calibration then takes the routing time).

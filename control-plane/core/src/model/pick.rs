@@ -175,6 +175,8 @@ impl ModelState {
         let bs = self.config.block_size;
         let hashes: Vec<SequenceHash> =
             if input.by_load.is_some() { Vec::new() } else { sequence_hashes(input.token_ids, bs, input.seed) };
+        // Prefill workers' queues as of now (legs end by their estimate).
+        self.end_prefill_legs(now_ms);
         let c = self.candidates(&hashes, input.allowed, now_ms);
         let expected_output_tokens = input.max_tokens.unwrap_or(self.config.default_output_tokens);
         let view = RequestView {
@@ -207,10 +209,12 @@ impl ModelState {
             // The prefill worker computes the prompt for one token; the
             // decode worker receives the blocks and computes none.
             let pc = c.cands[p];
-            let leg = format!("{}{}", input.request_id, super::disagg::PREFILL_LEG);
+            let leg = super::disagg::leg_id(input.request_id);
             let held = pc.overlap_blocks.max(pc.inflight_overlap_blocks);
+            let kv = self.config.kv;
+            let done_ms = super::disagg::prefill_done_ms(&pc, uncached(held), held * bs.get(), bs.get(), &kv);
             if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
-                self.prefill_legs.insert(input.request_id.to_owned(), now_ms);
+                self.prefill_legs.insert(input.request_id, now_ms + done_ms.ceil().max(1.0) as u64);
             }
             self.count_prefill(pb::WorkerRole::Prefill, uncached(held), now_ms);
             shared = hashes.len() as u32;
@@ -271,7 +275,10 @@ impl ModelState {
         }
         let one_token = RequestView { expected_output_tokens: 1, ..*view };
         let prefill: Vec<Candidate> = c.prefill.iter().map(|p| c.cands[*p]).collect();
-        let judged = super::disagg::open_for_a_leg(&one_token, prefill, self.config.kv);
+        let kv = self.config.kv;
+        let local_ms =
+            cfg.only_if_sooner.then(|| super::disagg::prefill_done_ms(decode, uncached, held, view.block_size, &kv));
+        let judged = super::disagg::open_for_a_leg(&one_token, prefill, kv, uncached + held, local_ms);
         match self.policy.pick(&one_token, &judged, &mut self.rng) {
             Some(d) if !judged[d.chosen].excluded => {
                 self.counters.disaggregated += 1;

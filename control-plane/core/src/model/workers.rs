@@ -264,7 +264,7 @@ impl ModelState {
         self.sessions.expire(now_ms);
         let ttl = self.config.inflight_ttl_ms;
         self.predicted.retain(|_, (_, t)| now_ms.saturating_sub(*t) <= ttl);
-        self.prefill_legs.retain(|_, t| now_ms.saturating_sub(*t) <= ttl);
+        self.end_prefill_legs(now_ms);
         dead
     }
 
