@@ -438,45 +438,29 @@ fn data_parallel_ranks_have_their_own_cache_events_and_metrics() {
 #[test]
 fn prefill_and_decode_legs_speak_kv_transfer_params() {
     let (p, d) = (start(50.0, 2048), start(50.0, 2048));
-    let ct = [("content-type", "application/json")];
     let prompt: Vec<u32> = (1000..1400).collect();
-    let body = |extra: serde_json::Value| {
+    // POSTs the prompt with `extra` fields to `addr`: (status, JSON body).
+    let post = |addr: SocketAddr, extra: serde_json::Value| {
         let mut b = serde_json::json!({"model": "deepseek-v3", "prompt": prompt, "max_tokens": 4});
         b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        b.to_string().into_bytes()
+        let ct = [("content-type", "application/json")];
+        let r = kvgate_testkit::http_request(addr, "POST", "/v1/completions", &ct, b.to_string().as_bytes()).unwrap();
+        (r.status, serde_json::from_slice::<serde_json::Value>(&r.body).unwrap_or_default())
     };
-    let leg = body(
-        serde_json::json!({"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
-    );
-    let r = kvgate_testkit::http_request(p.http, "POST", "/v1/completions", &ct, &leg).unwrap();
-    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    let leg = serde_json::json!({"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}});
+    let (status, v) = post(p.http, leg);
+    assert_eq!(status, 200, "{v}");
     let params = v["kv_transfer_params"].clone();
     assert_eq!(params["remote_port"].as_u64(), Some(u64::from(p.http.port())), "{params}");
     assert_eq!(params["remote_block_ids"].as_array().map(Vec::len), Some(400usize.div_ceil(16)));
     // The decode leg, with the prefill side's parameters.
-    let r = kvgate_testkit::http_request(
-        d.http,
-        "POST",
-        "/v1/completions",
-        &ct,
-        &body(serde_json::json!({"kv_transfer_params": params})),
-    )
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    let (status, v) = post(d.http, serde_json::json!({"kv_transfer_params": params}));
+    assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(399), "{v}");
     assert!(v["kv_transfer_params"].is_null());
     // Too few remote blocks for this prompt.
     let mut short = params;
     short["remote_block_ids"] = serde_json::json!([0, 1]);
-    let r = kvgate_testkit::http_request(
-        d.http,
-        "POST",
-        "/v1/completions",
-        &ct,
-        &body(serde_json::json!({"kv_transfer_params": short})),
-    )
-    .unwrap();
-    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    let (status, v) = post(d.http, serde_json::json!({"kv_transfer_params": short}));
+    assert_eq!(status, 400, "{v}");
 }
