@@ -7,6 +7,7 @@
 //! | [`hash`] | block identity: [`BlockSize`], [`BlockSeed`] (LoRA / `cache_salt`), [`LocalBlockHash`], [`SequenceHash`], [`EngineBlockHash`], the incremental [`SequenceHasher`]; Dynamo-compatible xxh3 |
 //! | [`segment`] | [`SegmentHash`]: the chained per-message hash the filter computes and the control plane caches tokenization by |
 //! | [`subject`] | NATS subject names and the reversible encoding of model and worker names into subject tokens |
+//! | `pd` | the two legs of a disaggregated request (vLLM's `kv_transfer_params`), feature `pd` |
 //! | [`pb`] | the prost messages of `proto/kvgate/v1/*.proto` (generated code checked in, see `codegen/`) |
 //!
 //! `no_std` + `alloc`: the same crate is linked into the Proxy-Wasm filter
@@ -26,6 +27,8 @@ extern crate std;
 
 pub mod hash;
 pub mod nats_url;
+#[cfg(feature = "pd")]
+pub mod pd;
 pub mod segment;
 pub mod subject;
 

@@ -1,20 +1,26 @@
-//! Disaggregated prefill and decode end to end, llm-d's way: two simulated
-//! prefill workers and one decode worker behind `kvgate pd-sidecar`, their
-//! relays announcing the roles, NATS, the control plane (a local prefill of
-//! 64 tokens or more is disaggregated) and real Envoy with the filter.
+//! Disaggregated prefill and decode end to end, both ways: two simulated
+//! prefill workers and one decode worker, their relays announcing the
+//! roles, NATS, the control plane (a local prefill of 64 tokens or more is
+//! disaggregated) and real Envoy with the filter.
 //!
-//! A long prompt is routed to the decode worker with `x-prefiller-host-port`
-//! naming a prefill worker; the sidecar runs the prefill leg there
-//! (`kv_transfer_params.do_remote_decode`), then the decode leg on its
-//! engine, which receives the prompt's KV instead of computing it, and the
-//! stream reaches the client. Roles hold: no request is decoded on a prefill
-//! worker. A slow prefill worker (past the sidecar's timeout) and dead ones
-//! leave requests aggregated on the decode worker, none failed.
+//! - [`Way::Sidecar`], llm-d's convention: the decode worker is behind
+//!   `kvgate pd-sidecar`; the filter names the prefill worker in
+//!   `x-prefiller-host-port` and the sidecar runs the two legs.
+//! - [`Way::Filter`], no sidecar: the filter runs the prefill leg itself
+//!   (an HTTP call through Envoy's `kvgate_prefill` cluster) and sends the
+//!   decode leg, its body rewritten, to the decode worker.
+//!
+//! A long prompt is prefilled on a prefill worker
+//! (`kv_transfer_params.do_remote_decode`), then decoded on the decode
+//! worker's engine, which receives the prompt's KV instead of computing it,
+//! and the stream reaches the client. Roles hold: no request is decoded on
+//! a prefill worker. A slow prefill worker (past the leg's timeout) and dead
+//! ones leave requests aggregated on the decode worker, none failed.
 
 mod common;
 
 use common::{BLOCK, Fleet, FleetOpts, MODEL, prom, until};
-use kvgate_testkit::{http_request, scratch_dir};
+use kvgate_testkit::{Envoy, http_request, scratch_dir};
 use serde_json::{Value, json};
 
 fn chat(text: &str, stream: bool) -> Vec<u8> {
@@ -28,28 +34,72 @@ fn sim_cache(addr: std::net::SocketAddr) -> Value {
     serde_json::from_slice(&http_request(addr, "GET", "/kvgate/sim/cache", &[], b"").unwrap().body).unwrap()
 }
 
-fn sidecar_metrics(fleet: &Fleet) -> String {
-    String::from_utf8(http_request(fleet.http[2], "GET", "/kvgate/pd/metrics", &[], b"").unwrap().body).unwrap()
+/// Who runs the two legs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Sidecar,
+    Filter,
 }
 
-fn fleet(dir: &std::path::Path) -> Fleet {
+fn fleet(dir: &std::path::Path, way: Way) -> Fleet {
     Fleet::start_opts(
         dir,
         3,
         "20",
         FleetOpts {
             roles: &["prefill", "prefill", "decode"],
-            pd_sidecar: true,
+            pd_sidecar: way == Way::Sidecar,
             serve_args: &["--disaggregate-min-uncached-tokens", "64"],
             ..Default::default()
         },
     )
 }
 
+fn gateway(fleet: &Fleet, way: Way) -> Envoy {
+    let mut filter = json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true});
+    if way == Way::Filter {
+        filter["disaggregation"] = json!({"legs": "filter", "timeout_ms": 5000});
+    }
+    fleet.envoy(&filter)
+}
+
+/// Requests whose two legs ran (`outcome` "disaggregated"), or that fell
+/// back to aggregated with this cause, as counted by whoever runs the legs:
+/// the sidecar's metrics or the filter's Envoy stats.
+fn legs(fleet: &Fleet, envoy: &Envoy, way: Way, outcome: &str) -> f64 {
+    match way {
+        Way::Sidecar => {
+            let m = http_request(fleet.http[2], "GET", "/kvgate/pd/metrics", &[], b"").unwrap().body;
+            let m = String::from_utf8(m).unwrap();
+            let series = match outcome {
+                "disaggregated" => r#"kvgate_pd_requests_total{outcome="disaggregated",cause=""}"#.to_owned(),
+                cause => format!(r#"kvgate_pd_requests_total{{outcome="fallback",cause="{cause}"}}"#),
+            };
+            prom(&m, &series).unwrap_or(0.0)
+        }
+        Way::Filter => {
+            let stat = match outcome {
+                "disaggregated" => "wasmcustom.kvgate.prefill_legs".to_owned(),
+                cause => format!("wasmcustom.kvgate.prefill_fallback.{cause}"),
+            };
+            envoy.stat(&stat).unwrap() as f64
+        }
+    }
+}
+
 #[test]
 fn a_long_prompt_is_prefilled_on_a_prefill_worker_and_streamed_by_the_decode_worker() {
-    let dir = scratch_dir("disaggregation").unwrap();
-    let mut fleet = fleet(&dir);
+    streams_through(Way::Sidecar);
+}
+
+#[test]
+fn the_filter_runs_the_prefill_leg_itself_and_the_decode_worker_streams() {
+    streams_through(Way::Filter);
+}
+
+fn streams_through(way: Way) {
+    let dir = scratch_dir(&format!("disaggregation-{way:?}")).unwrap();
+    let mut fleet = fleet(&dir, way);
     let roles: Vec<(String, String)> = fleet.workers()[MODEL]
         .as_array()
         .unwrap()
@@ -57,7 +107,7 @@ fn a_long_prompt_is_prefilled_on_a_prefill_worker_and_streamed_by_the_decode_wor
         .map(|w| (w["id"].as_str().unwrap().to_owned(), w["role"].as_str().unwrap().to_owned()))
         .collect();
     assert_eq!(roles, [("w0", "prefill"), ("w1", "prefill"), ("w2", "decode")].map(|(a, b)| (a.into(), b.into())));
-    let envoy = fleet.envoy(&json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}));
+    let envoy = gateway(&fleet, way);
     let json_ct = [("content-type", "application/json")];
     let prefill_addrs = [fleet.http[0].to_string(), fleet.http[1].to_string()];
 
@@ -80,8 +130,7 @@ fn a_long_prompt_is_prefilled_on_a_prefill_worker_and_streamed_by_the_decode_wor
         .expect("usage");
     let prompt = usage["prompt_tokens"].as_u64().unwrap();
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt - 1), "{usage}");
-    let m = sidecar_metrics(&fleet);
-    assert_eq!(prom(&m, r#"kvgate_pd_requests_total{outcome="disaggregated",cause=""}"#), Some(1.0), "{m}");
+    assert_eq!(legs(&fleet, &envoy, way, "disaggregated"), 1.0);
     // Both engines hold the prompt: the prefill worker computed it, the
     // decode worker stored what it received (and announced it).
     let p = prefill_addrs.iter().position(|a| *a == prefiller).unwrap();
@@ -101,8 +150,7 @@ fn a_long_prompt_is_prefilled_on_a_prefill_worker_and_streamed_by_the_decode_wor
     let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &chat(&doc, false)).unwrap();
     assert_eq!(r.status, 200);
     assert_eq!((r.header("x-kvgate-worker"), r.header("x-kvgate-prefill")), (Some("w2"), None));
-    let m = sidecar_metrics(&fleet);
-    assert_eq!(prom(&m, r#"kvgate_pd_requests_total{outcome="aggregated",cause=""}"#), Some(1.0), "{m}");
+    assert_eq!(legs(&fleet, &envoy, way, "disaggregated"), 1.0, "no second prefill leg");
 
     // Roles hold: short and long prompts alike are decoded on w2.
     for i in 0..6 {
@@ -117,19 +165,29 @@ fn a_long_prompt_is_prefilled_on_a_prefill_worker_and_streamed_by_the_decode_wor
         prom(&cp, &format!(r#"kvgate_disaggregation_total{{model="{MODEL}",outcome="disaggregated"}}"#)),
         Some(4.0)
     );
+    assert_eq!(legs(&fleet, &envoy, way, "disaggregated"), 4.0);
     fleet.check();
 }
 
 #[test]
 fn slow_or_dead_prefill_workers_leave_requests_aggregated_and_none_fails() {
-    let dir = scratch_dir("disaggregation-faults").unwrap();
-    let mut fleet = fleet(&dir);
-    let envoy = fleet.envoy(&json!({"control_plane": {"timeout_ms": 2000}, "debug_headers": true}));
+    survives_prefill_faults(Way::Sidecar);
+}
+
+#[test]
+fn slow_or_dead_prefill_workers_behind_the_filters_legs_leave_requests_aggregated() {
+    survives_prefill_faults(Way::Filter);
+}
+
+fn survives_prefill_faults(way: Way) {
+    let dir = scratch_dir(&format!("disaggregation-faults-{way:?}")).unwrap();
+    let mut fleet = fleet(&dir, way);
+    let envoy = gateway(&fleet, way);
     let json_ct = [("content-type", "application/json")];
     let long = |i: usize| chat(&format!("Document {i} about prefill faults. ").repeat(40), false);
 
-    // Both prefill workers 10,000 times slower: the leg outlasts the
-    // sidecar's 5 s timeout and the decode worker prefills itself.
+    // Both prefill workers 10,000 times slower: the leg outlasts its 5 s
+    // timeout and the decode worker prefills itself.
     for w in 0..2 {
         let r = http_request(fleet.engines[w], "POST", "/kvgate/sim/slowdown?factor=10000", &[], b"").unwrap();
         assert_eq!(r.status, 200);
@@ -137,14 +195,16 @@ fn slow_or_dead_prefill_workers_leave_requests_aggregated_and_none_fails() {
     let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &long(0)).unwrap();
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     assert!(r.header("x-kvgate-prefill").is_some(), "the control plane chose to disaggregate");
-    let m = sidecar_metrics(&fleet);
-    assert_eq!(prom(&m, r#"kvgate_pd_requests_total{outcome="fallback",cause="timeout"}"#), Some(1.0), "{m}");
+    assert_eq!(legs(&fleet, &envoy, way, "timeout"), 1.0);
+    if way == Way::Filter {
+        assert_eq!(r.header("x-kvgate-prefill-fallback"), Some("timeout"));
+    }
     let usage = serde_json::from_slice::<Value>(&r.body).unwrap()["usage"].clone();
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(0), "prefilled locally: {usage}");
 
     // Both prefill engines die. Until their relays report them down the
-    // control plane may still name one; the sidecar then finds nobody and
-    // serves aggregated. Every request succeeds, on the decode worker.
+    // control plane may still name one; the leg then finds nobody and the
+    // request is served aggregated. Every request succeeds, on the decode worker.
     fleet.kill(Fleet::sim(0));
     fleet.kill(Fleet::sim(1));
     for i in 1..=12 {
@@ -162,7 +222,6 @@ fn slow_or_dead_prefill_workers_leave_requests_aggregated_and_none_fails() {
     let cp = fleet.metrics();
     let declined = format!(r#"kvgate_disaggregation_total{{model="{MODEL}",outcome="no_prefill_capacity"}}"#);
     assert!(prom(&cp, &declined).unwrap_or(0.0) >= 1.0, "{cp}");
-    let m = sidecar_metrics(&fleet);
-    let errors = prom(&m, r#"kvgate_pd_requests_total{outcome="fallback",cause="status"}"#).unwrap_or(0.0);
-    assert_eq!(errors, 0.0, "{m}");
+    assert_eq!(legs(&fleet, &envoy, way, "status"), 0.0, "no leg reached a wrong worker");
+    assert_eq!(legs(&fleet, &envoy, way, "disaggregated"), 0.0);
 }

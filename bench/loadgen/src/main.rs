@@ -605,7 +605,7 @@ fn pd_rows(rows: &[stats::Row], gpus: usize) -> Vec<serde_json::Value> {
     rows.iter()
         .map(|r| {
             let (kind, p, d) = match Frontend::parse(&r.mode) {
-                Ok(Frontend::Pd { prefill, decode, conditional }) => {
+                Ok(Frontend::Pd { prefill, decode, conditional, .. }) => {
                     (if conditional { "conditional" } else { "disaggregated" }, prefill, decode)
                 }
                 _ => ("aggregated", 0, gpus),

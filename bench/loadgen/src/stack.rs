@@ -9,7 +9,8 @@
 //!   the same workers (PyPI `sglang-router`, installed by scripts/setup.sh);
 //! - for the disaggregated modes ([`Frontend::Pd`]): the first workers are
 //!   prefill workers, the rest decode workers each behind `kvgate
-//!   pd-sidecar`, their relays announcing the roles.
+//!   pd-sidecar` (or, for the `_filter` modes, none: the filter runs the
+//!   legs), their relays announcing the roles.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -45,6 +46,9 @@ pub struct FleetSpec {
     pub max_num_seqs: usize,
     /// The filter's Pick timeout (ms).
     pub filter_timeout_ms: u32,
+    /// The filter runs the prefill legs itself (`disaggregation.legs:
+    /// "filter"`) instead of naming the prefill worker to a sidecar.
+    pub filter_legs: bool,
     /// Host-memory KV blocks per worker (CPU offloading); 0 = none.
     pub host_blocks: usize,
     /// vLLM's `max_num_batched_tokens`.
@@ -92,6 +96,7 @@ impl FleetSpec {
             extra: Vec::new(),
             max_num_seqs: 64,
             filter_timeout_ms: 200,
+            filter_legs: false,
             host_blocks: 0,
             max_num_batched_tokens: 16_384,
             speedup,
@@ -185,8 +190,9 @@ pub enum Frontend {
     /// its learned timing, and a prefill worker would finish it no later);
     /// else every request is (`min_uncached_tokens = 1`,
     /// `only_if_sooner = false`) while a prefill worker is below its
-    /// running limit.
-    Pd { prefill: usize, decode: usize, conditional: bool },
+    /// running limit. `filter_legs`: no sidecars, the filter runs the legs
+    /// (mode names end in `_filter`).
+    Pd { prefill: usize, decode: usize, conditional: bool, filter_legs: bool },
     /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
     /// `round-robin`) in front of Dynamo's own mocker workers
     /// ([`Stack::start_dynamo`]).
@@ -203,9 +209,11 @@ impl Frontend {
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::KvTierBlind => "kv_tier_blind".into(),
             Frontend::KvOverload => "kv_overload".into(),
-            Frontend::Pd { prefill, decode, conditional } => {
-                format!("{}_{prefill}p{decode}d", if *conditional { "conditional" } else { "disaggregated" })
-            }
+            Frontend::Pd { prefill, decode, conditional, filter_legs } => format!(
+                "{}_{prefill}p{decode}d{}",
+                if *conditional { "conditional" } else { "disaggregated" },
+                if *filter_legs { "_filter" } else { "" }
+            ),
             Frontend::Dynamo(m) if m == "kv" => "dynamo".into(),
             Frontend::Dynamo(m) => format!("dynamo_{}", m.replace('-', "_")),
         }
@@ -223,17 +231,21 @@ impl Frontend {
             "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
             _ if s.starts_with("disaggregated_") || s.starts_with("conditional_") => {
                 let (kind, shape) = s.split_once('_').unwrap_or_default();
+                let (shape, filter_legs) = match shape.strip_suffix("_filter") {
+                    Some(x) => (x, true),
+                    None => (shape, false),
+                };
                 let parsed = shape.strip_suffix('d').and_then(|x| x.split_once('p'));
                 let Some((Ok(prefill), Ok(decode))) = parsed.map(|(p, d)| (p.parse(), d.parse())) else {
                     bail!("mode {s:?}: expected {kind}_<P>p<D>d, e.g. {kind}_1p3d");
                 };
                 ensure!(prefill > 0 && decode > 0, "mode {s:?}: at least one prefill and one decode worker");
-                Frontend::Pd { prefill, decode, conditional: kind == "conditional" }
+                Frontend::Pd { prefill, decode, conditional: kind == "conditional", filter_legs }
             }
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d or conditional_<P>p<D>d)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d or conditional_<P>p<D>d, with _filter for the filter's own legs)"
                 ),
             },
         })
@@ -413,12 +425,15 @@ impl Stack {
                 told.filter_timeout_ms = OVERLOAD_FILTER_TIMEOUT_MS;
                 stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
-            Frontend::Pd { prefill, decode, conditional } => {
+            Frontend::Pd { prefill, decode, conditional, filter_legs } => {
                 let n = stack.workers.len();
                 ensure!(prefill + decode == n, "mode {}: {n} workers in the fleet", front.name());
                 let roles: Vec<&str> = (0..n).map(|w| if w < *prefill { "prefill" } else { "decode" }).collect();
-                stack.start_sidecars(fleet, &roles)?;
+                if !filter_legs {
+                    stack.start_sidecars(fleet, &roles)?;
+                }
                 let mut told = fleet.clone();
+                told.filter_legs = *filter_legs;
                 told.kv_settings.push("[models.disaggregation]".into());
                 // Conditional: the control plane's own default (100 ms of
                 // local prefill), in the wall-clock time it learns in.
@@ -531,9 +546,13 @@ impl Stack {
         self.cp_admin = Some(admin);
         // Debug headers: the client records each decision's reason and
         // matched blocks (for the `mispredicted` count).
-        let filter =
-            serde_json::json!({"control_plane": {"timeout_ms": fleet.filter_timeout_ms}, "debug_headers": true})
-                .to_string();
+        let mut filter =
+            serde_json::json!({"control_plane": {"timeout_ms": fleet.filter_timeout_ms}, "debug_headers": true});
+        if fleet.filter_legs {
+            // The sidecar's own default timeout (30 s).
+            filter["disaggregation"] = serde_json::json!({"legs": "filter", "timeout_ms": 30_000});
+        }
+        let filter = filter.to_string();
         let config = self.dir.join("envoy.yaml");
         std::fs::write(&config, render_kvgate_envoy(0, 0, &self.workers, &[grpc.parse()?], &filter)?)?;
         let envoy = Envoy::start(&config, &self.dir)?;
@@ -716,14 +735,26 @@ mod tests {
             "dynamo_round_robin",
             "disaggregated_1p3d",
             "conditional_2p2d",
+            "conditional_1p3d_filter",
         ] {
             assert_eq!(Frontend::parse(name).unwrap().name(), name);
         }
         assert_eq!(
             Frontend::parse("disaggregated_1p3d").unwrap(),
-            Frontend::Pd { prefill: 1, decode: 3, conditional: false }
+            Frontend::Pd { prefill: 1, decode: 3, conditional: false, filter_legs: false }
         );
-        for bad in ["disaggregated_", "disaggregated_1p", "conditional_0p4d", "conditional_xpyd", "pd"] {
+        assert_eq!(
+            Frontend::parse("conditional_2p2d_filter").unwrap(),
+            Frontend::Pd { prefill: 2, decode: 2, conditional: true, filter_legs: true }
+        );
+        for bad in [
+            "disaggregated_",
+            "disaggregated_1p",
+            "conditional_0p4d",
+            "conditional_xpyd",
+            "pd",
+            "conditional_1p3d_sidecar",
+        ] {
             assert!(Frontend::parse(bad).is_err(), "{bad}");
         }
     }

@@ -8,14 +8,15 @@
 //!
 //! | module | concern |
 //! |---|---|
-//! | `legs.rs` | the two legs' bodies (pure, table-tested) and the fallback causes |
 //! | `proxy.rs` | the HTTP proxy: prefill leg with a timeout, decode leg, fallback to aggregated |
 //! | `metrics.rs` | requests by outcome, prefill-leg duration |
+//!
+//! The two legs' bodies and the fallback causes are `kvgate_protocol::pd`
+//! (shared with the filter's own legs).
 //!
 //! Cost per request: one JSON parse and two serializations of the body, one
 //! extra round trip to the prefill worker (bounded by the timeout).
 
-pub mod legs;
 pub mod metrics;
 pub mod proxy;
 

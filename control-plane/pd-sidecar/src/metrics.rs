@@ -8,7 +8,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::legs::Fallback;
+use kvgate_protocol::pd::Fallback;
 
 /// What happened to one generation request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

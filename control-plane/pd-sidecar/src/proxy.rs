@@ -27,16 +27,15 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvgate_protocol::PREFILLER_HEADER;
 
-use crate::legs::{self, Fallback};
 use crate::metrics::{Metrics, Outcome};
+use kvgate_protocol::pd::{self as legs, Fallback};
 
 /// Largest request body accepted (vLLM sets none; this bounds a runaway
 /// client).
 pub const MAX_BODY: usize = 256 << 20;
 
-/// Largest prefill answer read (a one-token completion is a few KB; a
-/// larger one is not a prefill leg's answer).
-pub const MAX_ANSWER: usize = 16 << 20;
+/// Largest prefill answer read.
+pub const MAX_ANSWER: usize = legs::MAX_PREFILL_ANSWER;
 
 /// Path of the sidecar's own metrics (everything else goes to vLLM).
 pub const METRICS_PATH: &str = "/kvgate/pd/metrics";

@@ -7,17 +7,24 @@
 //! * `encode_pick`: segment hashing + PickRequest encoding from the spans;
 //! * `request_path`: the state machine from headers to the Pick call, with
 //!   the mock host (includes copying the body out of the host);
+//! * `prefill_legs`: the filter's own two legs of a disaggregated request
+//!   (`disaggregation.legs: "filter"`), from the Pick answer naming a
+//!   prefill worker to the decode leg's body in place: JSON parse, the
+//!   prefill leg's body, the answer's `kv_transfer_params` into the decode
+//!   leg's body (the round trip to the prefill worker is not in it);
 //! * `usage_tail`: finding `usage` in a 16 KiB response tail.
 
 use std::hint::black_box;
 use std::rc::Rc;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvgate_filter_core::extract::{Api, extract};
 use kvgate_filter_core::mock::MockHost;
 use kvgate_filter_core::pick::{RequestMeta, chain_hashes, encode_pick};
 use kvgate_filter_core::usage::find_usage;
 use kvgate_filter_core::{Config, RequestFilter};
+use kvgate_protocol::pb;
+use prost::Message as _;
 
 fn body(words: usize) -> Vec<u8> {
     const W: &[&str] = &["the", "kv", "cache", "router", "prefix", "token", "block", "worker", "latency", "envoy"];
@@ -58,6 +65,35 @@ fn benches(c: &mut Criterion) {
                 f.on_request_body(&h, b.len(), true);
                 f.pick_token()
             })
+        });
+        let legs = Rc::new(Config::parse(br#"{"disaggregation":{"legs":"filter"}}"#).unwrap());
+        let answer = pb::PickResponse {
+            endpoint: "10.0.0.1:8000".into(),
+            worker_id: "w1".into(),
+            prefill_endpoint: "10.0.0.9:8000".into(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let prefilled = br#"{"id":"c","choices":[],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1,2,3],"remote_host":"10.0.0.9","remote_port":5600}}"#;
+        g.bench_function("prefill_legs", |bench| {
+            bench.iter_batched(
+                || {
+                    let h = MockHost::post("/v1/chat/completions");
+                    h.set_body(&b);
+                    let mut f = RequestFilter::new(legs.clone());
+                    f.on_request_headers(&h, false);
+                    f.on_request_body(&h, b.len(), true);
+                    let t = f.pick_token().unwrap();
+                    (h, f, t)
+                },
+                |(h, mut f, t)| {
+                    f.on_pick_response(&h, t, 0, Some(&answer));
+                    let leg = f.prefill_token().unwrap();
+                    f.on_prefill_response(&h, leg, 200, Some(prefilled));
+                    (h, f)
+                },
+                BatchSize::LargeInput,
+            )
         });
         g.finish();
     }

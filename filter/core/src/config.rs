@@ -17,11 +17,21 @@
 //!   "tenant_header": "x-tenant-id",
 //!   "priority_header": "x-priority",
 //!   "lora_adapters": { "sql-lora": "llama-3-8b" },
-//!   "reports": { "enabled": true, "interval_ms": 1000, "max_batch": 512, "max_queue": 8192, "tail_bytes": 16384 }
+//!   "reports": { "enabled": true, "interval_ms": 1000, "max_batch": 512, "max_queue": 8192, "tail_bytes": 16384 },
+//!   "disaggregation": { "legs": "sidecar", "cluster": "kvgate_prefill", "timeout_ms": 30000 }
 //! }
 //! ```
 //! Every field has the default shown except `lora_adapters` (none); `{}` is
 //! a valid configuration.
+//!
+//! `disaggregation.legs` says who runs the two legs of a request the control
+//! plane disaggregates: `"sidecar"` sets `x-prefiller-host-port` for the
+//! decode pod's sidecar (llm-d's convention); `"filter"` runs the prefill
+//! leg itself, an HTTP call through `cluster` (an `ORIGINAL_DST` cluster
+//! that connects to the address in `x-gateway-destination-endpoint`, as
+//! `envoy/kvgate.yaml` defines it: the leg reaches that prefill worker or
+//! fails, never another worker), and rewrites the body of the decode leg; a prefill leg that fails or outlasts `timeout_ms`
+//! leaves the request aggregated on its decode worker.
 
 use std::collections::BTreeMap;
 
@@ -51,6 +61,27 @@ pub struct Reports {
     pub max_queue: usize,
     /// Bytes of the response's end kept to find `usage`.
     pub tail_bytes: usize,
+}
+
+/// Who runs the two legs of a disaggregated request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Legs {
+    /// The decode pod's sidecar, told by `x-prefiller-host-port`.
+    Sidecar,
+    /// The filter: an HTTP call to the prefill worker, then the decode leg.
+    Filter,
+}
+
+/// Disaggregated prefill and decode settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Disaggregation {
+    /// Who runs the legs.
+    pub legs: Legs,
+    /// The Envoy cluster of the filter's prefill calls (one that connects
+    /// to the address in `x-gateway-destination-endpoint`).
+    pub cluster: String,
+    /// Longest wait for a prefill leg the filter runs.
+    pub timeout_ms: u32,
 }
 
 /// The validated configuration.
@@ -93,6 +124,8 @@ pub struct Config {
     pub priority_header: String,
     /// Completion reports.
     pub reports: Reports,
+    /// Disaggregated prefill and decode.
+    pub disaggregation: Disaggregation,
     /// The serialized `envoy.config.core.v3.GrpcService` handed to Envoy
     /// for every call (so that the cluster name is never mistaken for a
     /// protobuf).
@@ -138,6 +171,14 @@ struct RawReports {
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+struct RawDisaggregation {
+    legs: Option<String>,
+    cluster: Option<String>,
+    timeout_ms: Option<u32>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct RawConfig {
     #[serde(default)]
     control_plane: RawControlPlane,
@@ -155,6 +196,8 @@ struct RawConfig {
     lora_adapters: BTreeMap<String, String>,
     #[serde(default)]
     reports: RawReports,
+    #[serde(default)]
+    disaggregation: RawDisaggregation,
 }
 
 fn err<T: std::fmt::Display>(field: &'static str, value: T, reason: &'static str) -> ConfigError {
@@ -314,6 +357,27 @@ impl Config {
         if reports.max_batch > reports.max_queue {
             return Err(err("reports.max_batch", reports.max_batch, "cannot exceed reports.max_queue"));
         }
+        let d = raw.disaggregation;
+        let legs = match d.legs.as_deref().unwrap_or("sidecar") {
+            "sidecar" => Legs::Sidecar,
+            "filter" => Legs::Filter,
+            other => return Err(err("disaggregation.legs", other, "must be \"sidecar\" or \"filter\"")),
+        };
+        let prefill_cluster = d.cluster.unwrap_or_else(|| "kvgate_prefill".into());
+        if prefill_cluster.is_empty() || prefill_cluster.bytes().any(|b| b <= b' ' || b >= 0x7f) {
+            return Err(err("disaggregation.cluster", &prefill_cluster, "must be printable ASCII characters"));
+        }
+        let disaggregation = Disaggregation {
+            legs,
+            cluster: prefill_cluster,
+            timeout_ms: range(
+                "disaggregation.timeout_ms",
+                d.timeout_ms.unwrap_or(30_000),
+                1,
+                600_000,
+                "must be between 1 and 600000",
+            )?,
+        };
         let grpc_service = grpc_service(&cluster, &authority);
         Ok(Config {
             cluster,
@@ -331,6 +395,7 @@ impl Config {
             tenant_header,
             priority_header,
             reports,
+            disaggregation,
             grpc_service,
         })
     }
@@ -386,6 +451,11 @@ mod tests {
         assert_eq!(d.session_header, "x-session-id");
         assert_eq!(Config::parse(br#"{"session_header":""}"#).unwrap().session_header, "");
         assert_eq!(Config::parse(br#"{"session_header":"x-conv"}"#).unwrap().session_header, "x-conv");
+        let want = Disaggregation { legs: Legs::Sidecar, cluster: "kvgate_prefill".into(), timeout_ms: 30_000 };
+        assert_eq!(d.disaggregation, want);
+        let own = Config::parse(br#"{"disaggregation":{"legs":"filter","cluster":"pool","timeout_ms":900}}"#).unwrap();
+        let want = Disaggregation { legs: Legs::Filter, cluster: "pool".into(), timeout_ms: 900 };
+        assert_eq!(own.disaggregation, want);
     }
 
     #[test]
@@ -403,6 +473,9 @@ mod tests {
         assert_eq!(e(r#"{"session_header":"a b"}"#).field, "session_header");
         assert_eq!(e(r#"{"tenant_header":"Tenant"}"#).field, "tenant_header");
         assert_eq!(e(r#"{"priority_header":"x prio"}"#).field, "priority_header");
+        assert_eq!(e(r#"{"disaggregation":{"legs":"both"}}"#).field, "disaggregation.legs");
+        assert_eq!(e(r#"{"disaggregation":{"cluster":"a b"}}"#).field, "disaggregation.cluster");
+        assert_eq!(e(r#"{"disaggregation":{"timeout_ms":0}}"#).field, "disaggregation.timeout_ms");
         assert_eq!(e(r#"{"nope":1}"#).field, "(document)");
         assert!(e(r#"{"nope":1}"#).value.contains("nope"));
         assert!(e(r#"{"failure_mode":"maybe"}"#).to_string().contains("must be"));

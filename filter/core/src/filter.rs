@@ -8,7 +8,11 @@
 //!     │ end of body: extract + encode + dispatch_pick   (fail(malformed | unsupported | dispatch_failed))
 //!     ▼ Pause
 //!  Picking ──gRPC answer──▶ usable: set header, resume ─▶ Forwarded
-//!     ▲                     resend (elided messages not held): ─┐
+//!     ▲                     │ a prefill worker named, legs "filter": prefill leg (HTTP call)
+//!     │                     ▼ Pause
+//!     │                  Prefilling ──answer with kv_transfer_params──▶ decode body, resume ─▶ Forwarded
+//!     │                           └─error, timeout, no parameters──▶ body untouched, resume (aggregated)
+//!     │                     resend (elided messages not held): ─┐
 //!     └──── re-extract, encode in full, dispatch_pick ◀─────────┘
 //!                           else fail(timeout | unavailable | unknown_model | grpc_error | unusable_answer)
 //!
@@ -25,9 +29,11 @@
 
 use std::rc::Rc;
 
+use kvgate_protocol::pd::{self, Fallback};
 use kvgate_protocol::{DESTINATION_HEADER, DP_RANK_HEADER, PREFILLER_HEADER, pb};
+use serde_json::{Map, Value};
 
-use crate::config::{Config, FailureMode};
+use crate::config::{Config, FailureMode, Legs};
 use crate::extract::{Api, extract};
 use crate::host::{Action, Cause, Host, Metric};
 use crate::pick::{Answer, Decision, RequestMeta, answer, chain_hashes, encode_pick};
@@ -60,6 +66,9 @@ pub const DEBUG_FALLBACK: &str = "x-kvgate-fallback";
 pub const DEBUG_PASSED_OVER: &str = "x-kvgate-passed-over";
 /// Debug header: the prefill worker (`ip:port`) of a disaggregated request.
 pub const DEBUG_PREFILL: &str = "x-kvgate-prefill";
+/// Debug header: why the filter's prefill leg left a disaggregated request
+/// aggregated.
+pub const DEBUG_PREFILL_FALLBACK: &str = "x-kvgate-prefill-fallback";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -69,6 +78,8 @@ enum State {
     Buffering,
     /// Waiting for the Pick answer.
     Picking,
+    /// Waiting for the prefill leg the filter runs.
+    Prefilling,
     /// Sent upstream (steered or failed open).
     Forwarded,
     /// Answered locally (fail-closed).
@@ -102,6 +113,19 @@ pub struct RequestFilter {
     /// Chain hash through which the Pick in flight elided messages (0 = none).
     elided_through: u64,
     body_size: usize,
+    /// The prefill leg in flight.
+    prefill: Option<PrefillLeg>,
+    /// Why the filter's prefill leg fell back to aggregated.
+    prefill_fallback: Option<Fallback>,
+}
+
+/// A prefill leg the filter runs.
+#[derive(Debug)]
+struct PrefillLeg {
+    token: u32,
+    started_ns: u64,
+    /// The client's body, parsed once for both legs.
+    original: Map<String, Value>,
 }
 
 fn steered_api(cfg: &Config, path: &str) -> Option<Api> {
@@ -139,6 +163,8 @@ impl RequestFilter {
             retained: None,
             elided_through: 0,
             body_size: 0,
+            prefill: None,
+            prefill_fallback: None,
         }
     }
 
@@ -162,6 +188,16 @@ impl RequestFilter {
     /// The token of the Pick call in flight.
     pub fn pick_token(&self) -> Option<u32> {
         self.token
+    }
+
+    /// The token of the prefill leg in flight.
+    pub fn prefill_token(&self) -> Option<u32> {
+        self.prefill.as_ref().map(|l| l.token)
+    }
+
+    /// Why the filter's prefill leg left the request aggregated.
+    pub fn prefill_fallback(&self) -> Option<Fallback> {
+        self.prefill_fallback
     }
 
     /// Request headers.
@@ -214,7 +250,7 @@ impl RequestFilter {
     pub fn on_request_body(&mut self, host: &impl Host, body_size: usize, end_of_stream: bool) -> Action {
         if self.state != State::Buffering {
             return match self.state {
-                State::Picking | State::Local => Action::Pause,
+                State::Picking | State::Prefilling | State::Local => Action::Pause,
                 _ => Action::Continue,
             };
         }
@@ -299,12 +335,20 @@ impl RequestFilter {
                     if let Some(rank) = d.dp_rank {
                         host.set_request_header(DP_RANK_HEADER, Some(&rank.to_string()));
                     }
-                    if let Some(p) = &d.prefill {
-                        host.set_request_header(PREFILLER_HEADER, Some(p));
-                    }
                     host.metric(Metric::Steered, 1);
+                    let prefill = d.prefill.clone();
                     self.decision = Some(d);
                     self.state = State::Forwarded;
+                    if let Some(p) = prefill {
+                        match self.cfg.disaggregation.legs {
+                            Legs::Sidecar => host.set_request_header(PREFILLER_HEADER, Some(&p)),
+                            Legs::Filter => match self.start_prefill(host, &p) {
+                                // Resumed when the leg answers.
+                                Ok(()) => return,
+                                Err(f) => self.prefill_failed(host, f),
+                            },
+                        }
+                    }
                     host.resume_request();
                     return;
                 }
@@ -338,6 +382,83 @@ impl RequestFilter {
             _ => Cause::GrpcError,
         };
         self.fail(host, cause, true);
+    }
+
+    /// Starts the prefill leg on `prefiller` (`ip:port`): the client's body
+    /// as a one-token, non-streamed request that asks for a remote decode,
+    /// through the worker cluster with the destination header naming it.
+    fn start_prefill(&mut self, host: &impl Host, prefiller: &str) -> Result<(), Fallback> {
+        let body = host.request_body(0, self.body_size).ok_or(Fallback::NotJson)?;
+        let original = pd::parse(&body)?;
+        drop(body);
+        let leg = serde_json::to_vec(&pd::prefill_body(&original)).map_err(|_| Fallback::NotJson)?;
+        let path = host.request_header(":path").unwrap_or_default();
+        let auth = host.request_header("authorization");
+        let mut headers: Vec<(&str, &str)> = vec![
+            (":method", "POST"),
+            (":path", &path),
+            (":authority", prefiller),
+            ("content-type", "application/json"),
+            (DESTINATION_HEADER, prefiller),
+        ];
+        if let Some(a) = &auth {
+            headers.push(("authorization", a));
+        }
+        if !self.request_id.is_empty() {
+            headers.push(("x-request-id", &self.request_id));
+        }
+        let d = &self.cfg.disaggregation;
+        let token = host.dispatch_http(&d.cluster, &headers, &leg, d.timeout_ms).ok_or(Fallback::Unreachable)?;
+        self.prefill = Some(PrefillLeg { token, started_ns: host.now_ns(), original });
+        self.state = State::Prefilling;
+        Ok(())
+    }
+
+    /// The prefill leg ended: its HTTP `status` (0 = no answer: reset,
+    /// refused, timed out) and body (`None` when absent or larger than a
+    /// prefill answer can be). With `kv_transfer_params` the body becomes
+    /// the decode leg's; otherwise it stays the client's (aggregated).
+    /// Either way the request goes on to its decode worker.
+    pub fn on_prefill_response(&mut self, host: &impl Host, token: u32, status: u32, body: Option<&[u8]>) {
+        if self.state != State::Prefilling || self.prefill_token() != Some(token) {
+            return;
+        }
+        let Some(leg) = self.prefill.take() else { return };
+        let elapsed_us = host.now_ns().saturating_sub(leg.started_ns) / 1000;
+        host.metric(Metric::PrefillLegUs, elapsed_us);
+        let timeout_us = u64::from(self.cfg.disaggregation.timeout_ms) * 1000;
+        let timed_out = elapsed_us + (timeout_us / 10).max(5000) >= timeout_us;
+        let decode = match status {
+            200..=299 => body
+                .ok_or(Fallback::NoParams)
+                .and_then(|b| pd::decode_body(leg.original, b))
+                .and_then(|v| serde_json::to_vec(&v).map_err(|_| Fallback::NoParams)),
+            // Envoy's own timer (504, or no answer at all).
+            0 | 504 if timed_out => Err(Fallback::Timeout),
+            // No answer, or Envoy's own reply that it reached nobody.
+            0 => Err(Fallback::Unreachable),
+            503 if body.is_some_and(envoy_found_nobody) => Err(Fallback::Unreachable),
+            _ => Err(Fallback::Status),
+        };
+        match decode {
+            Ok(bytes) => {
+                host.replace_request_body(self.body_size, &bytes);
+                host.set_request_header("transfer-encoding", None);
+                host.set_request_header("content-length", Some(&bytes.len().to_string()));
+                self.body_size = bytes.len();
+                host.metric(Metric::PrefillLegs, 1);
+            }
+            Err(f) => self.prefill_failed(host, f),
+        }
+        self.state = State::Forwarded;
+        host.resume_request();
+    }
+
+    /// A disaggregated request is served aggregated: counted, and named in
+    /// the debug headers.
+    fn prefill_failed(&mut self, host: &impl Host, f: Fallback) {
+        self.prefill_fallback = Some(f);
+        host.metric(Metric::PrefillFallback(f), 1);
     }
 
     /// Whether an UNAVAILABLE status is Envoy's own timeout. Envoy says so
@@ -429,6 +550,9 @@ impl RequestFilter {
                     if let Some(p) = &d.prefill {
                         host.add_response_header(DEBUG_PREFILL, p);
                     }
+                    if let Some(f) = self.prefill_fallback {
+                        host.add_response_header(DEBUG_PREFILL_FALLBACK, f.label());
+                    }
                 }
                 (None, Some(c)) => {
                     host.add_response_header(DEBUG_REASON, "fallback");
@@ -490,6 +614,12 @@ impl RequestFilter {
             served_endpoint: host.upstream_address().unwrap_or_default(),
         })
     }
+}
+
+/// Envoy's local reply when a call found no upstream to talk to (connect
+/// failure, reset before headers, no healthy host).
+fn envoy_found_nobody(body: &[u8]) -> bool {
+    body.starts_with(b"upstream connect error") || body.starts_with(b"no healthy upstream")
 }
 
 fn push_u32(s: &mut String, mut v: u32) {
@@ -674,6 +804,105 @@ mod tests {
         assert_eq!(steer("10.0.0.9:8000").as_deref(), Some("10.0.0.9:8000"));
         assert_eq!(steer(""), None);
         assert_eq!(steer("10.0.0.9:8000\r\nx-evil: 1"), None);
+    }
+
+    const PREFILL_ANSWER: &[u8] = br#"{"id":"c1","choices":[{"text":"x"}],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e7","remote_block_ids":[4,5],"remote_host":"10.0.0.9","remote_port":5600}}"#;
+
+    /// A request the control plane disaggregates, with the filter running
+    /// the legs: up to its prefill call; returns the host, filter and token.
+    fn to_prefill_leg() -> (MockHost, RequestFilter, u32) {
+        let h = MockHost::post("/v1/chat/completions");
+        h.set_request_header("x-request-id", Some("r9"));
+        h.set_request_header("authorization", Some("Bearer k"));
+        let mut f = RequestFilter::new(cfg(r#","disaggregation":{"legs":"filter","timeout_ms":30000}"#));
+        let t = to_pick(&mut f, &h, CHAT);
+        let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
+        a.prefill_endpoint = "10.0.0.9:8000".into();
+        f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
+        let token = f.prefill_token().expect("a prefill leg in flight");
+        (h, f, token)
+    }
+
+    /// Legs in the filter: the prefill leg goes through the worker cluster
+    /// to the prefill worker (one token, not streamed, a remote decode); the
+    /// request waits; the answer's `kv_transfer_params` make the body of the
+    /// decode leg, which goes to the decode worker; no prefiller header.
+    #[test]
+    fn the_filter_runs_the_prefill_leg_and_sends_the_decode_leg() {
+        let (h, mut f, token) = to_prefill_leg();
+        assert!(!h.calls().contains(&Call::Resume), "the request waits for its prefill leg");
+        assert_eq!(f.on_request_body(&h, CHAT.len(), true), Action::Pause);
+        assert_eq!(h.request_header(PREFILLER_HEADER), None, "no sidecar is told");
+        let calls = h.http_calls();
+        let (cluster, headers, body) = &calls[0];
+        assert_eq!(cluster, "kvgate_prefill");
+        let header = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(header(DESTINATION_HEADER), Some("10.0.0.9:8000"));
+        assert_eq!((header(":path"), header(":authority")), (Some("/v1/chat/completions"), Some("10.0.0.9:8000")));
+        assert_eq!((header("x-request-id"), header("authorization")), (Some("r9"), Some("Bearer k")));
+        let leg: serde_json::Value = serde_json::from_slice(body).unwrap();
+        assert_eq!((leg["max_tokens"].as_u64(), leg["stream"].as_bool()), (Some(1), Some(false)));
+        assert_eq!(leg["kv_transfer_params"]["do_remote_decode"].as_bool(), Some(true));
+
+        h.advance_us(40_000);
+        f.on_prefill_response(&h, token + 1, 200, Some(PREFILL_ANSWER));
+        assert!(!h.calls().contains(&Call::Resume), "another call's answer is ignored");
+        f.on_prefill_response(&h, token, 200, Some(PREFILL_ANSWER));
+        assert!(h.calls().contains(&Call::Resume));
+        let decode: serde_json::Value = serde_json::from_slice(&h.body()).unwrap();
+        let k = &decode["kv_transfer_params"];
+        assert_eq!((k["do_remote_prefill"].as_bool(), k["remote_engine_id"].as_str()), (Some(true), Some("e7")));
+        assert_eq!(decode["stream"].as_bool(), Some(true), "the client's request otherwise");
+        assert_eq!(h.request_header("content-length"), Some(h.body().len().to_string()));
+        assert_eq!(h.request_header(DESTINATION_HEADER).as_deref(), Some("10.0.0.1:8000,10.0.0.9:80"));
+        assert_eq!((h.metric_value(Metric::PrefillLegs), h.metric_value(Metric::PrefillLegUs)), (1, 40_000));
+        h.set_response_header(":status", "200");
+        f.on_response_headers(&h);
+        assert_eq!(h.response_headers_added(DEBUG_PREFILL).as_deref(), Some("10.0.0.9:8000"));
+        assert_eq!(h.response_headers_added(DEBUG_PREFILL_FALLBACK), None);
+        assert_eq!(f.finish(&h).unwrap().worker_id, "w1");
+    }
+
+    /// Every way a prefill leg can fail leaves the client's body untouched
+    /// and sends it on to its decode worker (aggregated), counted by cause.
+    #[test]
+    fn a_failed_prefill_leg_leaves_the_request_aggregated() {
+        let connect =
+            &b"upstream connect error or disconnect/reset before headers. reset reason: connection failure"[..];
+        for (status, body, after_ms, cause) in [
+            (0, None, 3, Fallback::Unreachable),
+            (0, None, 30_000, Fallback::Timeout),
+            (504, Some(&b"upstream request timeout"[..]), 29_900, Fallback::Timeout),
+            (504, Some(&b"gateway timeout"[..]), 10, Fallback::Status),
+            (503, Some(connect), 2, Fallback::Unreachable),
+            (503, Some(&br#"{"error":"busy"}"#[..]), 2, Fallback::Status),
+            (400, Some(&br#"{"error":"bad"}"#[..]), 2, Fallback::Status),
+            (200, Some(&br#"{"choices":[]}"#[..]), 2, Fallback::NoParams),
+            (200, None, 2, Fallback::NoParams),
+        ] {
+            let (h, mut f, token) = to_prefill_leg();
+            h.advance_us(after_ms * 1000);
+            f.on_prefill_response(&h, token, status, body);
+            assert_eq!(f.prefill_fallback(), Some(cause), "status {status} after {after_ms} ms");
+            assert_eq!(h.body(), CHAT, "untouched");
+            assert!(h.calls().contains(&Call::Resume));
+            assert_eq!(h.metric_value(Metric::PrefillFallback(cause)), 1);
+            assert_eq!(h.metric_value(Metric::PrefillLegs), 0);
+            h.set_response_header(":status", "200");
+            f.on_response_headers(&h);
+            assert_eq!(h.response_headers_added(DEBUG_PREFILL_FALLBACK).as_deref(), Some(cause.label()));
+            assert_eq!(f.cause(), None, "steered all the same");
+        }
+        // The call cannot even start: on at once, aggregated.
+        let h = MockHost::post("/v1/chat/completions");
+        h.refuse_http_calls();
+        let mut f = RequestFilter::new(cfg(r#","disaggregation":{"legs":"filter"}"#));
+        let t = to_pick(&mut f, &h, CHAT);
+        let mut a = pb::PickResponse::decode(answer("10.0.0.1:8000").as_slice()).unwrap();
+        a.prefill_endpoint = "10.0.0.9:8000".into();
+        f.on_pick_response(&h, t, 0, Some(&a.encode_to_vec()));
+        assert_eq!(f.prefill_fallback(), Some(Fallback::Unreachable));
+        assert!(h.calls().contains(&Call::Resume));
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! The Wasm shim implements [`Host`] with `proxy_wasm::hostcalls`; unit tests
 //! use [`crate::mock::MockHost`], which records every call.
 
+use kvgate_protocol::pd::Fallback;
+
 /// Why a request was not steered. Every one takes the single failure path
 /// ([`crate::filter::RequestFilter`]): fail-open or fail-closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -111,6 +113,13 @@ pub enum Metric {
     /// Requests answered 429 because the control plane refused them (every
     /// worker saturated, its admission queue full or their wait too long).
     Overloaded,
+    /// Prefill legs the filter ran whose decode leg then went upstream
+    /// (`disaggregation.legs: "filter"`).
+    PrefillLegs,
+    /// Prefill leg round trip, microseconds (histogram).
+    PrefillLegUs,
+    /// Disaggregated requests served aggregated instead, by cause.
+    PrefillFallback(Fallback),
 }
 
 /// Counter or histogram.
@@ -124,7 +133,7 @@ pub enum MetricKind {
 
 impl Metric {
     /// Number of metrics.
-    pub const COUNT: usize = 9 + Cause::ALL.len();
+    pub const COUNT: usize = 11 + Cause::ALL.len() + Fallback::ALL.len();
 
     /// Dense index in `0..COUNT`.
     pub fn index(self) -> usize {
@@ -138,7 +147,20 @@ impl Metric {
             Metric::ReportErrors => 6,
             Metric::PickResends => 7,
             Metric::Overloaded => 8,
-            Metric::Fallback(c) => 9 + Cause::ALL.iter().position(|x| *x == c).unwrap_or(0),
+            Metric::PrefillLegs => 9,
+            Metric::PrefillLegUs => 10,
+            Metric::Fallback(c) => 11 + Cause::ALL.iter().position(|x| *x == c).unwrap_or(0),
+            Metric::PrefillFallback(f) => {
+                11 + Cause::ALL.len() + Fallback::ALL.iter().position(|x| *x == f).unwrap_or(0)
+            }
+        }
+    }
+
+    /// Counter or histogram.
+    pub fn kind(self) -> MetricKind {
+        match self {
+            Metric::PickLatencyUs | Metric::PrefillLegUs => MetricKind::Histogram,
+            _ => MetricKind::Counter,
         }
     }
 
@@ -155,9 +177,23 @@ impl Metric {
             (Metric::ReportErrors, "kvgate.report_errors", Counter),
             (Metric::PickResends, "kvgate.pick_resends", Counter),
             (Metric::Overloaded, "kvgate.overloaded", Counter),
+            (Metric::PrefillLegs, "kvgate.prefill_legs", Counter),
+            (Metric::PrefillLegUs, "kvgate.prefill_leg_us", Histogram),
         ]
         .into_iter()
         .chain(Cause::ALL.into_iter().map(|c| (Metric::Fallback(c), fallback_name(c), Counter)))
+        .chain(Fallback::ALL.into_iter().map(|f| (Metric::PrefillFallback(f), prefill_fallback_name(f), Counter)))
+    }
+}
+
+fn prefill_fallback_name(f: Fallback) -> &'static str {
+    match f {
+        Fallback::BadHeader => "kvgate.prefill_fallback.bad_header",
+        Fallback::NotJson => "kvgate.prefill_fallback.not_json",
+        Fallback::Unreachable => "kvgate.prefill_fallback.unreachable",
+        Fallback::Timeout => "kvgate.prefill_fallback.timeout",
+        Fallback::Status => "kvgate.prefill_fallback.status",
+        Fallback::NoParams => "kvgate.prefill_fallback.no_params",
     }
 }
 
@@ -211,6 +247,11 @@ pub trait Host {
     fn upstream_address(&self) -> Option<String>;
     /// Starts `kvgate.v1.Router/Pick`; returns the call's token.
     fn dispatch_pick(&self, grpc_service: &[u8], message: &[u8], timeout_ms: u32) -> Option<u32>;
+    /// Starts an HTTP call through `cluster` (headers include `:method`,
+    /// `:path`, `:authority`); returns its token.
+    fn dispatch_http(&self, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u32) -> Option<u32>;
+    /// Replaces the buffered request body (`old_len` bytes) with `body`.
+    fn replace_request_body(&self, old_len: usize, body: &[u8]);
     /// Resumes a paused request.
     fn resume_request(&self);
     /// Answers locally (the request goes no further).

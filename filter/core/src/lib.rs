@@ -37,7 +37,7 @@ pub mod report;
 pub mod retained;
 pub mod usage;
 
-pub use config::{Config, ConfigError, FailureMode};
+pub use config::{Config, ConfigError, Disaggregation, FailureMode, Legs};
 pub use filter::RequestFilter;
 pub use host::{Action, Cause, Host, Metric, MetricKind};
 pub use report::ReportQueue;

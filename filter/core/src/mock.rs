@@ -15,6 +15,10 @@ pub enum Call {
     AddResponseHeader(String, String),
     /// A Pick call with its message.
     Pick(Vec<u8>),
+    /// An HTTP call: cluster, headers, body.
+    Http(String, Vec<(String, String)>, Vec<u8>),
+    /// The request body replaced.
+    ReplaceBody(Vec<u8>),
     /// The request resumed.
     Resume,
     /// A local reply: status and body.
@@ -22,6 +26,9 @@ pub enum Call {
     /// A header of the local reply that follows.
     LocalHeader(String, String),
 }
+
+/// An HTTP call the filter made: cluster, headers, body.
+pub type HttpCall = (String, Vec<(String, String)>, Vec<u8>);
 
 /// The mock host.
 #[derive(Debug, Default)]
@@ -34,6 +41,7 @@ pub struct MockHost {
     calls: RefCell<Vec<Call>>,
     metrics: RefCell<[u64; Metric::COUNT]>,
     refuse: Cell<bool>,
+    refuse_http: Cell<bool>,
     next_token: Cell<u32>,
     grpc_message: RefCell<Option<String>>,
     upstream: RefCell<Option<String>>,
@@ -88,9 +96,28 @@ impl MockHost {
         self.refuse.set(true);
     }
 
+    /// Makes `dispatch_http` fail.
+    pub fn refuse_http_calls(&self) {
+        self.refuse_http.set(true);
+    }
+
     /// Every recorded effect.
     pub fn calls(&self) -> Vec<Call> {
         self.calls.borrow().clone()
+    }
+
+    /// The HTTP calls made: cluster, headers, body.
+    pub fn http_calls(&self) -> Vec<HttpCall> {
+        self.calls
+            .borrow()
+            .iter()
+            .filter_map(|c| if let Call::Http(a, b, d) = c { Some((a.clone(), b.clone(), d.clone())) } else { None })
+            .collect()
+    }
+
+    /// The buffered request body as it is now.
+    pub fn body(&self) -> Vec<u8> {
+        self.body.borrow().clone()
     }
 
     /// Messages of the Pick calls made.
@@ -157,6 +184,22 @@ impl Host for MockHost {
         let t = self.next_token.get();
         self.next_token.set(t + 1);
         Some(t)
+    }
+    fn dispatch_http(&self, cluster: &str, headers: &[(&str, &str)], body: &[u8], _timeout_ms: u32) -> Option<u32> {
+        if self.refuse_http.get() {
+            return None;
+        }
+        let h = headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        self.calls.borrow_mut().push(Call::Http(cluster.to_owned(), h, body.to_vec()));
+        let t = self.next_token.get();
+        self.next_token.set(t + 1);
+        Some(t)
+    }
+    fn replace_request_body(&self, old_len: usize, body: &[u8]) {
+        let mut b = self.body.borrow_mut();
+        let n = old_len.min(b.len());
+        b.splice(..n, body.iter().copied());
+        self.calls.borrow_mut().push(Call::ReplaceBody(body.to_vec()));
     }
     fn resume_request(&self) {
         self.calls.borrow_mut().push(Call::Resume);

@@ -52,9 +52,9 @@ fn pw(a: Action) -> PwAction {
 
 fn metric(ids: &[Option<u32>; Metric::COUNT], m: Metric, v: u64) {
     if let Some(Some(id)) = ids.get(m.index()) {
-        let _ = match m {
-            Metric::PickLatencyUs => hostcalls::record_metric(*id, v),
-            _ => hostcalls::increment_metric(*id, i64::try_from(v).unwrap_or(i64::MAX)),
+        let _ = match m.kind() {
+            MetricKind::Histogram => hostcalls::record_metric(*id, v),
+            MetricKind::Counter => hostcalls::increment_metric(*id, i64::try_from(v).unwrap_or(i64::MAX)),
         };
     }
 }
@@ -102,6 +102,13 @@ impl Host for Envoy<'_> {
             Duration::from_millis(u64::from(timeout_ms)),
         )
         .ok()
+    }
+    fn dispatch_http(&self, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout_ms: u32) -> Option<u32> {
+        let timeout = Duration::from_millis(u64::from(timeout_ms));
+        hostcalls::dispatch_http_call(cluster, headers.to_vec(), Some(body), Vec::new(), timeout).ok()
+    }
+    fn replace_request_body(&self, old_len: usize, body: &[u8]) {
+        let _ = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, old_len, body);
     }
     fn resume_request(&self) {
         let _ = hostcalls::resume_http_request();
@@ -234,6 +241,18 @@ impl Context for Http {
         let answer = if status == 0 { self.get_grpc_call_response_body(0, size) } else { None };
         let host = Envoy { metric_ids: &self.shared.metric_ids };
         self.filter.on_pick_response(&host, token, status, answer.as_deref());
+    }
+
+    /// The prefill leg's answer (no headers: the call failed).
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, size: usize, _trailers: usize) {
+        let status = self.get_http_call_response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = if size <= kvgate_protocol::pd::MAX_PREFILL_ANSWER {
+            self.get_http_call_response_body(0, size)
+        } else {
+            None
+        };
+        let host = Envoy { metric_ids: &self.shared.metric_ids };
+        self.filter.on_prefill_response(&host, token, status, body.as_deref());
     }
 }
 

@@ -8,8 +8,18 @@
 //! - Decode leg: the original request with the prefill answer's
 //!   `kv_transfer_params` (`remote_engine_id`, `remote_block_ids`,
 //!   `remote_host`, `remote_port`, ...), `do_remote_prefill` true.
+//!
+//! Both executors use them: the decode pod's sidecar (`kvgate pd-sidecar`,
+//! llm-d's convention) and the Wasm filter itself (its `disaggregation.legs:
+//! "filter"`). Feature `pd` (it needs `serde_json` and `std`).
+
+use std::string::String;
 
 use serde_json::{Map, Value, json};
+
+/// The longest prefill answer either executor reads: a one-token completion
+/// is a few KB; a larger answer is not a prefill leg's.
+pub const MAX_PREFILL_ANSWER: usize = 16 << 20;
 
 /// Why a request is served aggregated although it named a prefill worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -104,6 +114,7 @@ pub fn decode_body(original: Map<String, Value>, prefill_answer: &[u8]) -> Resul
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::format;
 
     proptest! {
         /// Any request body and any prefill answer: an answer or a
