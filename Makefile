@@ -2,7 +2,7 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-scale bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout bench-pd dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-scale bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout bench-pd bench-pd-heavy dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
@@ -10,6 +10,7 @@ help:
 	@echo "make bench-workloads - Workato long prefix, shared-prefix groups, Mooncake replay (~35 min)"
 	@echo "make bench-fanout - agent fan-out bursts on a new long prefix: kvgate vs round robin vs approx vs NVIDIA Dynamo (~20 min)"
 	@echo "make bench-pd     - disaggregated prefill/decode: aggregated kv vs disaggregated 1:3 and 2:2 vs conditional, long inputs (~25 min)"
+	@echo "make bench-pd-heavy - the same on a prefill-heavy workload (a new 8K-100K document per request) on the vllm-v1 preset (~25 min)"
 	@echo "make bench-cache-pressure - tenants' prefixes 3x the KV cache: kvgate vs sglang-router vs NVIDIA Dynamo (~60 min)"
 	@echo "make dashboard - live dashboard on http://127.0.0.1:8090/: kv, round robin, sglang under one slider"
 	@echo "make report - rewrite the .md/.html/.svg reports of bench/results/*.json from the JSON"
@@ -91,6 +92,11 @@ bench-pd: setup
 	cargo build -q --release -p kvgate -p kvgate-bench
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; target/release/kvgate-bench pd $(ARGS)
+
+bench-pd-heavy: setup
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; target/release/kvgate-bench pd --preset vllm-v1 --documents 0 --levels 20,40 --drain-s 120 --out bench/results/pd-cold-vllm-v1.json $(ARGS)
 
 # The request-level workloads (~35 min): workato-longprefix, prefix-groups, mooncake.
 bench-workloads: setup

@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 
 use kvgate_bench::stack::{self, FleetSpec, Frontend, Stack};
@@ -135,6 +135,11 @@ struct ReqArgs {
     /// target/bench-runs/<workload>-quick.json).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// `pd` only: the documents requests draw from (default 48, which the
+    /// fleet's cache mostly holds); 0 = a new document for every request
+    /// (every prompt cold: prefill-heavy).
+    #[arg(long)]
+    documents: Option<usize>,
     #[command(flatten)]
     sweep: SweepArgs,
 }
@@ -426,7 +431,7 @@ enum Kind {
 fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     use kvgate_bench::runner::Load;
     use kvgate_bench::workload::{Fanout, Groups, Requests, Trace, Workato};
-    let (name, title, level_name, default_levels, default_speedup) = match kind {
+    let (name, mut title, level_name, default_levels, default_speedup) = match kind {
         Kind::Workato => {
             ("workato-longprefix", "Workato long prefix (24 documents of 10K-100K tokens)", "conc.", vec![16, 32], 4.0)
         }
@@ -473,6 +478,17 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     if a.levels.is_empty() {
         a.levels = default_levels;
     }
+    ensure!(a.documents.is_none() || kind == Kind::Pd, "--documents is a pd option");
+    let documents = a.documents.unwrap_or(48);
+    let fresh_title;
+    if kind == Kind::Pd && documents != 48 {
+        let docs =
+            if documents == 0 { "a new document per request".to_owned() } else { format!("{documents} documents") };
+        fresh_title = format!(
+            "Disaggregated prefill/decode ({docs} of 8K-100K tokens, 100-400-token questions, 200-800 output tokens, Poisson)"
+        );
+        title = &fresh_title;
+    }
     if kind == Kind::Tiers && a.sweep.modes.is_empty() {
         a.sweep.modes = ["kv", "kv_tier_blind", "round_robin"].iter().map(|m| (*m).to_owned()).collect();
     }
@@ -516,7 +532,13 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
             Kind::Workato => (Requests::Workato(Workato::default()), Load::Closed(level)),
             Kind::Groups => (Requests::Groups(Groups::new(level as f64, horizon)), Load::Open { speedup }),
             Kind::Fanout => (Requests::Fanout(Fanout::new(level as f64, horizon)), Load::Open { speedup }),
-            Kind::Pd => (Requests::Groups(Groups::pd(level as f64 / 60.0, horizon)), Load::Open { speedup }),
+            Kind::Pd => {
+                let mut g = Groups::pd(level as f64 / 60.0, horizon);
+                // 2^40 documents: a request meets one seen before with
+                // probability below 1e-9.
+                g.groups = if documents == 0 { 1 << 40 } else { documents };
+                (Requests::Groups(g), Load::Open { speedup })
+            }
             Kind::CachePressure | Kind::Tiers => {
                 (Requests::Groups(Groups::cache_pressure(level as f64, horizon, tenants)), Load::Open { speedup })
             }
@@ -584,7 +606,15 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     sweep.publish(&doc, title, &context, level_name, &rows)?;
     if kind == Kind::Pd {
         let gpus = sweep.fleet.kinds().len();
-        let pd_out = sweep.out.with_file_name(if a.quick { "pd-quick-rows.json" } else { "pd.json" });
+        // The rows: `pd.json` beside the default sweep file; beside
+        // any other `--out`, `<its name>-rows.json` (a side run never
+        // overwrites the committed rows).
+        let stem = sweep.out.file_stem().and_then(|s| s.to_str()).unwrap_or("pd").to_owned();
+        let pd_out = sweep.out.with_file_name(match (a.quick, stem.as_str()) {
+            (true, _) => "pd-quick-rows.json".to_owned(),
+            (false, "pd-sweep") => "pd.json".to_owned(),
+            (false, other) => format!("{other}-rows.json"),
+        });
         let pd = serde_json::json!({
             "commit": sweep.commit,
             "machine": sweep.machine,
