@@ -341,6 +341,11 @@ impl App {
             let mut ev = out.inflight.clone();
             ev.ts_unix_nanos = unix_nanos();
             sink.share(&model.name, ev);
+            if let Some(p) = &out.prefill {
+                let mut leg = p.inflight.clone();
+                leg.ts_unix_nanos = unix_nanos();
+                sink.share(&model.name, leg);
+            }
         }
         if out.total_blocks > 0 {
             model.overlap_ratio.observe(f64::from(out.matched_blocks) / f64::from(out.total_blocks));

@@ -211,3 +211,37 @@ fn a_prefill_worker_that_would_finish_later_than_the_decode_worker_gets_no_leg()
         assert!(pick(&mut off, &format!("r{k}"), &prompt(k)).prefill.is_some(), "leg {k}");
     }
 }
+
+/// Replica A disaggregates a request; replica B hears of the decode request
+/// and of its prefill leg (`prefill_leg_ms`): the leg is load on the
+/// prefill worker at B too, until the request's first token there, or
+/// until its estimated end if no token comes.
+#[test]
+fn another_replicas_prefill_leg_is_load_on_its_prefill_worker() {
+    let mut a = fleet(true, 0);
+    let out = pick(&mut a, "a", &tokens());
+    let leg = out.prefill.clone().expect("disaggregated");
+    assert_eq!((leg.inflight.worker_id.as_str(), leg.inflight.request_id.as_str()), (leg.worker_id.as_str(), "a"));
+    assert!(leg.inflight.prefill_leg_ms > 0, "{:?}", leg.inflight);
+    assert_eq!(out.inflight.prefill_leg_ms, 0, "the decode request is a plain one");
+
+    let mut b = fleet(true, 0);
+    b.on_replica_event(&out.inflight, 3);
+    b.on_replica_event(&leg.inflight, 3);
+    assert_eq!((inflight(&b, &leg.worker_id), inflight(&b, &out.worker_id)), (1, 1));
+    let first_token = pb::InflightEvent {
+        request_id: "a".into(),
+        phase: pb::InflightPhase::FirstToken as i32,
+        ..out.inflight.clone()
+    };
+    b.on_replica_event(&first_token, 4);
+    assert_eq!((inflight(&b, &leg.worker_id), inflight(&b, &out.worker_id)), (0, 1), "the leg ended");
+
+    // No first token: the leg ends at its estimate, on B's next pick.
+    let mut b = fleet(true, 0);
+    b.on_replica_event(&leg.inflight, 3);
+    assert_eq!(inflight(&b, &leg.worker_id), 1);
+    let later = 3 + u64::from(leg.inflight.prefill_leg_ms);
+    b.pick(&common::input("other", &[1, 2, 3], Some(4)), later).unwrap();
+    assert_eq!(inflight(&b, &leg.worker_id), 0);
+}

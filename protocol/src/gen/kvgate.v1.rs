@@ -635,6 +635,11 @@ pub struct InflightEvent {
     /// as the deciding replica does, before the worker's KV events arrive.
     #[prost(fixed64, repeated, tag = "9")]
     pub block_hashes: ::prost::alloc::vec::Vec<u64>,
+    /// ADDED only, non-zero: this is the prefill leg of `request_id` on the
+    /// prefill worker `worker_id` (a disaggregated request); it is load there
+    /// for this many ms at most, or until the request's first token.
+    #[prost(uint32, tag = "10")]
+    pub prefill_leg_ms: u32,
 }
 /// Lifecycle steps of one replica, batched. Subject: `<prefix>.inflight.<model>`.
 /// Every replica subscribes and ignores its own `replica_id`.

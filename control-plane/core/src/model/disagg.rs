@@ -161,6 +161,14 @@ impl ModelState {
             let _ = self.tracker.done(&leg_id(&id));
         }
     }
+
+    /// Ends a request's prefill leg, if one is in flight (its first token
+    /// came, or it is done).
+    pub(super) fn end_leg(&mut self, request_id: &str) {
+        if self.prefill_legs.remove(request_id) {
+            let _ = self.tracker.done(&leg_id(request_id));
+        }
+    }
 }
 
 #[cfg(test)]

@@ -380,9 +380,7 @@ impl ModelState {
             self.counters.reports_unknown += 1;
         }
         // Its prefill worker finished the leg by the first token.
-        if self.prefill_legs.remove(&r.request_id) {
-            let _ = self.tracker.done(&disagg::leg_id(&r.request_id));
-        }
+        self.end_leg(&r.request_id);
         // A report before the end marks the first token (the filter reports
         // once, at the end; the calibration then takes the routing time).
         if r.total_us == 0 {
@@ -430,6 +428,16 @@ impl ModelState {
         };
         let idx = w.idx;
         let r = match pb::InflightPhase::try_from(ev.phase) {
+            // Another replica's prefill leg: load on its prefill worker
+            // until its estimated end or the request's first token.
+            Ok(pb::InflightPhase::Added) if ev.prefill_leg_ms > 0 => {
+                let leg = disagg::leg_id(&ev.request_id);
+                let r = self.tracker.added_shared(&leg, idx, &[], ev.prompt_blocks, ev.overlap_blocks, 1, now_ms);
+                if r.is_ok() {
+                    self.prefill_legs.insert(&ev.request_id, now_ms + u64::from(ev.prefill_leg_ms));
+                }
+                r
+            }
             Ok(pb::InflightPhase::Added) => {
                 self.sessions.pin(&ev.session_id, idx, now_ms);
                 let out = u64::from(ev.expected_output_tokens.div_ceil(self.config.block_size.get()));
@@ -437,8 +445,14 @@ impl ModelState {
                 let (prompt, overlap) = (ev.prompt_blocks, ev.overlap_blocks);
                 self.tracker.added_shared(&ev.request_id, idx, &hashes, prompt, overlap, out, now_ms)
             }
-            Ok(pb::InflightPhase::FirstToken) => self.tracker.first_token(&ev.request_id),
-            Ok(pb::InflightPhase::Done) => self.tracker.done(&ev.request_id),
+            Ok(pb::InflightPhase::FirstToken) => {
+                self.end_leg(&ev.request_id);
+                self.tracker.first_token(&ev.request_id)
+            }
+            Ok(pb::InflightPhase::Done) => {
+                self.end_leg(&ev.request_id);
+                self.tracker.done(&ev.request_id)
+            }
             _ => Err(kvgate_scheduler::LifecycleError::Unknown),
         };
         self.calibration.touch(idx, &self.tracker.load(idx), now_ms);

@@ -94,6 +94,9 @@ pub struct PrefillLeg {
     pub worker_id: String,
     /// Leading prompt blocks it holds.
     pub matched_blocks: u32,
+    /// The leg's in-flight event for the other replicas (`prefill_leg_ms`
+    /// set): it is load on the prefill worker there too.
+    pub inflight: pb::InflightEvent,
 }
 
 /// Why a model has no worker for a request.
@@ -205,6 +208,7 @@ impl ModelState {
         let uncached = |held: u32| (input.token_ids.len() as u32).saturating_sub(held.saturating_mul(bs.get()));
         let prefill =
             if input.by_load.is_none() { self.prefill_choice(&view, &c, &chosen, uncached(shared)) } else { None };
+        let mut leg_event = None;
         if let Some(p) = prefill {
             // The prefill worker computes the prompt for one token; the
             // decode worker receives the blocks and computes none.
@@ -213,9 +217,20 @@ impl ModelState {
             let held = pc.overlap_blocks.max(pc.inflight_overlap_blocks);
             let kv = self.config.kv;
             let done_ms = super::disagg::prefill_done_ms(&pc, uncached(held), held * bs.get(), bs.get(), &kv);
+            let leg_ms = done_ms.ceil().max(1.0) as u64;
             if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
-                self.prefill_legs.insert(input.request_id, now_ms + done_ms.ceil().max(1.0) as u64);
+                self.prefill_legs.insert(input.request_id, now_ms + leg_ms);
             }
+            leg_event = Some(pb::InflightEvent {
+                request_id: input.request_id.to_owned(),
+                worker_id: c.ids[p].clone(),
+                phase: pb::InflightPhase::Added as i32,
+                prompt_blocks: hashes.len() as u32,
+                overlap_blocks: held,
+                expected_output_tokens: 1,
+                prefill_leg_ms: u32::try_from(leg_ms).unwrap_or(u32::MAX),
+                ..Default::default()
+            });
             self.count_prefill(pb::WorkerRole::Prefill, uncached(held), now_ms);
             shared = hashes.len() as u32;
         } else {
@@ -247,6 +262,7 @@ impl ModelState {
             endpoint: self.workers.get(&c.ids[p]).and_then(|w| w.endpoint.clone()).unwrap_or_default(),
             worker_id: c.ids[p].clone(),
             matched_blocks: c.cands[p].overlap_blocks,
+            inflight: leg_event.take().unwrap_or_default(),
         });
         if pinned {
             out.reason = pb::PickReason::Session;
@@ -430,6 +446,7 @@ impl ModelState {
                 ts_unix_nanos: 0,
                 session_id: input.session.to_owned(),
                 block_hashes: hashes.iter().take(shared).map(|h| h.0).collect(),
+                prefill_leg_ms: 0,
             },
             prefill: None,
         }
