@@ -905,6 +905,32 @@ mod tests {
         assert!(h.calls().contains(&Call::Resume));
     }
 
+    proptest::proptest! {
+        /// Any status and any answer to a prefill leg: the request resumes
+        /// exactly once, to its decode worker, with either the client's
+        /// body untouched or a decode leg that asks for the remote prefill.
+        #[test]
+        fn any_prefill_answer_resumes_once(status in 0u32..700, answer in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+                                           wrap in proptest::prelude::any::<bool>()) {
+            let (h, mut f, token) = to_prefill_leg();
+            let answer = if wrap {
+                format!(r#"{{"kv_transfer_params":{}}}"#, String::from_utf8_lossy(&answer)).into_bytes()
+            } else {
+                answer
+            };
+            f.on_prefill_response(&h, token, status, Some(&answer));
+            f.on_prefill_response(&h, token, status, Some(&answer));
+            proptest::prop_assert_eq!(h.calls().iter().filter(|c| **c == Call::Resume).count(), 1);
+            match f.prefill_fallback() {
+                Some(_) => proptest::prop_assert_eq!(h.body(), CHAT.to_vec()),
+                None => {
+                    let v: serde_json::Value = serde_json::from_slice(&h.body()).unwrap();
+                    proptest::prop_assert_eq!(v["kv_transfer_params"]["do_remote_prefill"].as_bool(), Some(true));
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_session_header_goes_with_the_pick_when_usable() {
         let sent = |config: &str, value: Option<&str>| {
