@@ -370,9 +370,24 @@ fn configurations_inside_the_manifests_are_accepted_by_their_readers() {
     for (k, v) in listener_merge.as_object().unwrap() {
         listener[k] = v.clone();
     }
+    // The cluster of the filter's own prefill legs, by the name the
+    // filter's configuration defaults to; Istio adds the same one.
+    let prefill = patches
+        .iter()
+        .find(|p| p["name"] == cfg.disaggregation.cluster.as_str())
+        .expect("EG's patch adds the filter's prefill cluster");
+    let prefill = prefill["operation"]["value"].clone();
+    let istio_prefill = ov["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["patch"]["operation"] == "ADD")
+        .expect("Istio's EnvoyFilter adds the prefill cluster");
+    assert_eq!(istio_prefill["patch"]["value"], prefill);
+    assert_eq!(istio_cfg.disaggregation.cluster, cfg.disaggregation.cluster);
     let bootstrap = json!({
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
-        "static_resources": {"listeners": [listener], "clusters": [cp_cluster, workers]}
+        "static_resources": {"listeners": [listener], "clusters": [cp_cluster, workers, prefill]}
     });
     let f = dir.join("gateway-pieces.json");
     std::fs::write(&f, serde_json::to_vec_pretty(&bootstrap).unwrap()).unwrap();
