@@ -5,7 +5,12 @@
 //!   its `BlockRemoved`, applied to a populated index;
 //! * `lookup`: `find_matches` of the prompt;
 //! * `pick`: the control plane's whole decision from token ids: sequence
-//!   hashes, `find_matches`, candidates with their load, `kv` policy.
+//!   hashes, `find_matches`, candidates with their load, `kv` policy;
+//! * `inflight`: the load tracker's `added` and `done` of one request whose
+//!   prompt is in flight on every worker already (a shared system prompt on
+//!   a busy fleet: each of its blocks has a holder per worker);
+//! * `inflight_shares`: what each worker's requests in flight share with
+//!   that prompt, on the same busy fleet.
 //!
 //! Index state: 20 "documents" as long as the prompt; every worker holds one
 //! of them up to a random length (so ~N/20 workers share each document at
@@ -118,6 +123,27 @@ fn routing(c: &mut Criterion) {
                     f.index.find_matches(black_box(&seqs), Tier::Device, &mut out);
                     black_box(out.len())
                 })
+            });
+            g.finish();
+
+            let mut g = c.benchmark_group("inflight");
+            g.sample_size(20);
+            let mut busy = LoadTracker::new();
+            for (i, w) in f.workers.iter().enumerate() {
+                busy.added(&format!("r{i}"), *w, &seqs, 0, 16, 0).unwrap();
+            }
+            let last = *f.workers.last().unwrap();
+            g.bench_function(BenchmarkId::from_parameter(&label), |b| {
+                b.iter(|| {
+                    busy.added("new", last, black_box(&seqs), 0, 16, 1).unwrap();
+                    busy.done("new").unwrap();
+                })
+            });
+            g.finish();
+            let mut g = c.benchmark_group("inflight_shares");
+            g.sample_size(20);
+            g.bench_function(BenchmarkId::from_parameter(&label), |b| {
+                b.iter(|| busy.inflight_shares(black_box(&seqs)).len())
             });
             g.finish();
 

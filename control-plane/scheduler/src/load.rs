@@ -35,7 +35,9 @@ use crate::policy::Load;
 
 type Map<K, V> = HashMap<K, V, RandomState>;
 
-/// The workers holding one hash in flight, with counts.
+/// The workers holding one hash in flight, with counts, sorted by worker
+/// (a shared prefix in flight on a large fleet has a holder per worker:
+/// found by binary search, not a scan).
 type Holders = Vec<(WorkerIdx, u32)>;
 
 /// Most leading prompt block hashes a replica shares per request (64 K
@@ -91,16 +93,34 @@ pub struct InflightShare {
     pub computing: u32,
 }
 
+/// Where `worker` is (`Ok`) or goes (`Err`) in sorted holders: a scan for
+/// a few (as fast, and the common case), a binary search for many.
+fn position(holders: &Holders, worker: WorkerIdx) -> Result<usize, usize> {
+    if holders.len() <= 16 {
+        match holders.iter().position(|(w, _)| w.0 >= worker.0) {
+            Some(i) if holders.get(i).is_some_and(|(w, _)| *w == worker) => Ok(i),
+            Some(i) => Err(i),
+            None => Err(holders.len()),
+        }
+    } else {
+        holders.binary_search_by_key(&worker.0, |(w, _)| w.0)
+    }
+}
+
 /// Adds one count of `worker` to each hash; returns how many hashes the
 /// worker did not hold before.
 fn count(table: &mut Map<SequenceHash, Holders>, worker: WorkerIdx, hashes: &[SequenceHash]) -> u64 {
     let mut new = 0;
     for h in hashes {
         let holders = table.entry(*h).or_default();
-        match holders.iter_mut().find(|(w, _)| *w == worker) {
-            Some((_, n)) => *n += 1,
-            None => {
-                holders.push((worker, 1));
+        match position(holders, worker) {
+            Ok(i) => {
+                if let Some((_, n)) = holders.get_mut(i) {
+                    *n += 1;
+                }
+            }
+            Err(i) => {
+                holders.insert(i, (worker, 1));
                 new += 1;
             }
         }
@@ -115,10 +135,10 @@ fn uncount(table: &mut Map<SequenceHash, Holders>, worker: WorkerIdx, hashes: &[
     for h in hashes {
         let Entry::Occupied(mut o) = table.entry(*h) else { continue };
         let holders = o.get_mut();
-        let Some(i) = holders.iter().position(|(w, _)| *w == worker) else { continue };
+        let Ok(i) = position(holders, worker) else { continue };
         holders[i].1 -= 1;
         if holders[i].1 == 0 {
-            holders.swap_remove(i);
+            holders.remove(i);
             gone += 1;
             if holders.is_empty() {
                 o.remove();
