@@ -208,40 +208,44 @@ impl LoadTracker {
 
     /// What the requests in flight on each worker share with `prompt`,
     /// indexed by `WorkerIdx` (workers beyond the vector's end share
-    /// nothing). One walk of the prompt: a worker's share goes on while it
-    /// held every block so far; the walk stops at the first block no worker
-    /// still matching holds. The vector grows to the largest holder of the
-    /// first block (only those can share anything).
+    /// nothing; the vector grows to the largest holder of the first block,
+    /// as only those can share anything).
+    ///
+    /// Block hashes are chained, so a worker that holds block `k` of the
+    /// prompt in flight holds every block before it: each holder of the
+    /// first block finds its share by binary search over the prompt
+    /// (O(holders × log blocks) lookups, not a walk of every holder of
+    /// every block). Then one walk of the shared blocks over the holders
+    /// still computing them (requests before their first token, few).
     pub fn inflight_shares(&self, prompt: &[SequenceHash]) -> Vec<InflightShare> {
         let mut out: Vec<InflightShare> = Vec::new();
         let Some(first) = prompt.first().and_then(|h| self.prompt_blocks.get(h)) else { return out };
         let top = first.iter().map(|(w, _)| w.0 as usize + 1).max().unwrap_or(0);
         out.resize(top, InflightShare::default());
-        let mut holders = first;
-        for (i, h) in prompt.iter().enumerate() {
-            if i > 0 {
-                match self.prompt_blocks.get(h) {
-                    Some(x) => holders = x,
-                    None => break,
-                }
+        let holds = |k: usize, w: WorkerIdx| {
+            prompt.get(k).and_then(|h| self.prompt_blocks.get(h)).is_some_and(|hs| position(hs, w).is_ok())
+        };
+        let mut longest = 0;
+        for (w, _) in first {
+            // Invariant: it holds block lo - 1 and not block hi.
+            let (mut lo, mut hi) = (1, prompt.len());
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if holds(mid, *w) { lo = mid + 1 } else { hi = mid }
             }
-            let mut advanced = false;
-            for (w, _) in holders {
-                if let Some(s) = out.get_mut(w.0 as usize)
-                    && s.blocks as usize == i
-                {
-                    s.blocks += 1;
-                    advanced = true;
-                }
+            if let Some(s) = out.get_mut(w.0 as usize) {
+                s.blocks = u32::try_from(lo).unwrap_or(u32::MAX);
             }
-            if !advanced {
-                break;
-            }
-            for (w, _) in self.computing.get(h).map_or(&[][..], Vec::as_slice) {
-                if let Some(s) = out.get_mut(w.0 as usize)
-                    && s.blocks as usize == i + 1
-                {
-                    s.computing += 1;
+            longest = longest.max(lo);
+        }
+        if !self.computing.is_empty() {
+            for (i, h) in prompt.iter().take(longest).enumerate() {
+                for (w, _) in self.computing.get(h).map_or(&[][..], Vec::as_slice) {
+                    if let Some(s) = out.get_mut(w.0 as usize)
+                        && (i as u64) < u64::from(s.blocks)
+                    {
+                        s.computing += 1;
+                    }
                 }
             }
         }
