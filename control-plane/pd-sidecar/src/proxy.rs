@@ -34,9 +34,6 @@ use kvgate_protocol::pd::{self as legs, Fallback};
 /// client).
 pub const MAX_BODY: usize = 256 << 20;
 
-/// Largest prefill answer read.
-pub const MAX_ANSWER: usize = legs::MAX_PREFILL_ANSWER;
-
 /// Path of the sidecar's own metrics (everything else goes to vLLM).
 pub const METRICS_PATH: &str = "/kvgate/pd/metrics";
 
@@ -82,7 +79,7 @@ impl Sidecar {
             if !r.status().is_success() {
                 return Err(Fallback::Status);
             }
-            http_body_util::Limited::new(r.into_body(), MAX_ANSWER)
+            http_body_util::Limited::new(r.into_body(), legs::MAX_PREFILL_ANSWER)
                 .collect()
                 .await
                 .map(|b| b.to_bytes())

@@ -426,8 +426,7 @@ impl RequestFilter {
         let Some(leg) = self.prefill.take() else { return };
         let elapsed_us = host.now_ns().saturating_sub(leg.started_ns) / 1000;
         host.metric(Metric::PrefillLegUs, elapsed_us);
-        let timeout_us = u64::from(self.cfg.disaggregation.timeout_ms) * 1000;
-        let timed_out = elapsed_us + (timeout_us / 10).max(5000) >= timeout_us;
+        let timed_out = at_timeout(elapsed_us, self.cfg.disaggregation.timeout_ms);
         let decode = match status {
             200..=299 => body
                 .ok_or(Fallback::NoParams)
@@ -466,16 +465,11 @@ impl RequestFilter {
     /// control plane says `{via_upstream}`, a refused connection names its
     /// own cause. Elapsed time is only the last resort, when the host gives
     /// no message: on a loaded machine an immediate UNAVAILABLE can arrive
-    /// late. Envoy's timers run on the event loop's cached clock and fire up
-    /// to a few ms early (seen: 398.6 ms for 400 ms), hence 10 % slack, at
-    /// least 5 ms.
+    /// late ([`at_timeout`]).
     fn timed_out(&self, host: &impl Host, elapsed_us: u64) -> bool {
         match host.grpc_status_message() {
             Some(m) => m.contains(TIMEOUT_MARK),
-            None => {
-                let timeout_us = u64::from(self.cfg.timeout_ms) * 1000;
-                elapsed_us + (timeout_us / 10).max(5000) >= timeout_us
-            }
+            None => at_timeout(elapsed_us, self.cfg.timeout_ms),
         }
     }
 
@@ -614,6 +608,14 @@ impl RequestFilter {
             served_endpoint: host.upstream_address().unwrap_or_default(),
         })
     }
+}
+
+/// Whether a call that ended after `elapsed_us` ended at its timeout: Envoy's
+/// timers run on the event loop's cached clock and fire up to a few ms early
+/// (seen: 398.6 ms for 400 ms), hence 10 % slack, at least 5 ms.
+fn at_timeout(elapsed_us: u64, timeout_ms: u32) -> bool {
+    let timeout_us = u64::from(timeout_ms) * 1000;
+    elapsed_us + (timeout_us / 10).max(5000) >= timeout_us
 }
 
 /// Envoy's local reply when a call found no upstream to talk to (connect

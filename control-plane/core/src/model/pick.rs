@@ -208,7 +208,7 @@ impl ModelState {
         let uncached = |held: u32| (input.token_ids.len() as u32).saturating_sub(held.saturating_mul(bs.get()));
         let prefill =
             if input.by_load.is_none() { self.prefill_choice(&view, &c, &chosen, uncached(shared)) } else { None };
-        let mut leg_event = None;
+        let mut leg_out = None;
         if let Some(p) = prefill {
             // The prefill worker computes the prompt for one token; the
             // decode worker receives the blocks and computes none.
@@ -221,15 +221,20 @@ impl ModelState {
             if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
                 self.prefill_legs.insert(input.request_id, now_ms + leg_ms);
             }
-            leg_event = Some(pb::InflightEvent {
-                request_id: input.request_id.to_owned(),
+            leg_out = Some(PrefillLeg {
+                endpoint: self.workers.get(&c.ids[p]).and_then(|w| w.endpoint.clone()).unwrap_or_default(),
                 worker_id: c.ids[p].clone(),
-                phase: pb::InflightPhase::Added as i32,
-                prompt_blocks: hashes.len() as u32,
-                overlap_blocks: held,
-                expected_output_tokens: 1,
-                prefill_leg_ms: u32::try_from(leg_ms).unwrap_or(u32::MAX),
-                ..Default::default()
+                matched_blocks: pc.overlap_blocks,
+                inflight: pb::InflightEvent {
+                    request_id: input.request_id.to_owned(),
+                    worker_id: c.ids[p].clone(),
+                    phase: pb::InflightPhase::Added as i32,
+                    prompt_blocks: hashes.len() as u32,
+                    overlap_blocks: held,
+                    expected_output_tokens: 1,
+                    prefill_leg_ms: u32::try_from(leg_ms).unwrap_or(u32::MAX),
+                    ..Default::default()
+                },
             });
             self.count_prefill(pb::WorkerRole::Prefill, uncached(held), now_ms);
             shared = hashes.len() as u32;
@@ -258,12 +263,7 @@ impl ModelState {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
         let mut out = self.output(input, &c, &decision, &hashes, expected_output_tokens);
-        out.prefill = prefill.map(|p| PrefillLeg {
-            endpoint: self.workers.get(&c.ids[p]).and_then(|w| w.endpoint.clone()).unwrap_or_default(),
-            worker_id: c.ids[p].clone(),
-            matched_blocks: c.cands[p].overlap_blocks,
-            inflight: leg_event.take().unwrap_or_default(),
-        });
+        out.prefill = leg_out;
         if pinned {
             out.reason = pb::PickReason::Session;
         }
