@@ -91,6 +91,17 @@ impl Mixes {
         }
     }
 
+    /// What a gateway's hash-based balancing would key the `i`-th request
+    /// of `mix` on (its conversation or document; a cold request is its
+    /// own), so that requests sharing messages reach the same replica.
+    pub(crate) fn affinity(&self, mix: &str, i: u64) -> u64 {
+        match mix {
+            "doks_new_turn" => i % self.conversations.len() as u64,
+            "doc_question" => i % self.documents.len() as u64,
+            _ => i,
+        }
+    }
+
     /// A Pick request of `mix`, the `i`-th, sent whole.
     pub(crate) fn request(&self, mix: &str, i: u64) -> pb::PickRequest {
         self.build(mix, i, false)
@@ -157,14 +168,21 @@ pub(crate) struct Step {
     pub(crate) secs: f64,
 }
 
+/// One control-plane replica as the client sees it: its gRPC channels and
+/// its completion reporter.
+pub(crate) struct Replica {
+    pub(crate) channels: Vec<RouterClient<tonic::transport::Channel>>,
+    pub(crate) ends: Ends,
+}
+
 /// Sends `rate` Picks per second of `mix` for `secs`, open loop: request k
-/// is sent at k / rate whether or not earlier ones were answered. At most
-/// `max_outstanding` in flight; beyond, a request is counted as failed and
-/// not sent.
+/// is sent at k / rate whether or not earlier ones were answered, to the
+/// replica its conversation hashes to (as the gateway's ring hash does). At
+/// most `max_outstanding` in flight; beyond, a request is counted as failed
+/// and not sent.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn open_loop(
-    clients: &[RouterClient<tonic::transport::Channel>],
-    ends: &Ends,
+    replicas: &[Replica],
     mixes: Arc<Mixes>,
     mix: &'static str,
     rate: f64,
@@ -195,14 +213,15 @@ pub(crate) async fn open_loop(
             refused += 1;
             continue;
         }
-        let mut c = clients[(k % clients.len() as u64) as usize].clone();
+        let replica = &replicas[(mixes.affinity(mix, first_id + k) % replicas.len() as u64) as usize];
+        let mut c = replica.channels[(k % replica.channels.len() as u64) as usize].clone();
         let req = mixes.build(mix, first_id + k, elide);
         let mixes = mixes.clone();
         // Sends never wait for answers, so the client does not hold back a
         // slow server (no coordinated omission); the latency counts from
         // the send, not from the timer's tick (1 ms granularity).
         let sent = Instant::now();
-        let ends = ends.clone();
+        let ends = replica.ends.clone();
         js.spawn(async move {
             let id = req.request_id.clone();
             let mut answer = c.pick(req).await.ok()?.into_inner();
@@ -225,11 +244,74 @@ pub(crate) async fn open_loop(
     Step { answered, failed: failed + refused, latency, secs: start.elapsed().as_secs_f64() }
 }
 
+/// Decision agreement between replicas `a` and `b` over `n` DOKS new
+/// turns: the same messages (two request ids) sent to both, and each
+/// answer reported finished at once. `concurrent`: both at the same
+/// moment (the race a gateway's two Envoy threads make); otherwise one
+/// after the other, 150 ms apart, so that the second replica has seen the
+/// first decision and its end (their views converged). With `a == b` it
+/// measures one replica against itself under the same schedule. Ties are
+/// broken at random, so even one replica need not repeat a worker; equal
+/// `matched_blocks` says the two chose an equally cached worker.
+pub(crate) async fn agreement(
+    replicas: &[Replica],
+    (a, b): (usize, usize),
+    concurrent: bool,
+    mixes: &Mixes,
+    n: u64,
+    first_id: u64,
+) -> Agreement {
+    let mut out = Agreement::default();
+    for k in 0..n {
+        let i = first_id + k;
+        let mut ra = mixes.request("doks_new_turn", i);
+        let mut rb = ra.clone();
+        ra.request_id.push_str("-a");
+        rb.request_id.push_str("-b");
+        let (ida, idb) = (ra.request_id.clone(), rb.request_id.clone());
+        let mut ca = replicas[a].channels[0].clone();
+        let mut cb = replicas[b].channels[1 % replicas[b].channels.len()].clone();
+        let (x, y) = if concurrent {
+            tokio::join!(ca.pick(ra), cb.pick(rb))
+        } else {
+            let x = ca.pick(ra).await;
+            if let Ok(x) = &x {
+                replicas[a].ends.ended_now(ida.clone(), x.get_ref().worker_id.clone(), x.get_ref().endpoint.clone());
+            }
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            (x, cb.pick(rb).await)
+        };
+        if let (Ok(x), Ok(y)) = (x, y) {
+            let (x, y) = (x.into_inner(), y.into_inner());
+            out.pairs += 1;
+            out.same_worker += u64::from(x.worker_id == y.worker_id);
+            out.same_matched += u64::from(x.matched_blocks == y.matched_blocks);
+            if concurrent {
+                replicas[a].ends.ended_now(ida, x.worker_id, x.endpoint);
+            }
+            replicas[b].ends.ended_now(idb, y.worker_id, y.endpoint);
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    out
+}
+
+/// What [`agreement`] counted.
+#[derive(Default, Debug)]
+pub(crate) struct Agreement {
+    /// Pairs both answered.
+    pub(crate) pairs: u64,
+    /// Pairs that chose the same worker.
+    pub(crate) same_worker: u64,
+    /// Pairs whose workers held the same number of the prompt's blocks.
+    pub(crate) same_matched: u64,
+}
+
 /// The ends of the requests routed: each is reported (as the filter
 /// reports a finished request) `duration` after its Pick, in batches, so
 /// that the control plane holds a realistic number of requests in flight.
 #[derive(Clone)]
-pub(crate) struct Ends(tokio::sync::mpsc::UnboundedSender<(Instant, pb::CompletionReport)>);
+pub(crate) struct Ends(tokio::sync::mpsc::UnboundedSender<(Instant, pb::CompletionReport)>, Duration);
 
 impl Ends {
     /// Starts the reporting task on `client`.
@@ -261,10 +343,20 @@ impl Ends {
                 }
             }
         });
-        Self(tx)
+        Self(tx, duration)
     }
 
     fn ended(&self, request_id: String, worker_id: String, endpoint: String) {
+        self.end_at(Instant::now(), request_id, worker_id, endpoint);
+    }
+
+    /// Reported with the next batch, not after the usual duration.
+    fn ended_now(&self, request_id: String, worker_id: String, endpoint: String) {
+        let back = Instant::now().checked_sub(self.1).unwrap_or_else(Instant::now);
+        self.end_at(back, request_id, worker_id, endpoint);
+    }
+
+    fn end_at(&self, picked: Instant, request_id: String, worker_id: String, endpoint: String) {
         let r = pb::CompletionReport {
             request_id,
             model: MODEL.into(),
@@ -277,6 +369,6 @@ impl Ends {
             stream: true,
             ..Default::default()
         };
-        let _ = self.0.send((Instant::now(), r));
+        let _ = self.0.send((picked, r));
     }
 }

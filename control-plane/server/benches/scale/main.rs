@@ -14,6 +14,11 @@
 //! plane in this process fed the same messages (`path: in_process`,
 //! sequential Picks, no ingest running).
 //!
+//! Then the same fleet and the DOKS new-turn ladder with 2 and 4
+//! control-plane replicas (`--replicas`), each request sent to the replica
+//! its conversation hashes to: capacity within p99 bounds, and how often
+//! two replicas asked the same request choose alike (`agreement`).
+//!
 //! Everything shares this machine's cores: the client, the fleet's
 //! generator, nats-server and the control plane. Results:
 //! `bench/results/scale.json`.
@@ -46,6 +51,7 @@ struct Args {
     request_secs: f64,
     elide: bool,
     mixes: Vec<&'static str>,
+    replicas: Vec<usize>,
     out: PathBuf,
 }
 
@@ -60,6 +66,7 @@ fn args() -> Args {
         request_secs: 2.0,
         elide: true,
         mixes: MIXES.to_vec(),
+        replicas: vec![1, 2, 4],
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/scale.json"),
     };
     let v: Vec<String> = std::env::args().skip(1).filter(|x| x != "--bench").collect();
@@ -73,8 +80,10 @@ fn args() -> Args {
             "--secs" => a.secs = val.parse().unwrap_or(a.secs),
             "--request-secs" => a.request_secs = val.parse().unwrap_or(a.request_secs),
             "--elide" => a.elide = val != "false",
+            "--replicas" => a.replicas = val.split(',').filter_map(|x| x.parse().ok()).filter(|r| *r > 0).collect(),
             "--mixes" => a.mixes = MIXES.iter().copied().filter(|m| val.split(',').any(|x| x == *m)).collect(),
-            "--out" => a.out = PathBuf::from(val),
+            // Relative to the repository (cargo runs benches in the crate's directory).
+            "--out" => a.out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(val),
             _ => eprintln!("ignored argument {k}"),
         }
     }
@@ -204,9 +213,9 @@ async fn churn(fleet: &mut Fleet, ops_per_s: u64, stop: tokio::sync::watch::Rece
     sent
 }
 
-fn row(workers: usize, path: &str, mix: &str, lat: &Samples, extra: Value) -> Value {
+fn row(workers: usize, replicas: usize, path: &str, mix: &str, lat: &Samples, extra: Value) -> Value {
     let mut r = json!({
-        "workers": workers, "path": path, "mix": mix, "replicas": 1,
+        "workers": workers, "path": path, "mix": mix, "replicas": replicas,
         "pick_p50_us": lat.quantile(0.5).round(), "pick_p99_us": lat.quantile(0.99).round(),
         "pick_p999_us": lat.quantile(0.999).round(),
     });
@@ -322,6 +331,7 @@ fn in_process(
         );
         rows.push(row(
             workers,
+            1,
             "in_process",
             mix,
             &lat,
@@ -343,10 +353,22 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let mixes = Arc::new(Mixes::new(&tk));
     let mut rows = Vec::new();
+    let mut agreements = Vec::new();
     for &workers in &a.workers {
         rows.extend(in_process(&rt, &a, workers, &tk_dir, &mixes));
-        rows.extend(rt.block_on(over_grpc(&a, workers, &tk, &tk_dir, &mixes)));
+        let (r, agree) = rt.block_on(over_grpc(&a, workers, 1, &a.mixes, &tk, &tk_dir, &mixes));
+        rows.extend(r);
+        agreements.extend(agree);
     }
+    // Replicas: the smallest fleet, the DOKS new-turn mix.
+    if let Some(&workers) = a.workers.iter().min() {
+        for &n in a.replicas.iter().filter(|n| **n > 1) {
+            let (r, agree) = rt.block_on(over_grpc(&a, workers, n, &["doks_new_turn"], &tk, &tk_dir, &mixes));
+            rows.extend(r);
+            agreements.extend(agree);
+        }
+    }
+    let capacity = replica_capacity(&rows);
     let (commit, machine) = kvgate_bench_support::provenance();
     let result = json!({
         "rows": rows,
@@ -356,6 +378,9 @@ fn main() {
         "request_secs": a.request_secs,
         "elided": a.elide,
         "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
+        "replica_capacity": capacity,
+        "agreement": agreements,
+        "replicas_setup": "n control planes (--replica-id scale-0..n-1) on one nats-server, each ingesting every event and sharing in-flight load over NATS; the client sends each request to the replica its conversation hashes to (as the gateway's ring hash on the conversation), each replica's answers reported to it; replica_capacity = the highest offered DOKS new-turn rate of the ladder answered in full (>= 95 %, nothing refused) with p99 within the bound; agreement = identical DOKS Picks to replicas 0 and 1 (to replica 0 twice with one replica), with the fleet churning: concurrent (both at once) and sequential (150 ms apart, the first reported finished: converged views); same_worker = share of pairs choosing the same worker (ties are broken at random), same_matched_blocks = share whose workers held as many of the prompt's blocks",
         "staleness": "p99 of kvgate_event_lag_seconds during the step, as the upper bound of its bucket",
         "shared_cores": "client, fleet generator, nats-server and control plane share the machine",
         "commit": commit,
@@ -368,36 +393,95 @@ fn main() {
     println!("{}", serde_json::to_string_pretty(&result).expect("json"));
 }
 
+/// For each replica count, the highest rate of the DOKS ladder answered in
+/// full within each p99 bound.
+fn replica_capacity(rows: &[Value]) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut counts: Vec<(u64, u64)> = rows
+        .iter()
+        .filter(|r| r["path"] == "grpc" && r["mix"] == "doks_new_turn")
+        .filter_map(|r| Some((r["workers"].as_u64()?, r["replicas"].as_u64()?)))
+        .collect();
+    counts.sort_unstable();
+    counts.dedup();
+    for (workers, replicas) in counts {
+        for bound_ms in [2.0, 5.0, 10.0] {
+            let best = rows
+                .iter()
+                .filter(|r| r["path"] == "grpc" && r["mix"] == "doks_new_turn")
+                .filter(|r| r["workers"].as_u64() == Some(workers) && r["replicas"].as_u64() == Some(replicas))
+                .filter(|r| {
+                    let offered = r["offered_per_s"].as_f64().unwrap_or(f64::INFINITY);
+                    r["picks_per_s"].as_f64().unwrap_or(0.0) >= 0.95 * offered
+                        && r["failed"].as_u64() == Some(0)
+                        && r["pick_p99_us"].as_f64().unwrap_or(f64::INFINITY) <= bound_ms * 1000.0
+                })
+                .filter_map(|r| r["offered_per_s"].as_f64())
+                .fold(0.0, f64::max);
+            out.push(json!({"workers": workers, "replicas": replicas, "p99_bound_ms": bound_ms, "picks_per_s": best}));
+        }
+    }
+    out
+}
+
 /// The process rows for `workers`.
+#[allow(clippy::too_many_arguments)]
 async fn over_grpc(
     a: &Args,
     workers: usize,
+    replicas: usize,
+    run_mixes: &[&'static str],
     tk: &kvgate_tokenize::ChatTokenizer,
     tk_dir: &std::path::Path,
     mixes: &Arc<Mixes>,
-) -> Vec<Value> {
-    let dir = kvgate_testkit::scratch_dir(&format!("bench-scale-{workers}")).expect("scratch dir");
+) -> (Vec<Value>, Vec<Value>) {
+    let dir = kvgate_testkit::scratch_dir(&format!("bench-scale-{workers}-{replicas}")).expect("scratch dir");
     let nats = kvgate_testkit::NatsServer::start(&dir).expect("nats-server");
     let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-    let mut cmd = std::process::Command::new(kvgate_bin());
-    cmd.args(["serve", "--model", MODEL, "--block-size", "16", "--mode", "kv", "--replica-id", "scale"])
+    let mut serves = Vec::new();
+    for r in 0..replicas {
+        let mut cmd = std::process::Command::new(kvgate_bin());
+        cmd.args([
+            "serve",
+            "--model",
+            MODEL,
+            "--block-size",
+            "16",
+            "--mode",
+            "kv",
+            "--replica-id",
+            &format!("scale-{r}"),
+        ])
         .arg("--tokenizer-dir")
         .arg(tk_dir)
         .args(["--nats-url", &nats_url, "--listen-grpc", "127.0.0.1:0", "--listen-admin", "127.0.0.1:0"]);
-    let (serve, addrs) = kvgate_testkit::spawn_serve("serve", cmd, &dir).expect("kvgate serve");
-    let pid = serve.pid();
+        serves.push(kvgate_testkit::spawn_serve(&format!("serve-{r}"), cmd, &dir).expect("kvgate serve"));
+    }
+    let pids: Vec<u32> = serves.iter().map(|(p, _)| p.pid()).collect();
+    let admins: Arc<Vec<std::net::SocketAddr>> = Arc::new(serves.iter().map(|(_, a)| a.admin).collect());
+    // What every replica has consumed (each ingests every event).
+    let consumed = move |admins: Arc<Vec<std::net::SocketAddr>>| async move {
+        tokio::task::spawn_blocking(move || {
+            admins.iter().map(|a| kv_messages(&metrics(*a))).fold(f64::INFINITY, f64::min)
+        })
+        .await
+        .unwrap_or(0.0)
+    };
+    // CPU seconds summed over the replicas, and the largest RSS.
+    let usage =
+        |pids: &[u32]| pids.iter().map(|p| proc_usage(*p)).fold((0.0, 0.0f64), |(c, r), (c1, r1)| (c + c1, r.max(r1)));
     let client = async_nats::ConnectOptions::new().connect(nats_url.as_str()).await.expect("NATS");
     let mut fleet = Fleet::new(Sink::Nats(client.clone()), workers);
     let beats = fleet.beats(2 * a.blocks as u64).spawn();
-    let admin = addrs.admin;
     let t = Instant::now();
     // Flow control: the consumer keeps within 20,000 messages.
     let settle = |published: u64| {
         let client = client.clone();
+        let admins = admins.clone();
         async move {
             let _ = client.flush().await;
             loop {
-                let got = tokio::task::spawn_blocking(move || kv_messages(&metrics(admin))).await.unwrap_or(0.0);
+                let got = consumed(admins.clone()).await;
                 if got + 20_000.0 >= published as f64 {
                     break;
                 }
@@ -408,43 +492,45 @@ async fn over_grpc(
     fill(&mut fleet, tk, mixes, a.blocks, settle).await;
     let published = fleet.published as f64;
     loop {
-        let got = tokio::task::spawn_blocking(move || kv_messages(&metrics(admin))).await.unwrap_or(0.0);
+        let got = consumed(admins.clone()).await;
         if got >= published {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (_, rss) = proc_usage(pid);
+    let (_, rss) = usage(&pids);
     eprintln!(
-        "{workers} workers: {} block operations in {:.1} s, control plane RSS {rss:.0} MB",
+        "{workers} workers, {replicas} replica(s): {} block operations in {:.1} s, control plane RSS {rss:.0} MB",
         fleet.block_ops,
         t.elapsed().as_secs_f64()
     );
-    let clients: Vec<RouterClient<tonic::transport::Channel>> = {
-        let mut v = Vec::new();
+    let mut group = Vec::new();
+    for (_, addrs) in &serves {
+        let mut channels = Vec::new();
         for _ in 0..4 {
-            v.push(RouterClient::connect(format!("http://{}", addrs.grpc)).await.expect("gRPC"));
+            channels.push(RouterClient::connect(format!("http://{}", addrs.grpc)).await.expect("gRPC"));
         }
-        v
-    };
+        let ends = load::Ends::spawn(channels[0].clone(), Duration::from_secs_f64(a.request_secs));
+        group.push(load::Replica { channels, ends });
+    }
     let mut rows = Vec::new();
-    let ends = load::Ends::spawn(clients[0].clone(), Duration::from_secs_f64(a.request_secs));
     // The conversations and documents were seen before (their earlier
-    // turns are cached).
+    // turns are cached), each by the replica it hashes to.
+    let home = |mix: &str, i: u64| group[(mixes.affinity(mix, i) % replicas as u64) as usize].channels[0].clone();
     for i in 0..mixes.conversations.len() as u64 {
-        if let Ok(r) = clients[0].clone().pick(mixes.request("doks_new_turn", i)).await {
+        if let Ok(r) = home("doks_new_turn", i).pick(mixes.request("doks_new_turn", i)).await {
             mixes.retain(&r.get_ref().retained_chain_hashes);
         }
     }
     for i in 0..mixes.documents.len() as u64 {
-        if let Ok(r) = clients[0].clone().pick(mixes.request("doc_question", i)).await {
+        if let Ok(r) = home("doc_question", i).pick(mixes.request("doc_question", i)).await {
             mixes.retain(&r.get_ref().retained_chain_hashes);
         }
     }
     let mut next_id = 1_000u64;
     // Ingest alone first (what the Picks' CPU is measured against).
     let steps: Vec<(&'static str, f64)> = std::iter::once(("none", 0.0))
-        .chain(a.mixes.iter().flat_map(|m| ladder(m).iter().map(move |r| (*m, *r))))
+        .chain(run_mixes.iter().flat_map(|m| ladder(m).iter().map(move |r| (*m, *r))))
         .collect();
     let mut saturated: Option<&str> = None;
     for (mix, rate) in steps {
@@ -452,8 +538,8 @@ async fn over_grpc(
             continue;
         }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let lag0 = lag_buckets(&metrics(admin));
-        let (cpu0, _) = proc_usage(pid);
+        let lag0: Vec<_> = admins.iter().map(|a| lag_buckets(&metrics(*a))).collect();
+        let (cpu0, _) = usage(&pids);
         let ingest = a.ingest;
         let churner = async {
             let t = Instant::now();
@@ -462,7 +548,7 @@ async fn over_grpc(
         };
         let load = async {
             let step = if rate > 0.0 {
-                Some(load::open_loop(&clients, &ends, mixes.clone(), mix, rate, a.secs, next_id, a.elide).await)
+                Some(load::open_loop(&group, mixes.clone(), mix, rate, a.secs, next_id, a.elide).await)
             } else {
                 tokio::time::sleep(Duration::from_secs_f64(a.secs)).await;
                 None
@@ -471,14 +557,16 @@ async fn over_grpc(
             step
         };
         let (ops_per_s, step) = tokio::join!(churner, load);
-        let (cpu1, rss) = proc_usage(pid);
-        let lag = lag_p99_ms(&lag0, &lag_buckets(&metrics(admin)));
+        let (cpu1, rss) = usage(&pids);
+        // The stalest replica's.
+        let lag =
+            admins.iter().zip(&lag0).filter_map(|(a, l0)| lag_p99_ms(l0, &lag_buckets(&metrics(*a)))).reduce(f64::max);
         // The next step starts on a drained control plane (a saturated step
         // leaves a backlog of batches that would count against the next).
         let published = fleet.published as f64;
         let drain = Instant::now();
         while drain.elapsed() < Duration::from_secs(60) {
-            let got = tokio::task::spawn_blocking(move || kv_messages(&metrics(admin))).await.unwrap_or(0.0);
+            let got = consumed(admins.clone()).await;
             if got >= published {
                 break;
             }
@@ -492,7 +580,7 @@ async fn over_grpc(
                 (cpu1 - cpu0) / a.secs
             );
             rows.push(json!({
-                "workers": workers, "path": "grpc", "mix": "none", "replicas": 1, "picks_per_s": 0,
+                "workers": workers, "path": "grpc", "mix": "none", "replicas": replicas, "picks_per_s": 0,
                 "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
                 "cpu_s_per_s": ((cpu1 - cpu0) / a.secs * 100.0).round() / 100.0,
             }));
@@ -501,7 +589,7 @@ async fn over_grpc(
         let pps = step.answered as f64 / step.secs;
         let cpu_per_pick = if step.answered > 0 { (cpu1 - cpu0) * 1e6 / step.answered as f64 } else { f64::NAN };
         eprintln!(
-            "{workers} workers, {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, CPU {cpu_per_pick:.0} µs/pick",
+            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, CPU {cpu_per_pick:.0} µs/pick",
             step.latency.quantile(0.5),
             step.latency.quantile(0.99),
             step.latency.quantile(0.999),
@@ -509,6 +597,7 @@ async fn over_grpc(
         );
         rows.push(row(
             workers,
+            replicas,
             "grpc",
             mix,
             &step.latency,
@@ -523,8 +612,28 @@ async fn over_grpc(
             saturated = Some(mix);
         }
     }
+    // Decision agreement, with the fleet churning and no other load.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let churner = churn(&mut fleet, a.ingest, stop_rx);
+    let probe = async {
+        let pair = (0, 1 % replicas);
+        let c = load::agreement(&group, pair, true, mixes, 100, next_id).await;
+        let s = load::agreement(&group, pair, false, mixes, 100, next_id + 100).await;
+        let _ = stop_tx.send(true);
+        (c, s)
+    };
+    let (_, (conc, seq)) = tokio::join!(churner, probe);
+    let share = |x: u64, n: u64| if n > 0 { (x as f64 / n as f64 * 1000.0).round() / 1000.0 } else { f64::NAN };
+    let mut agree = Vec::new();
+    for (schedule, g) in [("concurrent", conc), ("sequential", seq)] {
+        eprintln!("{workers} workers, {replicas} replica(s), {schedule} pairs: {g:?}");
+        agree.push(json!({
+            "workers": workers, "replicas": replicas, "schedule": schedule, "pairs": g.pairs,
+            "same_worker": share(g.same_worker, g.pairs), "same_matched_blocks": share(g.same_matched, g.pairs),
+        }));
+    }
     beats.abort();
-    drop(serve);
+    drop(serves);
     drop(nats);
-    rows
+    (rows, agree)
 }
