@@ -199,3 +199,48 @@ fn an_endpoint_outside_the_worker_set_is_refused() {
     assert_eq!(st.worker_views(10).len(), 1);
     assert_eq!(st.counters().refused_endpoints, 2);
 }
+
+/// The candidates are listed by worker id whatever the order workers joined
+/// or left in, so that two replicas (or two runs) with the same seed break
+/// ties alike; a worker that joins after Picks were made, or leaves, is
+/// placed or dropped correctly.
+#[test]
+fn ties_do_not_depend_on_the_order_workers_joined_and_left() {
+    let run = |ids: &[&str]| {
+        let mut st = ModelState::new(common::config(Mode::Kv), 9);
+        let mut seq = Vec::new();
+        for id in ids {
+            st.on_heartbeat(&common::heartbeat(id), 0);
+            // A Pick between joins: the order is rebuilt after each.
+            let r = format!("join-{id}");
+            let _ = st.pick(&common::input(&r, &[7; 64], Some(1)), 1);
+            st.on_report(
+                &pb::CompletionReport { request_id: r, model: "m".into(), total_us: 1, ..Default::default() },
+                1,
+            );
+        }
+        for i in 0..20 {
+            let r = format!("r{i}");
+            seq.push(st.pick(&common::input(&r, &[i; 64], Some(1)), 2).map(|o| o.worker_id).unwrap_or_default());
+            st.on_report(
+                &pb::CompletionReport { request_id: r, model: "m".into(), total_us: 1, ..Default::default() },
+                2,
+            );
+        }
+        seq
+    };
+    let forward = run(&["w1", "w2", "w3", "w4", "w5"]);
+    assert_eq!(forward, run(&["w5", "w3", "w1", "w4", "w2"]));
+    assert_eq!(forward.iter().collect::<std::collections::BTreeSet<_>>().len(), 5, "{forward:?}");
+
+    // A worker that stops heartbeating leaves the candidates, one that
+    // joins late enters them.
+    let mut st = ModelState::new(common::config(Mode::Kv), 9);
+    for id in ["w1", "w2"] {
+        st.on_heartbeat(&common::heartbeat(id), 0);
+    }
+    assert_eq!(picked(&mut st, 10), ["w1", "w2"]);
+    st.on_heartbeat(&common::heartbeat("w2"), 2_000);
+    st.on_heartbeat(&common::heartbeat("w3"), 2_000);
+    assert_eq!(picked(&mut st, 2_000), ["w2", "w3"]);
+}

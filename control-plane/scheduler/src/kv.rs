@@ -371,6 +371,8 @@ impl KvPolicy {
 struct Scored {
     saturated: bool,
     cost: f64,
+    /// `cost` in `tie_epsilon` buckets (computed once, not per comparison).
+    bucket: f64,
     requests: u32,
     active: u64,
     tie: u64,
@@ -396,6 +398,7 @@ impl Policy for KvPolicy {
                 Some(Scored {
                     saturated: self.saturated(request, c),
                     cost: self.cost_in(request, c, unit),
+                    bucket: 0.0,
                     requests: c.load.effective_requests(),
                     active: c.load.effective_active_blocks(),
                     tie: rng.u64(..),
@@ -409,11 +412,15 @@ impl Policy for KvPolicy {
         let eps = self.config.tie_epsilon.max(0.0);
         // Saturated last; then cost, where costs within eps of each other are
         // ordered by load. Bucketing by eps keeps the order transitive.
-        let bucket = |s: &Scored| if eps > 0.0 { (s.cost / eps).floor() } else { s.cost };
-        scored.sort_by(|a, b| {
+        for s in &mut scored {
+            s.bucket = if eps > 0.0 { (s.cost / eps).floor() } else { s.cost };
+        }
+        // The random tie makes every key distinct: an unstable sort orders
+        // as a stable one would.
+        scored.sort_unstable_by(|a, b| {
             a.saturated
                 .cmp(&b.saturated)
-                .then(bucket(a).total_cmp(&bucket(b)))
+                .then(a.bucket.total_cmp(&b.bucket))
                 .then(a.requests.cmp(&b.requests))
                 .then(a.active.cmp(&b.active))
                 .then(a.tie.cmp(&b.tie))

@@ -36,6 +36,9 @@ pub(crate) async fn nats_task(
             .auth
             .connect_options(async_nats::ConnectOptions::new())
             .name(format!("kvgate-control-plane {}", app.config.replica_id))
+            // Its own in-flight batches are not sent back to it (they were
+            // decoded and dropped: one per decision batch).
+            .no_echo()
             .retry_on_initial_connect()
             .max_reconnects(None);
         match opts.connect(nurl.servers.as_str()).await {

@@ -106,6 +106,11 @@ pub struct ModelState {
     policy: Box<dyn Policy>,
     mode: Mode,
     workers: HashMap<String, Worker>,
+    /// Every registered worker's id, sorted (candidates are listed in this
+    /// order, for reproducible ties); `Worker::rank` is a position here.
+    order: std::sync::Arc<[String]>,
+    /// A worker was added or removed since `order` was built.
+    order_stale: bool,
     names: HashMap<WorkerIdx, String>,
     /// Predicted cached tokens and pick time, by request id (kv mode).
     predicted: HashMap<String, (u32, u64)>,
@@ -157,6 +162,8 @@ impl ModelState {
             policy: policy_for(config.mode, config.kv),
             mode: config.mode,
             workers: HashMap::new(),
+            order: std::sync::Arc::from(Vec::new()),
+            order_stale: true,
             names: HashMap::new(),
             predicted: HashMap::new(),
             prefill_legs: Default::default(),

@@ -114,13 +114,22 @@ pub enum NoWorker {
 /// is random per process: sorted for reproducible ties).
 struct Candidates {
     cands: Vec<Candidate>,
-    ids: Vec<String>,
+    /// The model's sorted worker ids, and each candidate's position there.
+    order: std::sync::Arc<[String]>,
+    ranks: Vec<u32>,
     /// Positions of the live `prefill` workers (excluded from the decode
     /// pick), for a prefill leg.
     prefill: Vec<usize>,
     /// Some registered worker, live or not, is a `prefill` worker (a fleet
     /// without any never counts a disaggregation outcome).
     prefill_registered: bool,
+}
+
+impl Candidates {
+    /// Worker id of candidate `i`.
+    fn id(&self, i: usize) -> &str {
+        self.ranks.get(i).and_then(|r| self.order.get(*r as usize)).map_or("", String::as_str)
+    }
 }
 
 /// Wire name of a reason.
@@ -222,12 +231,12 @@ impl ModelState {
                 self.prefill_legs.insert(input.request_id, now_ms + leg_ms);
             }
             leg_out = Some(PrefillLeg {
-                endpoint: self.workers.get(&c.ids[p]).and_then(|w| w.endpoint.clone()).unwrap_or_default(),
-                worker_id: c.ids[p].clone(),
+                endpoint: self.workers.get(c.id(p)).and_then(|w| w.endpoint.clone()).unwrap_or_default(),
+                worker_id: c.id(p).to_owned(),
                 matched_blocks: pc.overlap_blocks,
                 inflight: pb::InflightEvent {
                     request_id: input.request_id.to_owned(),
-                    worker_id: c.ids[p].clone(),
+                    worker_id: c.id(p).to_owned(),
                     phase: pb::InflightPhase::Added as i32,
                     prompt_blocks: hashes.len() as u32,
                     overlap_blocks: held,
@@ -239,7 +248,7 @@ impl ModelState {
             self.count_prefill(pb::WorkerRole::Prefill, uncached(held), now_ms);
             shared = hashes.len() as u32;
         } else {
-            let role = self.workers.get(&c.ids[decision.chosen]).map_or(pb::WorkerRole::Both, |w| w.role);
+            let role = self.workers.get(c.id(decision.chosen)).map_or(pb::WorkerRole::Both, |w| w.role);
             self.count_prefill(role, uncached(shared), now_ms);
         }
         let added = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
@@ -326,9 +335,13 @@ impl ModelState {
         // What each worker's requests in flight share with the prompt, in
         // one walk of it.
         let shares = if self.mode == Mode::Kv { self.tracker.inflight_shares(hashes) } else { Vec::new() };
-        let mut live: Vec<(&String, Candidate, bool)> = Vec::with_capacity(self.workers.len());
+        if self.order_stale {
+            self.sort_workers();
+        }
+        // Each live worker at its place in the sorted order: no sort per Pick.
+        let mut slots: Vec<Option<(Candidate, bool)>> = vec![None; self.order.len()];
         let mut prefill_registered = false;
-        for (id, w) in &self.workers {
+        for w in self.workers.values() {
             let prefill_only = w.role == pb::WorkerRole::Prefill;
             prefill_registered |= prefill_only;
             if !self.live(w, now_ms) {
@@ -348,12 +361,32 @@ impl ModelState {
                 timing: self.calibration.timing(w.idx),
                 excluded,
             };
-            live.push((id, cand, prefill_only));
+            if let Some(slot) = slots.get_mut(w.rank as usize) {
+                *slot = Some((cand, prefill_only));
+            }
         }
-        live.sort_by(|a, b| a.0.cmp(b.0));
-        let ids = live.iter().map(|(id, _, _)| (*id).clone()).collect();
-        let prefill = live.iter().enumerate().filter(|(_, (_, _, p))| *p).map(|(i, _)| i).collect();
-        Candidates { cands: live.into_iter().map(|(_, c, _)| c).collect(), ids, prefill, prefill_registered }
+        let (mut cands, mut ranks, mut prefill) = (Vec::with_capacity(slots.len()), Vec::new(), Vec::new());
+        for (rank, (cand, prefill_only)) in slots.into_iter().enumerate().filter_map(|(r, s)| Some((r, s?))) {
+            if prefill_only {
+                prefill.push(cands.len());
+            }
+            cands.push(cand);
+            ranks.push(rank as u32);
+        }
+        Candidates { cands, order: self.order.clone(), ranks, prefill, prefill_registered }
+    }
+
+    /// Sorts the registered workers' ids into `order` and gives each its rank.
+    fn sort_workers(&mut self) {
+        let mut ids: Vec<String> = self.workers.keys().cloned().collect();
+        ids.sort_unstable();
+        for (rank, id) in ids.iter().enumerate() {
+            if let Some(w) = self.workers.get_mut(id) {
+                w.rank = rank as u32;
+            }
+        }
+        self.order = ids.into();
+        self.order_stale = false;
     }
 
     /// The runners-up's endpoints Envoy may retry on: distinct and not the
@@ -404,13 +437,13 @@ impl ModelState {
         // (nothing to build without replicas).
         let shared =
             if self.share_with_replicas { hashes.len().min(kvgate_scheduler::SHARED_PROMPT_BLOCKS) } else { 0 };
-        let endpoint_of = |i: usize| self.workers.get(&c.ids[i]).and_then(|w| w.endpoint.clone()).unwrap_or_default();
+        let endpoint_of = |i: usize| self.workers.get(c.id(i)).and_then(|w| w.endpoint.clone()).unwrap_or_default();
         let endpoint = endpoint_of(decision.chosen);
-        let dp_rank = self.workers.get(&c.ids[decision.chosen]).and_then(|w| w.dp_rank);
+        let dp_rank = self.workers.get(c.id(decision.chosen)).and_then(|w| w.dp_rank);
         let ranked = decision.fallbacks.iter().map(|i| endpoint_of(*i));
         let fallbacks = self.fallbacks(ranked, &endpoint, dp_rank, self.config.kv.fallbacks);
         let chosen = c.cands[decision.chosen];
-        let worker_id = c.ids[decision.chosen].clone();
+        let worker_id = c.id(decision.chosen).to_owned();
         let (mode, reason) = match input.by_load {
             None => (self.mode.name(), reason_pb(decision.reason)),
             Some(ByLoad::TokenizeFailed) => (self.mode.name(), pb::PickReason::Fallback),
@@ -423,7 +456,7 @@ impl ModelState {
             .filter(|(i, _)| c.prefill.binary_search(i).is_err())
             .max_by_key(|(i, c)| (c.overlap_blocks, std::cmp::Reverse(*i)));
         let passed_over = match best {
-            Some((i, b)) if b.overlap_blocks > chosen.overlap_blocks => (b.overlap_blocks, c.ids[i].clone()),
+            Some((i, b)) if b.overlap_blocks > chosen.overlap_blocks => (b.overlap_blocks, c.id(i).to_owned()),
             _ => (0, String::new()),
         };
         PickOutput {

@@ -37,6 +37,8 @@ pub(super) struct Worker {
     failures: Vec<u64>,
     /// No Pick before this time (a suspect).
     suspect_until_ms: u64,
+    /// Its position in the model's sorted worker ids (`ModelState::order`).
+    pub(super) rank: u32,
 }
 
 impl Worker {
@@ -55,6 +57,7 @@ impl Worker {
             sync,
             failures: Vec::new(),
             suspect_until_ms: 0,
+            rank: 0,
         }
     }
 }
@@ -100,7 +103,9 @@ impl ModelState {
     pub(super) fn worker_entry(&mut self, id: &str, now_ms: u64) -> &mut Worker {
         let index = &mut self.index;
         let names = &mut self.names;
+        let stale = &mut self.order_stale;
         let w = self.workers.entry(id.to_owned()).or_insert_with(|| {
+            *stale = true;
             let idx = index.add_worker(id);
             names.insert(idx, id.to_owned());
             Worker::new(idx, None, StreamSync::Unknown, 0)
@@ -245,6 +250,7 @@ impl ModelState {
             .collect();
         for id in &dead {
             if let Some(w) = self.workers.remove(id) {
+                self.order_stale = true;
                 self.index.remove_worker(w.idx);
                 self.tracker.remove_worker(w.idx);
                 self.calibration.remove_worker(w.idx);

@@ -1,0 +1,133 @@
+//! Criterion: `ModelState::pick`, the whole decision of one request in the
+//! model state (candidates for every live worker with their overlap, load
+//! and learned timing, the `kv` ranking, in-flight bookkeeping), at 10, 100
+//! and 1,000 workers.
+//!
+//! Every worker holds a 1,024-block private chain and one of ten 234-block
+//! shared starters (a DOKS-like fleet); each measured request is a starter
+//! plus ~100 new tokens, and each is reported finished right after, so the
+//! in-flight table stays at its warm-up size (two requests per worker).
+//!
+//! `cargo bench -p kvgate-core --bench pick`
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use kvgate_core::model::{ModelConfig, ModelState, PickInput};
+use kvgate_protocol::{BlockSeed, BlockSize, pb};
+use kvgate_scheduler::{KvConfig, Mode};
+
+const BS: usize = 16;
+
+fn config() -> ModelConfig {
+    ModelConfig {
+        name: "m".into(),
+        block_size: BlockSize::new(BS as u32).expect("block size"),
+        mode: Mode::Kv,
+        kv: KvConfig::default(),
+        learn_timing: true,
+        default_output_tokens: 256,
+        static_workers: Vec::new(),
+        heartbeat_timeout_ms: 3_600_000,
+        inflight_ttl_ms: 3_600_000,
+        suspect_after_failures: 2,
+        suspect_ms: 3000,
+        allowed_endpoints: Vec::new(),
+        session: Default::default(),
+        overload: None,
+        disaggregation: Default::default(),
+    }
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 100_000).collect()
+}
+
+fn stored(id: &str, seq: u64, first_hash: u64, tokens: &[u32]) -> pb::KvEventBatch {
+    let n = (tokens.len() / BS) as u64;
+    pb::KvEventBatch {
+        worker_id: id.into(),
+        model: "m".into(),
+        relay_epoch: 1,
+        relay_seq: seq,
+        events: vec![pb::KvEvent {
+            event: Some(pb::kv_event::Event::Stored(pb::BlockStored {
+                engine_hashes: (first_hash..first_hash + n).collect(),
+                token_ids: tokens.to_vec(),
+                block_size: BS as u32,
+                ..Default::default()
+            })),
+        }],
+        ..Default::default()
+    }
+}
+
+fn fleet(workers: usize, starters: &[Vec<u32>]) -> ModelState {
+    let mut st = ModelState::new(config(), 7);
+    for w in 0..workers {
+        let id = format!("w{w}");
+        let hb = pb::WorkerHeartbeat {
+            worker_id: id.clone(),
+            model: "m".into(),
+            endpoint: format!("10.{}.{}.{}:8000", w / 65_536, (w / 256) % 256, w % 256),
+            relay_epoch: 1,
+            block_size: BS as u32,
+            interval_ms: 1000,
+            engine_ok: true,
+            capacity_blocks: 40_000,
+            ..Default::default()
+        };
+        st.on_heartbeat(&hb, 0);
+        st.on_batch(stored(&id, 1, 1, &starters[w % starters.len()]), 0);
+        st.on_batch(stored(&id, 2, 1_000_000, &tokens(1000 + w as u32, 1024 * BS)), 0);
+    }
+    st
+}
+
+fn request(starters: &[Vec<u32>], i: u64) -> Vec<u32> {
+    let mut t = starters[(i % starters.len() as u64) as usize].clone();
+    t.extend(tokens(0x5eed ^ i as u32, 100));
+    t
+}
+
+fn bench(c: &mut Criterion) {
+    let starters: Vec<Vec<u32>> = (0..10).map(|s| tokens(s, 234 * BS)).collect();
+    let mut g = c.benchmark_group("model_pick");
+    for workers in [10usize, 100, 1000] {
+        let mut st = fleet(workers, &starters);
+        // Two requests in flight per worker.
+        for i in 0..2 * workers as u64 {
+            let t = request(&starters, i);
+            let id = format!("warm-{i}");
+            let _ = st.pick(&input(&id, &t), 1);
+        }
+        let mut i = 0u64;
+        g.bench_function(BenchmarkId::from_parameter(format!("{workers}w")), |b| {
+            b.iter(|| {
+                i += 1;
+                let t = request(&starters, i);
+                let id = format!("r{i}");
+                let out = st.pick(&input(&id, &t), 2);
+                let done =
+                    pb::CompletionReport { request_id: id, model: "m".into(), total_us: 1, ..Default::default() };
+                st.on_report(&done, 2);
+                out.map(|o| o.matched_blocks).unwrap_or(0)
+            });
+        });
+    }
+    g.finish();
+}
+
+fn input<'a>(request_id: &'a str, tokens: &'a [u32]) -> PickInput<'a> {
+    PickInput {
+        request_id,
+        token_ids: tokens,
+        seed: BlockSeed::default(),
+        text_prefix: &[],
+        max_tokens: Some(256),
+        by_load: None,
+        allowed: None,
+        session: "",
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
