@@ -148,10 +148,21 @@ fn uncount(table: &mut Map<SequenceHash, Holders>, worker: WorkerIdx, hashes: &[
     gone
 }
 
+/// `worker`'s entry in a by-index table, made when it has none.
+fn worker_mut(workers: &mut Vec<Option<WorkerLoad>>, worker: WorkerIdx) -> &mut WorkerLoad {
+    let i = worker.0 as usize;
+    if workers.len() <= i {
+        workers.resize_with(i + 1, || None);
+    }
+    workers[i].get_or_insert_with(WorkerLoad::default)
+}
+
 /// In-flight requests and the load they put on each worker.
 #[derive(Debug, Default)]
 pub struct LoadTracker {
-    workers: Map<WorkerIdx, WorkerLoad>,
+    /// By worker index (dense: the index hands indices out and reuses
+    /// them), so that reading a worker's load is one array access.
+    workers: Vec<Option<WorkerLoad>>,
     requests: Map<String, Inflight>,
     /// Prompt blocks of the requests in flight: hash → workers, counts.
     prompt_blocks: Map<SequenceHash, Holders>,
@@ -293,7 +304,7 @@ impl LoadTracker {
         let Entry::Vacant(slot) = self.requests.entry(request_id.to_owned()) else {
             return Err(LifecycleError::Duplicate);
         };
-        let w = self.workers.entry(worker).or_default();
+        let w = worker_mut(&mut self.workers, worker);
         w.inflight += 1;
         w.prefill_pending_blocks += new_prefill_blocks;
         w.output_blocks += output_blocks;
@@ -317,7 +328,7 @@ impl LoadTracker {
     pub fn first_token(&mut self, request_id: &str) -> Result<(), LifecycleError> {
         let r = self.requests.get_mut(request_id).ok_or(LifecycleError::Unknown)?;
         if std::mem::take(&mut r.prefilling)
-            && let Some(w) = self.workers.get_mut(&r.worker)
+            && let Some(Some(w)) = self.workers.get_mut(r.worker.0 as usize)
         {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
             uncount(&mut self.computing, r.worker, r.prompt.get(r.own_from..).unwrap_or_default());
@@ -333,7 +344,7 @@ impl LoadTracker {
     }
 
     fn release(&mut self, r: Inflight) {
-        let Some(w) = self.workers.get_mut(&r.worker) else { return };
+        let Some(Some(w)) = self.workers.get_mut(r.worker.0 as usize) else { return };
         w.inflight = w.inflight.saturating_sub(1);
         if r.prefilling {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
@@ -368,7 +379,7 @@ impl LoadTracker {
         if !(m.kv_usage.is_finite() && (0.0..=1.0).contains(&m.kv_usage)) {
             return false;
         }
-        self.workers.entry(worker).or_default().measured = Some(m);
+        worker_mut(&mut self.workers, worker).measured = Some(m);
         true
     }
 
@@ -381,7 +392,9 @@ impl LoadTracker {
                 self.release(r);
             }
         }
-        self.workers.remove(&worker);
+        if let Some(w) = self.workers.get_mut(worker.0 as usize) {
+            *w = None;
+        }
     }
 
     /// Requests in flight (all workers).
@@ -391,7 +404,7 @@ impl LoadTracker {
 
     /// The load of a worker, predicted and measured.
     pub fn load(&self, worker: WorkerIdx) -> Load {
-        let Some(w) = self.workers.get(&worker) else { return Load::default() };
+        let Some(Some(w)) = self.workers.get(worker.0 as usize) else { return Load::default() };
         let m = w.measured;
         Load {
             inflight: w.inflight,
