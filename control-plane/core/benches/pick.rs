@@ -10,30 +10,23 @@
 //!
 //! `cargo bench -p kvgate-core --bench pick`
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvgate_core::model::{ModelConfig, ModelState, PickInput};
-use kvgate_protocol::{BlockSeed, BlockSize, pb};
-use kvgate_scheduler::{KvConfig, Mode};
+use kvgate_protocol::{BlockSeed, pb};
+use kvgate_scheduler::Mode;
 
 const BS: usize = 16;
 
+/// The tests' model settings: `kv`, and nothing expires during a run.
 fn config() -> ModelConfig {
     ModelConfig {
-        name: "m".into(),
-        block_size: BlockSize::new(BS as u32).expect("block size"),
-        mode: Mode::Kv,
-        kv: KvConfig::default(),
-        learn_timing: true,
         default_output_tokens: 256,
-        static_workers: Vec::new(),
         heartbeat_timeout_ms: 3_600_000,
         inflight_ttl_ms: 3_600_000,
-        suspect_after_failures: 2,
-        suspect_ms: 3000,
-        allowed_endpoints: Vec::new(),
-        session: Default::default(),
-        overload: None,
-        disaggregation: Default::default(),
+        ..common::config(Mode::Kv)
     }
 }
 
