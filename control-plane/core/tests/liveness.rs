@@ -123,10 +123,41 @@ fn thawing_after_an_outage_keeps_the_workers() {
     st.thaw(10_000);
     assert!(st.reap(10_500).is_empty());
     assert_eq!(picked(&mut st, 10_500), vec!["w0", "w1"]);
-    // Without the thaw, both would be gone.
+    // Without the thaw, a worker silent while another beats is gone.
     let mut st = state();
     st.on_heartbeat(&hb("w0", H::Healthy), 0);
+    st.on_heartbeat(&hb("w1", H::Healthy), 10_400);
     assert_eq!(st.reap(10_500), vec!["w0"]);
+}
+
+/// Heartbeats come in the same ordered stream as the KV events, so a
+/// control plane that falls behind on ingest sees every heartbeat late. That
+/// backlog does not purge live workers (judged by the stream's newest
+/// heartbeat), though it makes them unroutable until their heartbeats are
+/// processed; a backlog longer than `MAX_STREAM_LAG_MS`, or a worker silent
+/// while others beat, is reaped.
+#[test]
+fn a_backlog_of_late_heartbeats_does_not_purge_the_fleet() {
+    use kvgate_core::model::MAX_STREAM_LAG_MS;
+    use pb::EngineHealth as H;
+    let mut st = state();
+    st.on_heartbeat(&hb("w0", H::Healthy), 0);
+    st.on_heartbeat(&hb("w1", H::Healthy), 0);
+    // 10 s without a processed heartbeat: not routable, not forgotten.
+    assert!(st.reap(10_000).is_empty());
+    assert_eq!(picked(&mut st, 10_000), Vec::<String>::new());
+    // The backlog drains: routable again, with their blocks.
+    st.on_heartbeat(&hb("w0", H::Healthy), 10_100);
+    st.on_heartbeat(&hb("w1", H::Healthy), 10_100);
+    assert_eq!(picked(&mut st, 10_200), vec!["w0", "w1"]);
+    // w1 stays silent while w0 beats: reaped as before.
+    for t in (10_200..=12_000).step_by(200) {
+        st.on_heartbeat(&hb("w0", H::Healthy), t);
+    }
+    assert_eq!(st.reap(12_000), vec!["w1"]);
+    // Nothing beats for longer than the bound: reaped.
+    assert!(st.reap(12_000 + MAX_STREAM_LAG_MS / 2).is_empty());
+    assert_eq!(st.reap(12_000 + MAX_STREAM_LAG_MS + 2_000), vec!["w0"]);
 }
 
 /// Only `kv` predicts cached tokens; a report of a request routed in

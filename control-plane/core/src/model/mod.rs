@@ -49,7 +49,7 @@ pub use sessions::SessionConfig;
 use sessions::Sessions;
 use sync::{Accept, Resync, StreamSync};
 use workers::Worker;
-pub use workers::{WorkerView, reached_another};
+pub use workers::{MAX_STREAM_LAG_MS, WorkerView, reached_another};
 
 /// Settings of one model, validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,6 +130,9 @@ pub struct ModelState {
     scratch: Vec<Overlap>,
     /// Liveness is judged as of this time while NATS is down.
     frozen_at: Option<u64>,
+    /// When the newest heartbeat of any worker was processed: the time the
+    /// event stream has delivered up to (see `ModelState::reap`).
+    newest_heartbeat_ms: Option<u64>,
 }
 
 impl std::fmt::Debug for ModelState {
@@ -176,6 +179,7 @@ impl ModelState {
             counters: ModelCounters::default(),
             scratch: Vec::new(),
             frozen_at: None,
+            newest_heartbeat_ms: None,
             config,
         };
         for (id, endpoint) in this.config.static_workers.clone() {

@@ -99,6 +99,10 @@ pub struct WorkerView {
     pub block_size: u32,
 }
 
+/// Longest backlog of the event stream [`ModelState::reap`] waits out
+/// before purging workers whose heartbeats it has not seen.
+pub const MAX_STREAM_LAG_MS: u64 = 60_000;
+
 impl ModelState {
     pub(super) fn worker_entry(&mut self, id: &str, now_ms: u64) -> &mut Worker {
         let index = &mut self.index;
@@ -166,6 +170,24 @@ impl ModelState {
         }
     }
 
+    /// The time [`ModelState::reap`] judges heartbeats' age at: now, but
+    /// not more than half a heartbeat timeout past the newest heartbeat of
+    /// any worker (nor past the start of a NATS outage), and at least
+    /// [`MAX_STREAM_LAG_MS`] before now. Heartbeats share one ordered
+    /// stream with the KV events (the gap detection needs that order), so
+    /// when ingest falls behind every heartbeat is late: judged by the
+    /// stream's own clock, a backlog does not purge live workers' blocks,
+    /// while a worker whose heartbeats stopped as others' go on is reaped as
+    /// before; when no worker beats at all, after the bound. Routing
+    /// (`live`) still judges by now: a late heartbeat makes a worker
+    /// unroutable for a while, never forgotten.
+    fn reap_clock(&self, now_ms: u64) -> u64 {
+        let frozen = self.frozen_at.map_or(now_ms, |f| f.min(now_ms));
+        let slack = self.config.heartbeat_timeout_ms.max(1000) / 2;
+        let stream = self.newest_heartbeat_ms.map_or(frozen, |t| frozen.min(t.saturating_add(slack)));
+        stream.max(now_ms.saturating_sub(MAX_STREAM_LAG_MS))
+    }
+
     /// NATS went down at `now_ms`: liveness is judged as of then until
     /// [`ModelState::thaw`] (heartbeats cannot arrive; routing goes on on
     /// the last index).
@@ -194,6 +216,7 @@ impl ModelState {
         if hb.block_size != 0 && hb.block_size != self.config.block_size.get() {
             self.counters.heartbeats_block_size_mismatch += 1;
         }
+        self.newest_heartbeat_ms = Some(self.newest_heartbeat_ms.map_or(now_ms, |t| t.max(now_ms)));
         let w = self.worker_entry(&hb.worker_id, now_ms);
         let idx = w.idx;
         w.last_heartbeat_ms = Some(now_ms);
@@ -239,12 +262,13 @@ impl ModelState {
     /// again after a first event), and forgets requests whose end was
     /// never reported. Returns the removed workers' ids.
     pub fn reap(&mut self, now_ms: u64) -> Vec<String> {
+        let judged_at = self.reap_clock(now_ms);
         let dead: Vec<String> = self
             .workers
             .iter()
             .filter(|(_, w)| {
                 !w.sync.is_static()
-                    && now_ms.saturating_sub(w.last_heartbeat_ms.unwrap_or(w.last_seen_ms)) > self.timeout_ms(w)
+                    && judged_at.saturating_sub(w.last_heartbeat_ms.unwrap_or(w.last_seen_ms)) > self.timeout_ms(w)
             })
             .map(|(k, _)| k.clone())
             .collect();
