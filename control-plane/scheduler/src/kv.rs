@@ -392,13 +392,16 @@ impl Policy for KvPolicy {
     ) -> Option<Decision> {
         let n = request.prompt_blocks;
         let unit = self.unit_rate(candidates);
+        let eps = self.config.tie_epsilon.max(0.0);
         let mut scored: Vec<Scored> = eligible(candidates)
             .filter_map(|i| {
                 let c = candidates.get(i)?;
+                let cost = self.cost_in(request, c, unit);
                 Some(Scored {
                     saturated: self.saturated(request, c),
-                    cost: self.cost_in(request, c, unit),
-                    bucket: 0.0,
+                    cost,
+                    // Bucketing by eps keeps the order transitive.
+                    bucket: if eps > 0.0 { (cost / eps).floor() } else { cost },
                     requests: c.load.effective_requests(),
                     active: c.load.effective_active_blocks(),
                     tie: rng.u64(..),
@@ -409,13 +412,8 @@ impl Policy for KvPolicy {
         if scored.is_empty() {
             return None;
         }
-        let eps = self.config.tie_epsilon.max(0.0);
         // Saturated last; then cost, where costs within eps of each other are
-        // ordered by load. Bucketing by eps keeps the order transitive.
-        for s in &mut scored {
-            s.bucket = if eps > 0.0 { (s.cost / eps).floor() } else { s.cost };
-        }
-        // The random tie makes every key distinct: an unstable sort orders
+        // ordered by load. The random tie makes every key distinct: an unstable sort orders
         // as a stable one would.
         scored.sort_unstable_by(|a, b| {
             a.saturated

@@ -136,7 +136,7 @@ impl ModelState {
             return true;
         }
         let engine_up = matches!(w.health, pb::EngineHealth::Unspecified | pb::EngineHealth::Healthy);
-        let judged_at = self.frozen_at.map_or(now_ms, |f| f.min(now_ms));
+        let judged_at = self.frozen_now(now_ms);
         engine_up
             && w.endpoint.is_some()
             && w.last_heartbeat_ms.is_some_and(|t| judged_at.saturating_sub(t) <= self.timeout_ms(w))
@@ -182,10 +182,15 @@ impl ModelState {
     /// (`live`) still judges by now: a late heartbeat makes a worker
     /// unroutable for a while, never forgotten.
     fn reap_clock(&self, now_ms: u64) -> u64 {
-        let frozen = self.frozen_at.map_or(now_ms, |f| f.min(now_ms));
+        let frozen = self.frozen_now(now_ms);
         let slack = self.config.heartbeat_timeout_ms.max(1000) / 2;
         let stream = self.newest_heartbeat_ms.map_or(frozen, |t| frozen.min(t.saturating_add(slack)));
         stream.max(now_ms.saturating_sub(MAX_STREAM_LAG_MS))
+    }
+
+    /// Now, or the moment NATS went down during an outage.
+    fn frozen_now(&self, now_ms: u64) -> u64 {
+        self.frozen_at.map_or(now_ms, |f| f.min(now_ms))
     }
 
     /// NATS went down at `now_ms`: liveness is judged as of then until

@@ -271,25 +271,29 @@ pub(crate) async fn agreement(
         let (ida, idb) = (ra.request_id.clone(), rb.request_id.clone());
         let mut ca = replicas[a].channels[0].clone();
         let mut cb = replicas[b].channels[1 % replicas[b].channels.len()].clone();
+        // Every answered Pick is reported finished at once (none stays in flight).
+        let end = |r: usize, id: &str, x: &Result<tonic::Response<pb::PickResponse>, tonic::Status>| {
+            if let Ok(x) = x {
+                replicas[r].ends.ended_now(id.to_owned(), x.get_ref().worker_id.clone(), x.get_ref().endpoint.clone());
+            }
+        };
         let (x, y) = if concurrent {
             tokio::join!(ca.pick(ra), cb.pick(rb))
         } else {
             let x = ca.pick(ra).await;
-            if let Ok(x) = &x {
-                replicas[a].ends.ended_now(ida.clone(), x.get_ref().worker_id.clone(), x.get_ref().endpoint.clone());
-            }
+            end(a, &ida, &x);
             tokio::time::sleep(Duration::from_millis(150)).await;
             (x, cb.pick(rb).await)
         };
+        if concurrent {
+            end(a, &ida, &x);
+        }
+        end(b, &idb, &y);
         if let (Ok(x), Ok(y)) = (x, y) {
-            let (x, y) = (x.into_inner(), y.into_inner());
+            let (x, y) = (x.get_ref(), y.get_ref());
             out.pairs += 1;
             out.same_worker += u64::from(x.worker_id == y.worker_id);
             out.same_matched += u64::from(x.matched_blocks == y.matched_blocks);
-            if concurrent {
-                replicas[a].ends.ended_now(ida, x.worker_id, x.endpoint);
-            }
-            replicas[b].ends.ended_now(idb, y.worker_id, y.endpoint);
         }
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
