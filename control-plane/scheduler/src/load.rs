@@ -1,28 +1,37 @@
 //! Router-predicted load per worker, from the lifecycle of the requests the
 //! router (and its replicas) routed: added → first token → done.
 //!
+//! n = prompt blocks, K = [`CHECKPOINT`], h = requests in flight on one
+//! worker that hold the prompt's last shared checkpoint, p = requests still
+//! prefilling on one worker (few).
+//!
 //! | operation | cost |
 //! |---|---|
-//! | [`LoadTracker::added`] | O(prompt blocks) |
-//! | [`LoadTracker::first_token`] | O(1) |
-//! | [`LoadTracker::done`] | O(prompt blocks) |
+//! | [`LoadTracker::added`] | O(n / K) table updates + one share |
+//! | [`LoadTracker::first_token`] | O(p) |
+//! | [`LoadTracker::done`] | O(n / K) table updates + one share |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
-//! | [`LoadTracker::inflight_shares`] (every worker at once) | O(n + Σ over the prompt's blocks of the workers holding each) |
-//! | [`LoadTracker::inflight_share`] (one worker) | the same |
+//! | share of one worker | O(log(n / K)) lookups + O(h · K) comparisons + O(p · (log(n / K) + K)) |
+//! | [`LoadTracker::inflight_shares`] (every worker at once) | one share per worker holding the prompt's first block |
 //!
-//! Active blocks are deduplicated per worker: a multiset of the prompt's
-//! sequence hashes, so ten requests sharing a 4,000-token system prompt count
-//! its blocks once, as the engine's prefix cache does. Output blocks are
-//! per request (`ceil(expected_output_tokens / block_size)`).
+//! Active blocks are deduplicated per worker, as the engine's prefix cache
+//! does: ten requests sharing a 4,000-token system prompt count its blocks
+//! once. Output blocks are per request
+//! (`ceil(expected_output_tokens / block_size)`).
 //!
-//! The multisets are kept inverted, one table for all workers: a block's
-//! hash → the workers whose requests in flight hold it, with counts (a short
-//! vector). A Pick asks what every worker's requests in flight share with
-//! its prompt: one lookup per prompt block and a walk of that block's short
-//! vector, instead of one lookup per block per worker (which cost ~300 µs
-//! per Pick at 100 workers with 1,000 requests in flight sharing starters;
-//! docs/DECISIONS.md).
+//! **Checkpoints, not every block.** Block hashes are chained: two prompts
+//! with the same hash at position i agree on every block before it. So the
+//! blocks a worker's requests in flight hold form a prefix-closed set, and
+//! what they share with a prompt is its longest common prefix with one of
+//! them. The table indexes only every K-th block of each prompt in flight
+//! (hash → the requests on each worker that hold it): a binary search over
+//! the prompt's checkpoints finds the last one a worker holds, and the
+//! requests holding it extend the match block by block, at most K − 1 more.
+//! A request's distinct blocks are its length less what the worker's other
+//! requests already share with it. Registering every block instead cost a
+//! third of the control plane's CPU for 100K-token prompts at 1,000 workers
+//! (docs/DECISIONS.md).
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -35,9 +44,13 @@ use crate::policy::Load;
 
 type Map<K, V> = HashMap<K, V, RandomState>;
 
-/// The workers holding one hash in flight, with counts, sorted by worker
-/// (a shared prefix in flight on a large fleet has a holder per worker:
-/// found by binary search, not a scan).
+/// Every K-th block of a prompt in flight is indexed (positions 0, K,
+/// 2K, …). Larger: fewer table updates per request, longer block-by-block
+/// extensions per share.
+pub const CHECKPOINT: usize = 16;
+
+/// The requests in flight holding one checkpoint hash, as (worker, request
+/// slot), sorted: a worker's requests are one run, found by binary search.
 type Holders = Vec<(WorkerIdx, u32)>;
 
 /// Most leading prompt block hashes a replica shares per request (64 K
@@ -69,10 +82,13 @@ struct WorkerLoad {
     counted_prompt_blocks: u64,
     output_blocks: u64,
     measured: Option<Measured>,
+    /// Slots of its requests still prefilling.
+    prefilling: Vec<u32>,
 }
 
 #[derive(Debug)]
 struct Inflight {
+    id: String,
     worker: WorkerIdx,
     prompt: Box<[SequenceHash]>,
     /// Where its own prefill starts in `prompt` (the overlap it was routed with).
@@ -93,59 +109,47 @@ pub struct InflightShare {
     pub computing: u32,
 }
 
-/// Where `worker` is (`Ok`) or goes (`Err`) in sorted holders: a scan for
-/// a few (as fast, and the common case), a binary search for many.
-fn position(holders: &Holders, worker: WorkerIdx) -> Result<usize, usize> {
-    if holders.len() <= 16 {
-        match holders.iter().position(|(w, _)| w.0 >= worker.0) {
-            Some(i) if holders.get(i).is_some_and(|(w, _)| *w == worker) => Ok(i),
-            Some(i) => Err(i),
-            None => Err(holders.len()),
-        }
-    } else {
-        holders.binary_search_by_key(&worker.0, |(w, _)| w.0)
-    }
+/// The run of `worker`'s entries in sorted holders.
+fn run(holders: &[(WorkerIdx, u32)], worker: WorkerIdx) -> &[(WorkerIdx, u32)] {
+    let from = holders.partition_point(|(w, _)| w.0 < worker.0);
+    let to = from + holders.get(from..).map_or(0, |r| r.partition_point(|(w, _)| w.0 == worker.0));
+    holders.get(from..to).unwrap_or_default()
 }
 
-/// Adds one count of `worker` to each hash; returns how many hashes the
-/// worker did not hold before.
-fn count(table: &mut Map<SequenceHash, Holders>, worker: WorkerIdx, hashes: &[SequenceHash]) -> u64 {
-    let mut new = 0;
-    for h in hashes {
-        let holders = table.entry(*h).or_default();
-        match position(holders, worker) {
-            Ok(i) => {
-                if let Some((_, n)) = holders.get_mut(i) {
-                    *n += 1;
-                }
-            }
-            Err(i) => {
-                holders.insert(i, (worker, 1));
-                new += 1;
-            }
-        }
+/// Positions of `a` and `b`'s common prefix: by checkpoints (binary search;
+/// chained hashes agree at a position only if they agree before it), then
+/// block by block.
+fn common_prefix(a: &[SequenceHash], b: &[SequenceHash]) -> usize {
+    let n = a.len().min(b.len());
+    let same = |i: usize| a.get(i).is_some_and(|x| b.get(i) == Some(x));
+    if n == 0 || !same(0) {
+        return 0;
     }
-    new
+    let (mut lo, mut hi) = (1, (n - 1) / CHECKPOINT + 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if same(mid * CHECKPOINT) { lo = mid + 1 } else { hi = mid }
+    }
+    let mut i = (lo - 1) * CHECKPOINT + 1;
+    while i < n && same(i) {
+        i += 1;
+    }
+    i
 }
 
-/// Takes one count of `worker` out of each hash; returns how many hashes
-/// the worker no longer holds.
-fn uncount(table: &mut Map<SequenceHash, Holders>, worker: WorkerIdx, hashes: &[SequenceHash]) -> u64 {
-    let mut gone = 0;
-    for h in hashes {
-        let Entry::Occupied(mut o) = table.entry(*h) else { continue };
-        let holders = o.get_mut();
-        let Ok(i) = position(holders, worker) else { continue };
-        holders[i].1 -= 1;
-        if holders[i].1 == 0 {
-            holders.remove(i);
-            gone += 1;
-            if holders.is_empty() {
-                o.remove();
-            }
+/// Length of the union of half-open intervals.
+fn union_len(mut spans: Vec<(usize, usize)>) -> usize {
+    spans.retain(|(a, b)| a < b);
+    spans.sort_unstable();
+    let (mut total, mut end) = (0, 0);
+    for (a, b) in spans {
+        let a = a.max(end);
+        if b > a {
+            total += b - a;
+            end = b;
         }
     }
-    gone
+    total
 }
 
 /// `worker`'s entry in a by-index table, made when it has none.
@@ -163,12 +167,13 @@ pub struct LoadTracker {
     /// By worker index (dense: the index hands indices out and reuses
     /// them), so that reading a worker's load is one array access.
     workers: Vec<Option<WorkerLoad>>,
-    requests: Map<String, Inflight>,
-    /// Prompt blocks of the requests in flight: hash → workers, counts.
-    prompt_blocks: Map<SequenceHash, Holders>,
-    /// Blocks that requests still prefilling compute themselves (their
-    /// prompt after the overlap they were routed with): hash → workers.
-    computing: Map<SequenceHash, Holders>,
+    /// Request id → slot.
+    requests: Map<String, u32>,
+    slots: Vec<Option<Inflight>>,
+    free: Vec<u32>,
+    /// Every [`CHECKPOINT`]-th prompt block of the requests in flight →
+    /// the requests holding it, by worker.
+    checkpoints: Map<SequenceHash, Holders>,
 }
 
 /// Why a lifecycle step was ignored.
@@ -214,53 +219,95 @@ impl LoadTracker {
     /// blocks a request on `worker` that has no first token yet is still
     /// computing (a follower's first token waits for them).
     pub fn inflight_share(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> InflightShare {
-        self.inflight_shares(prompt).get(worker.0 as usize).copied().unwrap_or_default()
+        let blocks = self.shared_on(worker, prompt);
+        let computing = if blocks > 0 { self.computing_on(worker, prompt, blocks) } else { 0 };
+        InflightShare { blocks: u32::try_from(blocks).unwrap_or(u32::MAX), computing }
     }
 
     /// What the requests in flight on each worker share with `prompt`,
     /// indexed by `WorkerIdx` (workers beyond the vector's end share
     /// nothing; the vector grows to the largest holder of the first block,
     /// as only those can share anything).
-    ///
-    /// Block hashes are chained, so a worker that holds block `k` of the
-    /// prompt in flight holds every block before it: each holder of the
-    /// first block finds its share by binary search over the prompt
-    /// (O(holders × log blocks) lookups, not a walk of every holder of
-    /// every block). Then one walk of the shared blocks over the holders
-    /// still computing them (requests before their first token, few).
     pub fn inflight_shares(&self, prompt: &[SequenceHash]) -> Vec<InflightShare> {
         let mut out: Vec<InflightShare> = Vec::new();
-        let Some(first) = prompt.first().and_then(|h| self.prompt_blocks.get(h)) else { return out };
-        let top = first.iter().map(|(w, _)| w.0 as usize + 1).max().unwrap_or(0);
+        let Some(first) = prompt.first().and_then(|h| self.checkpoints.get(h)) else { return out };
+        let top = first.last().map_or(0, |(w, _)| w.0 as usize + 1);
         out.resize(top, InflightShare::default());
-        let holds = |k: usize, w: WorkerIdx| {
-            prompt.get(k).and_then(|h| self.prompt_blocks.get(h)).is_some_and(|hs| position(hs, w).is_ok())
-        };
-        let mut longest = 0;
+        let mut last = None;
         for (w, _) in first {
-            // Invariant: it holds block lo - 1 and not block hi.
-            let (mut lo, mut hi) = (1, prompt.len());
-            while lo < hi {
-                let mid = lo + (hi - lo) / 2;
-                if holds(mid, *w) { lo = mid + 1 } else { hi = mid }
+            if last == Some(*w) {
+                continue;
             }
+            last = Some(*w);
             if let Some(s) = out.get_mut(w.0 as usize) {
-                s.blocks = u32::try_from(lo).unwrap_or(u32::MAX);
-            }
-            longest = longest.max(lo);
-        }
-        if !self.computing.is_empty() {
-            for (i, h) in prompt.iter().take(longest).enumerate() {
-                for (w, _) in self.computing.get(h).map_or(&[][..], Vec::as_slice) {
-                    if let Some(s) = out.get_mut(w.0 as usize)
-                        && (i as u64) < u64::from(s.blocks)
-                    {
-                        s.computing += 1;
-                    }
-                }
+                *s = self.inflight_share(*w, prompt);
             }
         }
         out
+    }
+
+    fn request(&self, slot: u32) -> Option<&Inflight> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    /// The longest prefix of `prompt` that a request in flight on `worker`
+    /// holds (see the module documentation).
+    fn shared_on(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> usize {
+        let holds = |i: usize| {
+            prompt.get(i).and_then(|h| self.checkpoints.get(h)).is_some_and(|hs| !run(hs, worker).is_empty())
+        };
+        if !holds(0) {
+            return 0;
+        }
+        // Invariant: it holds checkpoint lo - 1 and not checkpoint hi.
+        let (mut lo, mut hi) = (1, (prompt.len() - 1) / CHECKPOINT + 1);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if holds(mid * CHECKPOINT) { lo = mid + 1 } else { hi = mid }
+        }
+        let at = (lo - 1) * CHECKPOINT;
+        let end = prompt.len().min(at + CHECKPOINT);
+        let holders = prompt.get(at).and_then(|h| self.checkpoints.get(h)).map_or(&[][..], |hs| run(hs, worker));
+        let mut best = at + 1;
+        for (_, slot) in holders {
+            let Some(r) = self.request(*slot) else { continue };
+            let mut i = best;
+            while i < end && r.prompt.get(i).is_some_and(|x| prompt.get(i) == Some(x)) {
+                i += 1;
+            }
+            // Starting at `best` is enough: a request that agrees at a
+            // position agrees at every one before it (chained hashes).
+            best = best.max(i);
+            if best == end {
+                break;
+            }
+        }
+        best
+    }
+
+    /// Of `prompt`'s blocks, how many a request still prefilling on
+    /// `worker` computes itself (from the overlap it was routed with to
+    /// where it stops agreeing with `prompt`). `shared`: what the worker's
+    /// requests share with `prompt`, which bounds every span. A request
+    /// whose own part starts past that, or that differs from `prompt` where
+    /// its own part starts, computes none of it (one comparison each). Only
+    /// requests holding the prompt's first block can share anything: the
+    /// worker's prefilling requests or its holders of that block are walked,
+    /// whichever list is shorter.
+    fn computing_on(&self, worker: WorkerIdx, prompt: &[SequenceHash], shared: usize) -> u32 {
+        let Some(Some(w)) = self.workers.get(worker.0 as usize) else { return 0 };
+        let first = prompt.first().and_then(|h| self.checkpoints.get(h)).map_or(&[][..], |hs| run(hs, worker));
+        let span = |slot: u32| {
+            let r = self.request(slot)?;
+            let agrees = r.prompt.get(r.own_from).is_some_and(|h| prompt.get(r.own_from) == Some(h));
+            (r.prefilling && r.own_from < shared && agrees).then(|| (r.own_from, common_prefix(&r.prompt, prompt)))
+        };
+        let spans = if first.len() < w.prefilling.len() {
+            first.iter().filter_map(|(_, s)| span(*s)).collect()
+        } else {
+            w.prefilling.iter().filter_map(|s| span(*s)).collect()
+        };
+        u32::try_from(union_len(spans)).unwrap_or(u32::MAX)
     }
 
     /// A request routed by another control-plane replica: `prompt_blocks`
@@ -301,74 +348,108 @@ impl LoadTracker {
         output_blocks: u64,
         now_ms: u64,
     ) -> Result<(), LifecycleError> {
-        let Entry::Vacant(slot) = self.requests.entry(request_id.to_owned()) else {
+        if self.requests.contains_key(request_id) {
             return Err(LifecycleError::Duplicate);
+        }
+        let new_distinct = (prompt.len() - self.shared_on(worker, &prompt)) as u64;
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(None);
+                u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX)
+            }
         };
+        for h in prompt.iter().step_by(CHECKPOINT) {
+            let holders = self.checkpoints.entry(*h).or_default();
+            let at = holders.partition_point(|e| *e < (worker, slot));
+            holders.insert(at, (worker, slot));
+        }
         let w = worker_mut(&mut self.workers, worker);
         w.inflight += 1;
         w.prefill_pending_blocks += new_prefill_blocks;
         w.output_blocks += output_blocks;
         w.counted_prompt_blocks += counted_prompt_blocks;
-        w.distinct_prompt_blocks += count(&mut self.prompt_blocks, worker, &prompt);
-        count(&mut self.computing, worker, prompt.get(own_from..).unwrap_or_default());
-        slot.insert(Inflight {
-            worker,
-            prompt,
-            own_from,
-            counted_prompt_blocks,
-            new_prefill_blocks,
-            output_blocks,
-            prefilling: true,
-            added_ms: now_ms,
-        });
+        w.distinct_prompt_blocks += new_distinct;
+        w.prefilling.push(slot);
+        self.requests.insert(request_id.to_owned(), slot);
+        if let Some(e) = self.slots.get_mut(slot as usize) {
+            *e = Some(Inflight {
+                id: request_id.to_owned(),
+                worker,
+                prompt,
+                own_from,
+                counted_prompt_blocks,
+                new_prefill_blocks,
+                output_blocks,
+                prefilling: true,
+                added_ms: now_ms,
+            });
+        }
         Ok(())
     }
 
     /// The request's first token arrived: its prefill is done.
     pub fn first_token(&mut self, request_id: &str) -> Result<(), LifecycleError> {
-        let r = self.requests.get_mut(request_id).ok_or(LifecycleError::Unknown)?;
+        let slot = *self.requests.get(request_id).ok_or(LifecycleError::Unknown)?;
+        let Some(r) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return Err(LifecycleError::Unknown);
+        };
         if std::mem::take(&mut r.prefilling)
             && let Some(Some(w)) = self.workers.get_mut(r.worker.0 as usize)
         {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
-            uncount(&mut self.computing, r.worker, r.prompt.get(r.own_from..).unwrap_or_default());
+            w.prefilling.retain(|s| *s != slot);
         }
         Ok(())
     }
 
     /// The request finished (or failed): its load is released.
     pub fn done(&mut self, request_id: &str) -> Result<(), LifecycleError> {
-        let r = self.requests.remove(request_id).ok_or(LifecycleError::Unknown)?;
-        self.release(r);
+        let slot = self.requests.remove(request_id).ok_or(LifecycleError::Unknown)?;
+        self.release(slot);
         Ok(())
     }
 
-    fn release(&mut self, r: Inflight) {
+    /// Frees a slot whose id is already out of `requests`.
+    fn release(&mut self, slot: u32) {
+        let Some(r) = self.slots.get_mut(slot as usize).and_then(Option::take) else { return };
+        self.free.push(slot);
+        for h in r.prompt.iter().step_by(CHECKPOINT) {
+            let Entry::Occupied(mut o) = self.checkpoints.entry(*h) else { continue };
+            let holders = o.get_mut();
+            if let Ok(i) = holders.binary_search(&(r.worker, slot)) {
+                holders.remove(i);
+            }
+            if holders.is_empty() {
+                o.remove();
+            }
+        }
+        let gone = (r.prompt.len() - self.shared_on(r.worker, &r.prompt)) as u64;
         let Some(Some(w)) = self.workers.get_mut(r.worker.0 as usize) else { return };
         w.inflight = w.inflight.saturating_sub(1);
         if r.prefilling {
             w.prefill_pending_blocks = w.prefill_pending_blocks.saturating_sub(r.new_prefill_blocks);
-            uncount(&mut self.computing, r.worker, r.prompt.get(r.own_from..).unwrap_or_default());
+            w.prefilling.retain(|s| *s != slot);
         }
         w.output_blocks = w.output_blocks.saturating_sub(r.output_blocks);
         w.counted_prompt_blocks = w.counted_prompt_blocks.saturating_sub(r.counted_prompt_blocks);
-        let gone = uncount(&mut self.prompt_blocks, r.worker, &r.prompt);
         w.distinct_prompt_blocks = w.distinct_prompt_blocks.saturating_sub(gone);
     }
 
     /// Drops requests added more than `ttl_ms` ago whose end was never seen
     /// (a lost report must not leave phantom load forever). Returns how many.
     pub fn expire(&mut self, now_ms: u64, ttl_ms: u64) -> usize {
-        let old: Vec<String> = self
-            .requests
+        let old: Vec<(String, u32)> = self
+            .slots
             .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
             .filter(|(_, r)| now_ms.saturating_sub(r.added_ms) > ttl_ms)
-            .map(|(k, _)| k.clone())
+            .map(|(i, r)| (r.id.clone(), i as u32))
             .collect();
-        for k in &old {
-            if let Some(r) = self.requests.remove(k) {
-                self.release(r);
-            }
+        for (id, slot) in &old {
+            self.requests.remove(id);
+            self.release(*slot);
         }
         old.len()
     }
@@ -385,12 +466,15 @@ impl LoadTracker {
 
     /// Forgets a worker and every request routed to it.
     pub fn remove_worker(&mut self, worker: WorkerIdx) {
-        let ids: Vec<String> =
-            self.requests.iter().filter(|(_, r)| r.worker == worker).map(|(k, _)| k.clone()).collect();
-        for id in ids {
-            if let Some(r) = self.requests.remove(&id) {
-                self.release(r);
-            }
+        let gone: Vec<(String, u32)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().filter(|r| r.worker == worker).map(|r| (r.id.clone(), i as u32)))
+            .collect();
+        for (id, slot) in gone {
+            self.requests.remove(&id);
+            self.release(slot);
         }
         if let Some(w) = self.workers.get_mut(worker.0 as usize) {
             *w = None;

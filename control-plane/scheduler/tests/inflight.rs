@@ -1,7 +1,8 @@
-//! The in-flight share, kept inverted (hash → workers), against a naive
-//! model that walks every live request: random prompts that are prefixes
-//! of a few shared chains, routed to random workers with random overlaps,
-//! some past their first token, some done or expired, on up to 40 workers.
+//! The in-flight share and the distinct blocks in flight, kept by
+//! checkpoints, against a naive model that walks every live request: random
+//! prompts that are prefixes of a few shared chains (or of a chain that
+//! leaves another one), routed to random workers with random overlaps, some
+//! past their first token, some done, on up to 40 workers.
 
 use kvgate_index::WorkerIdx;
 use kvgate_protocol::SequenceHash;
@@ -24,10 +25,21 @@ fn naive(live: &[Live], worker: u32, prompt: &[SequenceHash]) -> InflightShare {
     s
 }
 
-/// Chain `c`'s first `n` blocks (chains share nothing; a prefix of a chain
-/// is what a prompt that extends a shared document looks like).
+/// Distinct prompt blocks in flight on `worker`.
+fn naive_distinct(live: &[Live], worker: u32) -> u64 {
+    let mut all: Vec<SequenceHash> = live.iter().filter(|r| r.0 == worker).flat_map(|r| r.1.clone()).collect();
+    all.sort_unstable_by_key(|h| h.0);
+    all.dedup();
+    all.len() as u64
+}
+
+/// Chain `c`'s first `n` blocks (a prefix of a chain is what a prompt that
+/// extends a shared document looks like). Chains 0–2 share nothing; chain
+/// `3 + k` follows chain 0 for its first `7 * k + 1` blocks, then leaves it
+/// (a shared system prompt, then another document), as chained hashes do.
 fn chain(c: u64, n: usize) -> Vec<SequenceHash> {
-    (0..n as u64).map(|i| SequenceHash(c << 32 | i)).collect()
+    let fork = if c >= 3 { 7 * (c - 3) + 1 } else { 0 };
+    (0..n as u64).map(|i| SequenceHash(if i < fork { i } else { c << 32 | i })).collect()
 }
 
 proptest! {
@@ -35,8 +47,9 @@ proptest! {
     fn inverted_shares_equal_the_naive_walk(
         // Up to 40 workers: a hash then has more holders than the tracker
         // scans (16), and is found by binary search.
-        ops in prop::collection::vec((0u8..4, 0u32..40, 0u64..3, 1usize..40, 0usize..40), 1..400),
-        queries in prop::collection::vec((0u64..3, 1usize..45), 1..6),
+        // Prompts up to 100 blocks: several checkpoints, a fork between them.
+        ops in prop::collection::vec((0u8..4, 0u32..40, 0u64..8, 1usize..100, 0usize..100), 1..400),
+        queries in prop::collection::vec((0u64..8, 1usize..110), 1..6),
     ) {
         let mut t = LoadTracker::new();
         let mut live: Vec<(String, Live)> = Vec::new();
@@ -73,6 +86,9 @@ proptest! {
             let all = t.inflight_shares(&prompt);
             for w in 0..40u32 {
                 let want = naive(&model, w, &prompt);
+                let load = t.load(WorkerIdx(w));
+                let outputs = model.iter().filter(|r| r.0 == w).count() as u64;
+                prop_assert_eq!(load.active_blocks, naive_distinct(&model, w) + outputs);
                 prop_assert_eq!(t.inflight_share(WorkerIdx(w), &prompt), want);
                 prop_assert_eq!(all.get(w as usize).copied().unwrap_or_default(), want);
             }

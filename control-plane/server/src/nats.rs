@@ -1,6 +1,13 @@
 //! The NATS adapter: one subscription on `<prefix>.>` fed to the core's
-//! [`App::on_nats`], snapshot requests for the workers it names, and the
-//! replica-sync publisher (this replica's decisions for the others).
+//! [`App::on_nats`] on a thread of its own (the ingest thread), snapshot
+//! requests for the workers it names, and the replica-sync publisher (this
+//! replica's decisions for the others).
+//!
+//! Why a thread: applying a batch is synchronous work (decode, hash, index
+//! updates under the model's lock). On a runtime worker, a backlog of batches
+//! ran up to tokio's cooperative budget before the worker's queued Picks, a
+//! few milliseconds at a time; on its own thread the kernel's scheduler
+//! shares the cores and a waking Pick handler is not queued behind ingest.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,6 +28,30 @@ impl ReplicaSink for Outbox {
     fn share(&self, model: &str, event: pb::InflightEvent) {
         let _ = self.0.send((model.to_owned(), event));
     }
+}
+
+/// Messages queued for the ingest thread. When it falls behind, the
+/// subscription waits (then the NATS server's slow-consumer rule applies, as
+/// for any subscriber); small, because a queued batch is only as fresh as
+/// the queue is short (a typical batch is a few KB, a large one up to the
+/// server's payload limit).
+const INGEST_QUEUE: usize = 256;
+
+/// Starts the ingest thread: it applies each message in order and sends
+/// back the snapshots they call for. It ends when the sender is dropped.
+fn spawn_ingest(
+    app: Arc<App>,
+    needs: tokio::sync::mpsc::UnboundedSender<(Arc<Model>, String)>,
+) -> std::io::Result<tokio::sync::mpsc::Sender<async_nats::Message>> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<async_nats::Message>(INGEST_QUEUE);
+    std::thread::Builder::new().name("kvgate-ingest".into()).spawn(move || {
+        while let Some(msg) = rx.blocking_recv() {
+            for need in app.on_nats(msg.subject.as_str(), &msg.payload) {
+                let _ = needs.send(need);
+            }
+        }
+    })?;
+    Ok(tx)
 }
 
 pub(crate) async fn nats_task(
@@ -59,6 +90,15 @@ pub(crate) async fn nats_task(
             return;
         }
     };
+    let (needs_tx, mut needs) = tokio::sync::mpsc::unbounded_channel();
+    // Without a thread (the system refused one) messages are applied here.
+    let ingest = match spawn_ingest(app.clone(), needs_tx.clone()) {
+        Ok(tx) => Some(tx),
+        Err(e) => {
+            tracing::error!(error = %e, "no ingest thread; applying NATS messages on the runtime");
+            None
+        }
+    };
     let mut state_poll = tokio::time::interval(Duration::from_millis(100));
     let mut was_connected = false;
     loop {
@@ -66,9 +106,22 @@ pub(crate) async fn nats_task(
             _ = stop.changed() => break,
             msg = sub.next() => {
                 let Some(msg) = msg else { break };
-                for (model, worker) in app.on_nats(msg.subject.as_str(), &msg.payload) {
-                    tokio::spawn(snapshot_task(app.clone(), client.clone(), model, worker));
+                match &ingest {
+                    Some(tx) => {
+                        if tx.send(msg).await.is_err() {
+                            tracing::error!("the ingest thread ended; NATS messages are no longer applied");
+                            break;
+                        }
+                    }
+                    None => {
+                        for need in app.on_nats(msg.subject.as_str(), &msg.payload) {
+                            let _ = needs_tx.send(need);
+                        }
+                    }
                 }
+            }
+            Some((model, worker)) = needs.recv() => {
+                tokio::spawn(snapshot_task(app.clone(), client.clone(), model, worker));
             }
             ev = inflight_rx.recv() => {
                 let Some(first) = ev else { continue };
