@@ -71,7 +71,9 @@ pub fn slo_goodput(rows: &[Row], at: SloAt) -> Vec<(String, Option<usize>)> {
                 SloAt::P50 => (r.ttft_p50_ms, r.itl_p50_ms),
                 SloAt::P95 => (r.ttft_p95_ms, r.itl_p95_ms),
             };
-            if !(ttft <= SLO_TTFT_MS && itl <= SLO_ITL_MS && r.errors == 0) {
+            // A cell whose host CPU was above the limit measured the
+            // machine, not the router: it cannot certify the SLO.
+            if !(ttft <= SLO_TTFT_MS && itl <= SLO_ITL_MS && r.errors == 0 && r.valid) {
                 break;
             }
             *best = Some(r.concurrency);
@@ -330,6 +332,10 @@ mod tests {
         assert_eq!(j["p50"]["kv"], 150);
         assert!(j["p95"]["kv"].is_null());
         assert!(slo_headline(&rows, "conc.").contains("| kv | none | 150 |"));
+        // A cell measured with the host CPU above the limit ends it too.
+        let mut invalid = rows.clone();
+        invalid.iter_mut().filter(|r| r.mode == "kv" && r.concurrency == 90).for_each(|r| r.valid = false);
+        assert_eq!(slo_goodput(&invalid, SloAt::P50)[0].1, Some(60));
         rows.iter_mut().for_each(|r| r.itl_p95_ms = 40.0);
         rows.retain(|r| r.mode != "round_robin" || r.concurrency == 60);
         rows.iter_mut().filter(|r| r.mode == "round_robin").for_each(|r| r.ttft_p95_ms = 500.0);

@@ -76,6 +76,8 @@ pub struct Row {
     pub requests: usize,
     pub mean_prompt_tokens: f64,
     pub load_skew_mean: f64,
+    /// NaN when the router reports no in-flight view (written as `null`).
+    #[serde(deserialize_with = "nan_if_null")]
     pub inflight_spread_p95: f64,
     pub max_waiting: f64,
     /// Host CPU busy during the window (0–1) and whether it stayed below the
@@ -84,6 +86,11 @@ pub struct Row {
     pub valid: bool,
     /// CPU seconds per wall second, per process role.
     pub cpu_by_role: Vec<(String, f64)>,
+}
+
+/// JSON has no NaN: `serde_json` writes it as `null`; read back as NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// Quantiles: the one implementation every benchmark uses (hdrhistogram).
@@ -419,6 +426,17 @@ pub(crate) mod tests {
             route: None,
             tenant: None,
         }
+    }
+
+    #[test]
+    fn a_row_with_nan_reads_back_from_its_json() {
+        let mut r = row("dynamo", 60);
+        r.inflight_spread_p95 = f64::NAN;
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(text.contains("\"inflight_spread_p95\":null"), "{text}");
+        let back: Row = serde_json::from_str(&text).unwrap();
+        assert!(back.inflight_spread_p95.is_nan());
+        assert_eq!(back.mode, "dynamo");
     }
 
     #[test]
