@@ -116,21 +116,29 @@ fn run(holders: &[(WorkerIdx, u32)], worker: WorkerIdx) -> &[(WorkerIdx, u32)] {
     holders.get(from..to).unwrap_or_default()
 }
 
-/// Positions of `a` and `b`'s common prefix: by checkpoints (binary search;
-/// chained hashes agree at a position only if they agree before it), then
-/// block by block.
+/// The last checkpoint position of the first `n` blocks at which `holds`
+/// is true, given that it is true at position 0 and, being about chained
+/// hashes, true at a position only if true at every earlier one (binary
+/// search over the checkpoints).
+fn last_checkpoint(n: usize, holds: impl Fn(usize) -> bool) -> usize {
+    // Invariant: it holds at checkpoint lo - 1 and not at checkpoint hi.
+    let (mut lo, mut hi) = (1, (n.max(1) - 1) / CHECKPOINT + 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if holds(mid * CHECKPOINT) { lo = mid + 1 } else { hi = mid }
+    }
+    (lo - 1) * CHECKPOINT
+}
+
+/// Positions of `a` and `b`'s common prefix: by checkpoints (chained hashes
+/// agree at a position only if they agree before it), then block by block.
 fn common_prefix(a: &[SequenceHash], b: &[SequenceHash]) -> usize {
     let n = a.len().min(b.len());
     let same = |i: usize| a.get(i).is_some_and(|x| b.get(i) == Some(x));
     if n == 0 || !same(0) {
         return 0;
     }
-    let (mut lo, mut hi) = (1, (n - 1) / CHECKPOINT + 1);
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if same(mid * CHECKPOINT) { lo = mid + 1 } else { hi = mid }
-    }
-    let mut i = (lo - 1) * CHECKPOINT + 1;
+    let mut i = last_checkpoint(n, same) + 1;
     while i < n && same(i) {
         i += 1;
     }
@@ -259,13 +267,7 @@ impl LoadTracker {
         if !holds(0) {
             return 0;
         }
-        // Invariant: it holds checkpoint lo - 1 and not checkpoint hi.
-        let (mut lo, mut hi) = (1, (prompt.len() - 1) / CHECKPOINT + 1);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if holds(mid * CHECKPOINT) { lo = mid + 1 } else { hi = mid }
-        }
-        let at = (lo - 1) * CHECKPOINT;
+        let at = last_checkpoint(prompt.len(), holds);
         let end = prompt.len().min(at + CHECKPOINT);
         let holders = prompt.get(at).and_then(|h| self.checkpoints.get(h)).map_or(&[][..], |hs| run(hs, worker));
         let mut best = at + 1;

@@ -46,12 +46,17 @@ fn spawn_ingest(
     let (tx, mut rx) = tokio::sync::mpsc::channel::<async_nats::Message>(INGEST_QUEUE);
     std::thread::Builder::new().name("kvgate-ingest".into()).spawn(move || {
         while let Some(msg) = rx.blocking_recv() {
-            for need in app.on_nats(msg.subject.as_str(), &msg.payload) {
-                let _ = needs.send(need);
-            }
+            apply(&app, &msg, &needs);
         }
     })?;
     Ok(tx)
+}
+
+/// Applies one NATS message and passes on the snapshots it calls for.
+fn apply(app: &App, msg: &async_nats::Message, needs: &tokio::sync::mpsc::UnboundedSender<(Arc<Model>, String)>) {
+    for need in app.on_nats(msg.subject.as_str(), &msg.payload) {
+        let _ = needs.send(need);
+    }
 }
 
 pub(crate) async fn nats_task(
@@ -113,11 +118,7 @@ pub(crate) async fn nats_task(
                             break;
                         }
                     }
-                    None => {
-                        for need in app.on_nats(msg.subject.as_str(), &msg.payload) {
-                            let _ = needs_tx.send(need);
-                        }
-                    }
+                    None => apply(&app, &msg, &needs_tx),
                 }
             }
             Some((model, worker)) = needs.recv() => {
