@@ -213,6 +213,28 @@ pub fn wait_for_tcp(addr: SocketAddr, timeout: Duration) -> Result<()> {
     }
 }
 
+/// Processes started through [`Proc`] and not yet stopped: (PID, leads its
+/// own process group).
+static STARTED: std::sync::Mutex<Vec<(u32, bool)>> = std::sync::Mutex::new(Vec::new());
+
+fn started(update: impl FnOnce(&mut Vec<(u32, bool)>)) {
+    if let Ok(mut s) = STARTED.lock() {
+        update(&mut s);
+    }
+}
+
+/// Kills (SIGKILL, by PID or process group) every process this program
+/// started through [`Proc`] and has not stopped: for a signal handler, as a
+/// program ended by a signal runs no destructors.
+pub fn kill_started() {
+    let mut all = Vec::new();
+    started(|s| all = std::mem::take(s));
+    for (pid, group) in all {
+        let target = if group { format!("-{pid}") } else { pid.to_string() };
+        let _ = Command::new("kill").args(["-s", "KILL", "--", &target]).stderr(Stdio::null()).status();
+    }
+}
+
 /// A child process that is killed (by its PID) and reaped when dropped.
 pub struct Proc {
     name: String,
@@ -234,6 +256,7 @@ impl Proc {
             .stderr(err)
             .spawn()
             .with_context(|| format!("starting {name}: {cmd:?}"))?;
+        started(|s| s.push((child.id(), false)));
         Ok(Self { name: name.to_owned(), child, log, group: false })
     }
 
@@ -246,6 +269,8 @@ impl Proc {
         cmd.process_group(0);
         let mut p = Self::spawn(name, cmd, dir)?;
         p.group = true;
+        let pid = p.pid();
+        started(|s| s.iter_mut().filter(|e| e.0 == pid).for_each(|e| e.1 = true));
         Ok(p)
     }
 
@@ -262,6 +287,9 @@ impl Proc {
     /// Fails with the log if the process has exited.
     pub fn ensure_running(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {
+            // Reaped: its PID may be handed out again.
+            let pid = self.child.id();
+            started(|s| s.retain(|e| e.0 != pid));
             bail!("{} exited with {status}:\n{}", self.name, self.log());
         }
         Ok(())
@@ -270,6 +298,8 @@ impl Proc {
     /// Kills the process (SIGKILL to its PID, or to its process group when
     /// started with [`Proc::spawn_group`]) and waits for it.
     pub fn kill(&mut self) {
+        let pid = self.child.id();
+        started(|s| s.retain(|e| e.0 != pid));
         // Linux does not hand out a PID that is still some group's id, so
         // the group's id names only this group while any member lives.
         if self.group {
@@ -743,5 +773,42 @@ mod tests {
         assert_eq!(render_template("x${A}y", &vars).unwrap(), "x1y");
         assert!(render_template("${B}", &vars).is_err());
         assert!(render_template("${A", &vars).is_err());
+    }
+
+    /// What a signal handler relies on: every process started and not yet
+    /// stopped is killed, a group with its children; one already stopped is
+    /// not in the list (its PID may be reused).
+    #[test]
+    fn kill_started_kills_what_is_still_running() {
+        let dir = std::env::temp_dir().join(format!("kvgate-testkit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut stopped = Proc::spawn("stopped", sleeper(), &dir).unwrap();
+        stopped.kill();
+        let mut single = Proc::spawn("single", sleeper(), &dir).unwrap();
+        let mut group = Proc::spawn_group("group", sleeper(), &dir).unwrap();
+        let pids = || STARTED.lock().unwrap().iter().map(|e| e.0).collect::<Vec<_>>();
+        assert_eq!(pids(), vec![single.pid(), group.pid()]);
+        kill_started();
+        assert!(pids().is_empty());
+        for p in [&mut single, &mut group] {
+            // Killed, not asleep: 30 s is a bound on a lost SIGKILL only.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let status = loop {
+                if let Some(status) = p.child.try_wait().unwrap() {
+                    break status;
+                }
+                assert!(Instant::now() < deadline, "{} still running", p.name);
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
+        }
+        drop((single, group));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn sleeper() -> Command {
+        let mut c = Command::new("sleep");
+        c.arg("600");
+        c
     }
 }

@@ -391,8 +391,34 @@ struct DashArgs {
     run_dir: PathBuf,
 }
 
+/// On SIGINT or SIGTERM, kills the stacks this run started (simulated
+/// workers, relays, nats-server, Envoy, control planes, peers) before
+/// exiting: a process ended by a signal runs no destructors, and they would
+/// outlive it. (The dashboard stops its stacks itself.)
+fn stop_stacks_on_signal() {
+    std::thread::spawn(|| {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        let code = rt.block_on(async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok()?;
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => r.ok().map(|()| 130),
+                _ = term.recv() => Some(143),
+            }
+        });
+        if let Some(code) = code {
+            eprintln!("signal: stopping the processes this run started");
+            kvgate_testkit::kill_started();
+            std::process::exit(code);
+        }
+    });
+}
+
 fn main() -> Result<()> {
-    match Cli::parse() {
+    let cli = Cli::parse();
+    if !matches!(cli, Cli::Dashboard(_)) {
+        stop_stacks_on_signal();
+    }
+    match cli {
         Cli::Doks(a) => doks(a),
         Cli::Workato(a) => requests_sweep(Kind::Workato, a),
         Cli::Groups(a) => requests_sweep(Kind::Groups, a),
