@@ -2,13 +2,14 @@
 # (everything). Both install what they need into .tools/ first (idempotent).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-scale bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout bench-pd bench-pd-heavy dashboard report clean-tools
+.PHONY: help setup test soak bench-vllm demo lint wasm proto proto-check fuzz wasm-profile bench-index bench-routing bench-relay bench-cp bench-scale bench-sim bench-gateway bench-doks bench-calibration bench-workloads bench-cache-pressure bench-fanout bench-aiperf bench-pd bench-pd-heavy dashboard report clean-tools
 
 help:
 	@echo "make demo   - the main job: short DOKS multi-turn sweep, kvgate vs round robin vs sglang-router (~6 min)"
 	@echo "make bench-doks - the full DOKS sweep (7 levels x 5 modes, ~35 min) -> bench/results/doks-multiturn.json"
 	@echo "make bench-workloads - Workato long prefix, shared-prefix groups, Mooncake replay (~35 min)"
 	@echo "make bench-fanout - agent fan-out bursts on a new long prefix: kvgate vs round robin vs approx vs NVIDIA Dynamo (~20 min)"
+	@echo "make bench-aiperf - a second client: aiperf and kvgate-bench on the same requests, how far their TTFT and ITL agree (~15 min)"
 	@echo "make bench-pd     - disaggregated prefill/decode: aggregated kv vs disaggregated 1:3 and 2:2 vs conditional, long inputs (~25 min)"
 	@echo "make bench-pd-heavy - the same on a prefill-heavy workload (a new 8K-100K document per request) on the vllm-v1 preset (~25 min)"
 	@echo "make bench-cache-pressure - tenants' prefixes 3x the KV cache: kvgate vs sglang-router vs NVIDIA Dynamo (~60 min)"
@@ -77,6 +78,16 @@ bench-cache-pressure: setup
 	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
 	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench cache-pressure --preset dynamo-mocker \
 	  --modes round_robin,approx,kv,sglang_cache_aware,dynamo,dynamo_round_robin --speedup 2 $(ARGS)
+
+# A second client (~15 min): aiperf and kvgate-bench send the same requests to
+# fresh stacks of the same mode; bench/results/aiperf.json says how far they
+# agree. In a private network namespace: aiperf's services bind sockets, and
+# no model hub is reachable (its tokenizer is the local one).
+bench-aiperf: setup
+	scripts/setup-aiperf.sh
+	cargo build -q --release -p kvgate -p kvgate-bench
+	cargo build -q --profile wasm --target wasm32-wasip1 -p kvgate-filter-wasm
+	set -a; . .tools/env; set +a; $(BENCH_NETNS) target/release/kvgate-bench aiperf $(ARGS)
 
 # Agent fan-out bursts (~20 min), the same fleet and peers as bench-cache-pressure:
 # bench/results/fanout.json.

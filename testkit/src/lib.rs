@@ -284,12 +284,20 @@ impl Proc {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Fails with the log if the process has exited.
-    pub fn ensure_running(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait()? {
+    /// The exit status if the process has exited (it is then reaped).
+    pub fn try_wait(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        let status = self.child.try_wait()?;
+        if status.is_some() {
             // Reaped: its PID may be handed out again.
             let pid = self.child.id();
             started(|s| s.retain(|e| e.0 != pid));
+        }
+        Ok(status)
+    }
+
+    /// Fails with the log if the process has exited.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        if let Some(status) = self.try_wait()? {
             bail!("{} exited with {status}:\n{}", self.name, self.log());
         }
         Ok(())

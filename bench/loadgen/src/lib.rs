@@ -11,6 +11,7 @@
 //! clock. Windows are given in simulated seconds (the published run's 60 s
 //! and 300 s) and every latency and rate is reported in simulated time.
 
+pub mod aiperf;
 pub mod calibrate;
 pub mod client;
 pub mod dashboard;

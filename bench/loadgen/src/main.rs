@@ -63,6 +63,11 @@ enum Cli {
     /// `conditional_1p3d`, ...); levels are requests per minute (simulated).
     /// Writes bench/results/pd.json rows in the issue's format too.
     Pd(ReqArgs),
+    /// A second client (issue #23): aiperf sends the shared-prefix groups
+    /// workload's requests at the same times as kvgate-bench does, each
+    /// client on a fresh stack of the same mode; both summarized alike, and
+    /// how far they agree. Needs scripts/setup-aiperf.sh (make bench-aiperf).
+    Aiperf(ReqArgs),
     /// Real vLLM (issue #20): kv, round robin and sglang-router's
     /// cache_aware on two real engines; hit rate, prediction accuracy,
     /// load skew and errors to bench/results/vllm.json.
@@ -429,6 +434,7 @@ fn main() -> Result<()> {
         Cli::Mooncake(a) => requests_sweep(Kind::Mooncake, a),
         Cli::Pd(a) => requests_sweep(Kind::Pd, a),
         Cli::Dashboard(a) => dashboard(a),
+        Cli::Aiperf(a) => aiperf(a),
         Cli::Vllm(a) => kvgate_bench::vllm_cell::run(&a),
         Cli::Calibration(a) => kvgate_bench::calibrate::run(&a),
         Cli::Report { files } => {
@@ -438,6 +444,80 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// kvgate-bench and aiperf on the same requests (`kvgate_bench::aiperf`):
+/// per level and mode, one cell with each client (modes `<m>` and
+/// `<m>_aiperf`). Defaults: mode kv, 4 requests/s, speedup 1 (aiperf
+/// measures wall time, so its own costs count at their real size).
+fn aiperf(mut a: ReqArgs) -> Result<()> {
+    use kvgate_bench::runner::Load;
+    use kvgate_bench::workload::{Groups, Requests};
+    let bin = kvgate_bench::aiperf::aiperf_bin();
+    ensure!(bin.exists(), "{} is missing: run scripts/setup-aiperf.sh (make bench-aiperf does)", bin.display());
+    if a.levels.is_empty() {
+        a.levels = vec![4];
+    }
+    if a.sweep.modes.is_empty() {
+        a.sweep.modes = vec!["kv".to_owned()];
+    }
+    let speedup = a.speedup.unwrap_or(1.0);
+    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("bench/results/aiperf.json"));
+    let sweep = Sweep::new(&a.sweep, speedup, a.measure_s, a.drain_s, out)?;
+    let horizon = a.sweep.warmup_s + a.measure_s;
+    let workload = |level: usize| Ok(Requests::Groups(Groups::new(level as f64, horizon)));
+    let block = u64::from(sweep.fleet.block_size);
+    let title = "Two clients on the same requests: kvgate-bench and aiperf (shared-prefix groups, Poisson)";
+    println!(
+        "== {title}: levels {:?} (qps) x {} modes x 2 clients, speedup {speedup}x, windows {} s + {} s",
+        a.levels,
+        sweep.fronts.len(),
+        a.sweep.warmup_s,
+        a.measure_s
+    );
+    let mut rows = sweep.cells("aiperf-ours", &a.levels, workload, |sw, wl, stack, mode, level| {
+        let load = Load::Open { speedup };
+        let run =
+            sw.rt.block_on(runner::run_requests(stack.front, &stack.workers, &stack.pids, wl, load, sw.windows))?;
+        let row = stats::summarize(mode, level, &run, speedup, block, stats::Oracle::Prefixes(wl), sw.cpu_limit);
+        Ok((run, row))
+    })?;
+    rows.extend(sweep.cells("aiperf-theirs", &a.levels, workload, |sw, wl, stack, mode, level| {
+        let run = sw.rt.block_on(kvgate_bench::aiperf::run(
+            stack.front,
+            &stack.workers,
+            &stack.pids,
+            wl,
+            speedup,
+            sw.windows,
+            &stack.dir,
+        ))?;
+        let name = format!("{mode}_aiperf");
+        let row = stats::summarize(&name, level, &run, speedup, block, stats::Oracle::Prefixes(wl), sw.cpu_limit);
+        Ok((run, row))
+    })?);
+    let agreement = kvgate_bench::aiperf::agreement(&rows);
+    for g in &agreement {
+        println!("agreement (aiperf / kvgate-bench - 1): {g}");
+    }
+    let context = format!(
+        "commit {}, {}; preset {}, {} workers; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured; \
+         client kvgate-bench (mode m) and aiperf 0.13.0 (mode m_aiperf), each on a fresh stack; levels: qps",
+        sweep.commit,
+        sweep.machine,
+        sweep.fleet.preset,
+        sweep.fleet.kinds().len(),
+        a.sweep.stream_interval,
+        a.sweep.warmup_s,
+        a.measure_s
+    );
+    let doc = sweep.doc(
+        a.sweep.stream_interval,
+        a.quick,
+        serde_json::json!({"workload": "aiperf", "title": title, "context": context, "level": "qps", "rows": rows,
+                           "agreement": agreement}),
+    );
+    sweep.publish(&doc, title, &context, "qps", &rows)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -154,6 +154,36 @@ pub async fn run_doks(
     Ok(sampled.into_run(records, windows))
 }
 
+/// Measures a cell whose requests another client sends (`client`, which
+/// returns their records on its own clock): the sampler's clock starts when
+/// the first request reaches a worker, less `lead` (the first request's
+/// scheduled offset), as the client's schedule cannot be started from here.
+pub async fn measure_external(
+    workers: &[SocketAddr],
+    pids: &[(String, u32)],
+    windows: Windows,
+    lead: Duration,
+    client: impl std::future::Future<Output = Result<Vec<Record>>>,
+) -> Result<CellRun> {
+    let sampler = async {
+        // Bounded: a client that sends nothing still gets its window.
+        let give_up = Instant::now() + Duration::from_secs(300);
+        while Instant::now() < give_up {
+            let m = scrape_all(workers).await;
+            if m.iter().flatten().any(|x| x.queries > 0.0 || x.running + x.waiting > 0.0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let t0 = Instant::now().checked_sub(lead).unwrap_or_else(Instant::now);
+        let measure_at = t0 + windows.warmup;
+        sample(t0, measure_at, measure_at + windows.measure, workers, pids).await
+    };
+    // A client that fails ends the cell at once.
+    let (records, sampled) = tokio::try_join!(client, async { Ok(sampler.await) })?;
+    Ok(sampled.into_run(records, windows))
+}
+
 /// What the sampler measured beside the load.
 struct Sampled {
     samples: Vec<LoadSample>,
