@@ -6,6 +6,8 @@
 //! same text followed by a question that changes every iteration, encoded
 //! as the control plane does (by cached paragraphs): a RAG prompt or a
 //! first turn on a shared starter, after the document was seen once.
+//! `fast_regex_splits`: the direct encoder with every piece split by the
+//! regex engine (plain ASCII lines split without it is `fast`'s step 5).
 //! `added_tokens`: whether a chat turn's text starts or ends with one of the
 //! tokenizer's 1,283 added tokens (asked on every new turn), by hash set
 //! per distinct length (`set`) against comparing every token (`scan`).
@@ -42,6 +44,9 @@ fn bench(c: &mut Criterion) {
     let tk = ChatTokenizer::from_dir(&dir).unwrap();
     assert!(tk.uses_fast_encoder() && tk.encodes_by_paragraph());
     let fast = FastBpe::from_json(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+    let mut regex_only = FastBpe::from_json(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+    regex_only.set_ascii_splits(false);
+    assert!(fast.ascii_splits() && !regex_only.ascii_splits());
     let mut g = c.benchmark_group("encode");
     g.sample_size(20);
     for (label, bytes) in [("1k_tokens", 4_500), ("8k_tokens", 36_000), ("100k_tokens", 450_000)] {
@@ -50,6 +55,9 @@ fn bench(c: &mut Criterion) {
         assert_eq!(fast.encode_whole(&t), tk.encode_reference(&t).unwrap());
         g.throughput(Throughput::Bytes(t.len() as u64));
         g.bench_with_input(BenchmarkId::new("fast", label), &t, |b, t| b.iter(|| fast.encode_whole(black_box(t))));
+        g.bench_with_input(BenchmarkId::new("fast_regex_splits", label), &t, |b, t| {
+            b.iter(|| regex_only.encode_whole(black_box(t)))
+        });
         let mut n = 0u64;
         g.bench_with_input(BenchmarkId::new("doc_new_question", label), &t, |b, t| {
             b.iter(|| {

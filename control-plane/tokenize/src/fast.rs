@@ -59,6 +59,13 @@
 //!    `\s*[\r\n]+` joins `"\n \n"`, and `\s+(?!\S)` splits a run of spaces
 //!    by what follows it.
 //!
+//! 5. **Plain ASCII without the regex engine**, for the same split regexes:
+//!    text of printable ASCII, tab and line breaks is split by
+//!    [`crate::ascii_split`], which gives Oniguruma's pieces for these
+//!    three patterns on that alphabet; a text that mixes in other
+//!    characters is taken line by line (at the cuts of step 4, which are
+//!    exact for any chunk length), each line by whichever applies.
+//!
 //! Equality with the library is checked by differential tests (the real
 //! DeepSeek-V3 tokenizer on rendered conversations, generated text in many
 //! scripts, and a fuzz target) and by [`crate::ChatTokenizer`] at load time
@@ -93,7 +100,7 @@ const PARA_CACHE_TOKENS: usize = 2 << 20;
 
 /// The split regexes for which cutting at `\n` + printable ASCII is exact
 /// (DeepSeek-V3/R1's `tokenizer.json`; see the module documentation).
-const PARAGRAPH_SAFE_SPLITS: [&str; 3] = [
+pub(crate) const PARAGRAPH_SAFE_SPLITS: [&str; 3] = [
     "\\p{N}{1,3}",
     "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
@@ -135,11 +142,16 @@ impl ParaCache {
 /// apart. Deterministic from the left, so a text and its extension share
 /// every cut but the last.
 pub fn paragraph_cuts(text: &str) -> impl Iterator<Item = usize> + '_ {
+    exact_cuts(text, PARA_MIN_CHUNK)
+}
+
+/// The cuts of [`paragraph_cuts`], at least `min_chunk` bytes apart.
+fn exact_cuts(text: &str, min_chunk: usize) -> impl Iterator<Item = usize> + '_ {
     let bytes = text.as_bytes();
     let mut last = 0usize;
     bytes.iter().enumerate().filter_map(move |(i, b)| {
         let cut = i + 1;
-        let ok = *b == b'\n' && bytes.get(cut).is_some_and(u8::is_ascii_graphic) && cut - last >= PARA_MIN_CHUNK;
+        let ok = *b == b'\n' && bytes.get(cut).is_some_and(u8::is_ascii_graphic) && cut - last >= min_chunk;
         if ok {
             last = cut;
             Some(cut)
@@ -215,6 +227,12 @@ pub struct FastBpe {
     paragraphs_exact: bool,
     /// ... and is on.
     paragraphs: bool,
+    /// The split regexes are DeepSeek-V3's: plain ASCII text is split by
+    /// [`crate::ascii_split`] instead of the regex engine (on unless turned
+    /// off, for comparisons).
+    ascii_splits: bool,
+    /// ... where the patterns are DeepSeek-V3's.
+    ascii_splits_exact: bool,
     para_cache: Mutex<ParaCache>,
 }
 
@@ -316,6 +334,8 @@ impl FastBpe {
             cache: Mutex::new(HashMap::new()),
             paragraphs_exact,
             paragraphs: paragraphs_exact,
+            ascii_splits: paragraph_safe_splits,
+            ascii_splits_exact: paragraph_safe_splits,
             para_cache: Mutex::new(ParaCache::default()),
         })
     }
@@ -329,6 +349,18 @@ impl FastBpe {
     /// Turns paragraph chunking off or on (on only where it is exact).
     pub fn set_paragraphs(&mut self, on: bool) {
         self.paragraphs = on && self.paragraphs_exact;
+    }
+
+    /// Whether plain ASCII text is split without the regex engine (only
+    /// for DeepSeek-V3's split regexes).
+    pub fn ascii_splits(&self) -> bool {
+        self.ascii_splits
+    }
+
+    /// Turns splitting plain ASCII text without the regex engine off, or
+    /// on again where it applies (for comparisons and benchmarks).
+    pub fn set_ascii_splits(&mut self, on: bool) {
+        self.ascii_splits = on && self.ascii_splits_exact;
     }
 
     /// Token ids of `text`, without special tokens added around it.
@@ -361,7 +393,7 @@ impl FastBpe {
 
     fn whole(&self, text: &str, cx: &mut Cx<'_>) {
         self.split_added(text, self.raw_added.as_ref(), cx, &|this, gap, cx| {
-            this.split_added(gap, this.normalized_added.as_ref(), cx, &|this, gap, cx| this.split_regex(0, gap, cx))
+            this.split_added(gap, this.normalized_added.as_ref(), cx, &|this, gap, cx| this.split_gap(gap, cx))
         });
     }
 
@@ -396,6 +428,28 @@ impl FastBpe {
         }
         if at < text.len() {
             gap(self, text.get(at..).unwrap_or_default(), cx);
+        }
+    }
+
+    /// Text between added tokens through the split stages: plain ASCII
+    /// without the regex engine where that is exact, line by line (at the
+    /// exact cuts of step 4) when the text mixes in other characters.
+    fn split_gap(&self, text: &str, cx: &mut Cx<'_>) {
+        if !self.ascii_splits {
+            return self.split_regex(0, text, cx);
+        }
+        if crate::ascii_split::covered(text) {
+            return crate::ascii_split::split(text, &mut |p| self.piece(p, cx));
+        }
+        let mut at = 0;
+        for cut in exact_cuts(text, 1).chain(std::iter::once(text.len())) {
+            let line = text.get(at..cut).unwrap_or_default();
+            if crate::ascii_split::covered(line) {
+                crate::ascii_split::split(line, &mut |p| self.piece(p, cx));
+            } else {
+                self.split_regex(0, line, cx);
+            }
+            at = cut;
         }
     }
 

@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 pub mod added;
+pub mod ascii_split;
 pub mod fast;
 pub mod prompt;
 

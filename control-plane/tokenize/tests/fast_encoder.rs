@@ -173,6 +173,33 @@ fn long_texts_go_by_paragraphs_with_the_same_ids() {
     assert_eq!(off.encode(&doc), fast().encode(&doc));
 }
 
+/// Plain ASCII is split without the regex engine for DeepSeek-V3, line by
+/// line in text that mixes in other characters, with the regex engine's
+/// ids (the library's: every `same` above runs this path too).
+#[test]
+fn plain_ascii_splits_without_the_regex_engine_with_the_same_ids() {
+    assert!(fast().ascii_splits(), "DeepSeek-V3's split regexes are the ones the ASCII scanner reproduces");
+    let mut off = FastBpe::from_json(&std::fs::read_to_string(model_dir().join("tokenizer.json")).unwrap()).unwrap();
+    off.set_ascii_splits(false);
+    assert!(!off.ascii_splits());
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let doc = std::fs::read_to_string(root.join("docs/DECISIONS.md")).unwrap();
+    assert!(!doc.is_ascii(), "a text that mixes in other characters");
+    let ascii: String = doc.chars().filter(char::is_ascii).collect();
+    for text in [
+        doc.as_str(),
+        ascii.as_str(),
+        "tabs	and
+breaks  
+
+  x",
+        "caf\u{e9} 123456 \n done",
+    ] {
+        assert_eq!(fast().encode_whole(text), off.encode_whole(text), "{:?}", &text[..text.len().min(80)]);
+        same(text);
+    }
+}
+
 /// A paragraph of generated text: pieces, then a line break.
 fn paragraph() -> impl Strategy<Value = String> {
     (
