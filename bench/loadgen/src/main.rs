@@ -296,6 +296,21 @@ impl Sweep {
         Ok(rows)
     }
 
+    /// The line every result states first: commit, machine, preset, workers
+    /// (then `note`), speedup, stream interval, windows, then `tail`.
+    fn context(&self, note: &str, stream_interval: usize, tail: &str) -> String {
+        format!(
+            "commit {}, {}; preset {}, {} workers{note}; speedup {}x, stream interval {stream_interval}, windows {} s warm-up + {} s measured (simulated); {tail}",
+            self.commit,
+            self.machine,
+            self.fleet.preset,
+            self.fleet.kinds().len(),
+            self.speedup,
+            self.warmup_s,
+            self.measure_s
+        )
+    }
+
     /// The result document's keys that every sweep has, with `extra` added.
     fn doc(&self, stream_interval: usize, quick: bool, extra: serde_json::Value) -> serde_json::Value {
         let fleet = &self.fleet;
@@ -500,16 +515,10 @@ fn aiperf(mut a: ReqArgs) -> Result<()> {
     for g in &agreement {
         println!("agreement (aiperf / kvgate-bench - 1): {g}");
     }
-    let context = format!(
-        "commit {}, {}; preset {}, {} workers; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured; \
-         client kvgate-bench (mode m) and aiperf 0.13.0 (mode m_aiperf), each on a fresh stack; levels: qps",
-        sweep.commit,
-        sweep.machine,
-        sweep.fleet.preset,
-        sweep.fleet.kinds().len(),
+    let context = sweep.context(
+        "",
         a.sweep.stream_interval,
-        a.sweep.warmup_s,
-        a.measure_s
+        "client kvgate-bench (mode m) and aiperf 0.13.0 (mode m_aiperf), each on a fresh stack; levels: qps",
     );
     let doc = sweep.doc(
         a.sweep.stream_interval,
@@ -693,16 +702,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
     } else {
         String::new()
     };
-    let context = format!(
-        "commit {}, {}; preset {}, {} workers{tenants_note}; speedup {speedup}x, stream interval {}, windows {} s warm-up + {} s measured (simulated); levels: {level_name}",
-        sweep.commit,
-        sweep.machine,
-        sweep.fleet.preset,
-        sweep.fleet.kinds().len(),
-        a.sweep.stream_interval,
-        a.sweep.warmup_s,
-        a.measure_s
-    );
+    let context = sweep.context(&tenants_note, a.sweep.stream_interval, &format!("levels: {level_name}"));
     let doc = sweep.doc(
         a.sweep.stream_interval,
         a.quick,
