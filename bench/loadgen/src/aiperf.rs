@@ -44,9 +44,11 @@ fn user_of(i: u64) -> String {
 }
 
 /// Writes the workload's requests that arrive before `until_s` (wall seconds
-/// at `speedup`) as an aiperf `single_turn` file; returns how many.
-pub fn write_dataset(wl: &Requests, speedup: f64, until_s: f64, path: &Path) -> Result<u64> {
+/// at `speedup`) as an aiperf `single_turn` file; returns each one's arrival
+/// in the file (wall ms), by request number.
+pub fn write_dataset(wl: &Requests, speedup: f64, until_s: f64, path: &Path) -> Result<Vec<f64>> {
     let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut scheduled_ms = Vec::new();
     let mut n = 0;
     while let Some(req) = wl.request(n) {
         let at_s = req.at_s / speedup.max(1e-9);
@@ -65,10 +67,11 @@ pub fn write_dataset(wl: &Requests, speedup: f64, until_s: f64, path: &Path) -> 
         });
         serde_json::to_writer(&mut out, &line)?;
         out.write_all(b"\n")?;
+        scheduled_ms.push(at_s * 1e3);
         n += 1;
     }
     out.flush()?;
-    Ok(n)
+    Ok(scheduled_ms)
 }
 
 /// Reads aiperf's artifacts (`inputs.json`, `profile_export.jsonl`) back as
@@ -142,9 +145,7 @@ pub async fn run(
     std::fs::create_dir_all(&art)?;
     let dataset = dir.join("aiperf-requests.jsonl");
     let until = (windows.warmup + windows.measure).as_secs_f64();
-    let n = write_dataset(wl, speedup, until, &dataset)?;
-    let scheduled_ms: Vec<f64> =
-        (0..n).filter_map(|i| wl.request(i)).map(|r| r.at_s / speedup.max(1e-9) * 1e3).collect();
+    let scheduled_ms = write_dataset(wl, speedup, until, &dataset)?;
     let first_s = scheduled_ms.first().copied().unwrap_or(0.0) / 1e3;
     let mut cmd = Command::new(aiperf_bin());
     cmd.args(["profile", "--model", crate::stack::MODEL, "--endpoint-type", "chat", "--streaming"])
@@ -230,7 +231,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvgate-aiperf-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("d.jsonl");
-        let n = write_dataset(&wl, 2.0, 5.0, &path).unwrap();
+        let scheduled_ms = write_dataset(&wl, 2.0, 5.0, &path).unwrap();
+        let n = scheduled_ms.len() as u64;
         let lines: Vec<Value> =
             std::fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(lines.len() as u64, n);
@@ -239,6 +241,7 @@ mod tests {
             let req = wl.request(i as u64).unwrap();
             assert!((l["timestamp"].as_f64().unwrap() - req.at_s / 2.0 * 1e3).abs() < 1e-6);
             assert!(l["timestamp"].as_f64().unwrap() < 5_000.0);
+            assert!((l["timestamp"].as_f64().unwrap() - scheduled_ms[i]).abs() < 1e-6);
             assert_eq!(l["extra"]["user"], format!("kvgate-bench-{i}"));
             assert_eq!(l["extra"]["max_tokens"], req.max_tokens);
             let history = req.history();

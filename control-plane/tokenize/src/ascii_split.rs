@@ -48,36 +48,20 @@ pub fn covered(text: &str) -> bool {
 /// Calls `piece` with each piece of `text` (which must be [`covered`]) in
 /// order, as the three stages give them; empty pieces are never passed.
 pub fn split(text: &str, piece: &mut dyn FnMut(&str)) {
-    let b = text.as_bytes();
-    let mut at = 0;
-    let mut i = 0;
-    // Stage 0: digit groups; stage 1 matches nothing in ASCII, so each
-    // piece of stage 0 goes to stage 2 as it is.
-    while i < b.len() {
-        if b.get(i).is_some_and(u8::is_ascii_digit) {
-            let end = (i..b.len().min(i + 3)).take_while(|&k| b.get(k).is_some_and(u8::is_ascii_digit)).last();
-            let end = end.map_or(i + 1, |e| e + 1);
-            if i > at {
-                stage2(text.get(at..i).unwrap_or_default(), piece);
-            }
-            stage2(text.get(i..end).unwrap_or_default(), piece);
-            at = end;
-            i = end;
-        } else {
-            i += 1;
-        }
-    }
-    if at < b.len() {
-        stage2(text.get(at..).unwrap_or_default(), piece);
-    }
+    // Stage 1 matches nothing in ASCII, so each piece of stage 0 goes to
+    // stage 2 as it is.
+    isolate(text, digit_group, &mut |p| isolate(p, match_at, piece));
 }
 
-fn stage2(text: &str, piece: &mut dyn FnMut(&str)) {
+/// One `Isolated` split stage: `matcher(bytes, i)` is the end of the match
+/// starting at `i`, if one does (leftmost first, never empty); the matches
+/// and the text between them go to `piece` in order.
+fn isolate(text: &str, matcher: fn(&[u8], usize) -> Option<usize>, piece: &mut dyn FnMut(&str)) {
     let b = text.as_bytes();
     let mut at = 0;
     let mut i = 0;
     while i < b.len() {
-        match match_at(b, i) {
+        match matcher(b, i) {
             Some(end) => {
                 if i > at {
                     piece(text.get(at..i).unwrap_or_default());
@@ -92,6 +76,12 @@ fn stage2(text: &str, piece: &mut dyn FnMut(&str)) {
     if at < b.len() {
         piece(text.get(at..).unwrap_or_default());
     }
+}
+
+/// Stage 0, `\p{N}{1,3}`: up to three digits.
+fn digit_group(b: &[u8], i: usize) -> Option<usize> {
+    let digits = b.iter().skip(i).take(3).take_while(|c| c.is_ascii_digit()).count();
+    (digits > 0).then_some(i + digits)
 }
 
 fn letter(c: Option<u8>) -> bool {
@@ -159,25 +149,10 @@ mod tests {
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
     ];
 
-    /// The pieces Oniguruma gives (the reference).
+    /// The pieces Oniguruma gives (the reference: the encoder's own
+    /// regex path).
     fn reference(res: &[onig::Regex], level: usize, text: &str, out: &mut Vec<String>) {
-        let Some(re) = res.get(level) else {
-            out.push(text.to_owned());
-            return;
-        };
-        let mut at = 0;
-        for (s, e) in re.find_iter(text) {
-            if s > at {
-                reference(res, level + 1, &text[at..s], out);
-            }
-            if e > s {
-                reference(res, level + 1, &text[s..e], out);
-            }
-            at = at.max(e);
-        }
-        if at < text.len() {
-            reference(res, level + 1, &text[at..], out);
-        }
+        crate::fast::split_with(res, level, text, &mut |p| out.push(p.to_owned()));
     }
 
     fn ours(text: &str) -> Vec<String> {

@@ -161,6 +161,31 @@ fn exact_cuts(text: &str, min_chunk: usize) -> impl Iterator<Item = usize> + '_ 
     })
 }
 
+/// `Split` stages with behaviour `Isolated`, from stage `level` on: each
+/// stage splits every piece of the one before into its matches and the text
+/// between them; `leaf` gets the last stage's pieces in order (never empty).
+pub(crate) fn split_with(res: &[onig::Regex], level: usize, text: &str, leaf: &mut dyn FnMut(&str)) {
+    let Some(re) = res.get(level) else {
+        if !text.is_empty() {
+            leaf(text);
+        }
+        return;
+    };
+    let mut at = 0;
+    for (s, e) in re.find_iter(text) {
+        if s > at {
+            split_with(res, level + 1, text.get(at..s).unwrap_or_default(), leaf);
+        }
+        if e > s {
+            split_with(res, level + 1, text.get(s..e).unwrap_or_default(), leaf);
+        }
+        at = at.max(e);
+    }
+    if at < text.len() {
+        split_with(res, level + 1, text.get(at..).unwrap_or_default(), leaf);
+    }
+}
+
 /// A multiplicative hasher for the `u64` pair keys of the merge table.
 #[derive(Default, Clone, Copy)]
 struct PairHasher(u64);
@@ -454,20 +479,7 @@ impl FastBpe {
     }
 
     fn split_regex(&self, level: usize, text: &str, cx: &mut Cx<'_>) {
-        let Some(re) = self.splits.get(level) else { return self.piece(text, cx) };
-        let mut at = 0;
-        for (s, e) in re.find_iter(text) {
-            if s > at {
-                self.split_regex(level + 1, text.get(at..s).unwrap_or_default(), cx);
-            }
-            if e > s {
-                self.split_regex(level + 1, text.get(s..e).unwrap_or_default(), cx);
-            }
-            at = at.max(e);
-        }
-        if at < text.len() {
-            self.split_regex(level + 1, text.get(at..).unwrap_or_default(), cx);
-        }
+        split_with(&self.splits, level, text, &mut |p| self.piece(p, cx));
     }
 
     fn piece(&self, piece: &str, cx: &mut Cx<'_>) {
