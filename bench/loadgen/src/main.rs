@@ -145,6 +145,12 @@ struct ReqArgs {
     /// (every prompt cold: prefill-heavy).
     #[arg(long)]
     documents: Option<usize>,
+    /// `pd` only: settings of the control plane's `[models.disaggregation]`
+    /// for the conditional modes, `name=value`, repeatable (e.g. `--disagg
+    /// stall_weight=0` for the new request's TTFT alone). Default: none,
+    /// the control plane's own defaults.
+    #[arg(long = "disagg")]
+    disagg_settings: Vec<String>,
     #[command(flatten)]
     sweep: SweepArgs,
 }
@@ -325,6 +331,7 @@ impl Sweep {
             "settings": {
                 "control_plane": "defaults, plus kv_settings; no engine timing passed (learn_timing defaults to true)",
                 "kv_settings": fleet.kv_settings,
+                "disagg_settings": fleet.disagg_settings,
                 "kv_true_constants": fleet.true_constants().unwrap_or_default(),
                 "kv_no_speculation": stack::NO_SPECULATION,
                 "kv_tier_blind": [stack::TIER_BLIND],
@@ -594,6 +601,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         a.levels = default_levels;
     }
     ensure!(a.documents.is_none() || kind == Kind::Pd, "--documents is a pd option");
+    ensure!(a.disagg_settings.is_empty() || kind == Kind::Pd, "--disagg is a pd option");
     let documents = a.documents.unwrap_or(48);
     let fresh_title;
     if kind == Kind::Pd && documents != 48 {
@@ -630,6 +638,7 @@ fn requests_sweep(kind: Kind, mut a: ReqArgs) -> Result<()> {
         })
     });
     let mut sweep = Sweep::new(&a.sweep, speedup, a.measure_s, a.drain_s, out)?;
+    sweep.fleet.disagg_settings = kv_lines(&a.disagg_settings)?;
     if matches!(kind, Kind::Workato | Kind::Mooncake | Kind::Pd) {
         // A larger fleet; each worker holds several long documents.
         sweep.fleet.workers = 4;

@@ -60,6 +60,9 @@ pub struct FleetSpec {
     /// `[models.kv]` settings of the control plane (`key = value` TOML
     /// lines, e.g. `overlap_weight = 2.0`); empty: its defaults.
     pub kv_settings: Vec<String>,
+    /// `[models.disaggregation]` settings for the conditional P/D modes
+    /// (TOML lines); empty: the control plane's defaults.
+    pub disagg_settings: Vec<String>,
     /// The `kvgate` binary to run.
     pub kvgate: PathBuf,
 }
@@ -102,6 +105,7 @@ impl FleetSpec {
             speedup,
             stream_interval,
             kv_settings: Vec::new(),
+            disagg_settings: Vec::new(),
             kvgate: kvgate_bin(),
         }
     }
@@ -439,6 +443,7 @@ impl Stack {
                 // local prefill), in the wall-clock time it learns in.
                 if *conditional {
                     told.kv_settings.push(format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0)));
+                    told.kv_settings.extend(fleet.disagg_settings.iter().cloned());
                 } else {
                     told.kv_settings.extend(["min_uncached_tokens = 1".into(), "only_if_sooner = false".into()]);
                 }

@@ -32,7 +32,11 @@ fn config(enabled: bool) -> ModelConfig {
 
 /// w1, w2 prefill; w3 decode; w4 both; prefill workers running `busy`.
 fn fleet(enabled: bool, busy: u32) -> ModelState {
-    let mut st = ModelState::new(config(enabled), 1);
+    fleet_of(config(enabled), busy)
+}
+
+fn fleet_of(config: ModelConfig, busy: u32) -> ModelState {
+    let mut st = ModelState::new(config, 1);
     st.on_heartbeat(&hb("w1", pb::WorkerRole::Prefill, busy), 0);
     st.on_heartbeat(&hb("w2", pb::WorkerRole::Prefill, busy), 0);
     st.on_heartbeat(&hb("w3", pb::WorkerRole::Decode, 0), 0);
@@ -177,7 +181,10 @@ fn each_pool_reports_its_prefill_demand_capacity_and_decode_load() {
 /// worker's own.
 #[test]
 fn a_prefill_worker_that_would_finish_later_than_the_decode_worker_gets_no_leg() {
-    let mut st = fleet(true, 0);
+    // The new request's TTFT alone (the decodes' stall: next test).
+    let mut cfg = config(true);
+    cfg.disaggregation.stall_weight = 0.0;
+    let mut st = fleet_of(cfg, 0);
     let prompt = |k: u32| -> Vec<u32> { (0..16 * 8).map(|t| 100_000 * (k + 1) + t).collect() };
     // Two legs fill both prefill workers' queues with 8 blocks each.
     for k in 0..2 {
@@ -210,6 +217,35 @@ fn a_prefill_worker_that_would_finish_later_than_the_decode_worker_gets_no_leg()
     for k in 0..3 {
         assert!(pick(&mut off, &format!("r{k}"), &prompt(k)).prefill.is_some(), "leg {k}");
     }
+}
+
+/// A local prefill stalls the decodes running on the decode worker: with
+/// `stall_weight` w, n requests in flight there and a prefill of c ms, the
+/// local side costs its queue + c + w·n·c, so a leg that finishes later
+/// than the local prefill still goes when the stall it saves is larger.
+#[test]
+fn the_stall_of_running_decodes_sends_a_prefill_away_that_would_finish_later() {
+    let prompt = |k: u32| -> Vec<u32> { (0..16 * 8).map(|t| 100_000 * (k + 1) + t).collect() };
+    let third = |w: f64| {
+        let mut cfg = config(true);
+        cfg.disaggregation.stall_weight = w;
+        let mut st = fleet_of(cfg, 0);
+        // Two legs: 8 blocks queued on each prefill worker, one decode in
+        // flight on each decode worker.
+        for k in 0..2 {
+            let out = pick(&mut st, &format!("r{k}"), &prompt(k));
+            assert!(out.prefill.is_some(), "leg {k} at weight {w}");
+        }
+        assert_eq!((inflight(&st, "w3"), inflight(&st, "w4")), (1, 1));
+        // Remote: 8 queued + 8 = 16 blocks of prefill; local: 8 + w·1·8.
+        let out = pick(&mut st, "r2", &prompt(2));
+        (out.prefill.map(|l| l.worker_id), st.counters().no_prefill_capacity)
+    };
+    assert_eq!(third(0.0), (None, 1), "TTFT alone: local");
+    assert_eq!(third(0.5), (None, 1), "8 + 4 < 16: local");
+    let (leg, refused) = third(1.0);
+    assert!(leg.is_some() && refused == 0, "8 + 8 = 16: away");
+    assert!(third(3.0).0.is_some(), "8 + 24 > 16: away");
 }
 
 /// Replica A disaggregates a request; replica B hears of the decode request

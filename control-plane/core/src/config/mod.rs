@@ -176,6 +176,10 @@ pub struct RawDisaggregation {
     /// A prefill worker takes a leg only when it would finish that prefill
     /// no later than the decode worker would locally (default true).
     pub only_if_sooner: Option<bool>,
+    /// With `only_if_sooner`: how much the stall of the decodes running on
+    /// the decode worker counts against the new request's TTFT (default 4;
+    /// 0 = only the new request's TTFT).
+    pub stall_weight: Option<f64>,
 }
 
 /// Optional `[models.overload]` table: requests held while every worker is

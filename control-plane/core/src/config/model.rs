@@ -159,7 +159,12 @@ fn disagg_config(f: &dyn Fn(&str) -> String, d: RawDisaggregation) -> Result<Dis
     if !(1.0..=600_000.0).contains(&ms) {
         return Err(err(f("disaggregation.max_local_prefill_ms"), ms, "must be between 1 and 600000"));
     }
+    let stall = d.stall_weight.unwrap_or(def.stall_weight);
+    if !(0.0..=1000.0).contains(&stall) {
+        return Err(err(f("disaggregation.stall_weight"), stall, "must be between 0 and 1000"));
+    }
     Ok(DisaggConfig {
+        stall_weight: stall,
         enabled: d.enabled.unwrap_or(def.enabled),
         min_uncached_tokens: d.min_uncached_tokens,
         max_local_prefill_ms: ms,

@@ -154,4 +154,10 @@ fn disaggregation_is_on_with_a_derived_threshold_and_validated() {
     let ms = text.replace("min_uncached_tokens = 2048", "max_local_prefill_ms = 0.5");
     let e = Config::validate(RawConfig::from_toml(&ms, "c").unwrap()).unwrap_err();
     assert_eq!(e.field, "models[0].disaggregation.max_local_prefill_ms");
+    let w = text.replace("min_uncached_tokens = 2048", "stall_weight = 0");
+    let c = Config::validate(RawConfig::from_toml(&w, "c").unwrap()).unwrap();
+    assert_eq!(c.models[0].routing.disaggregation.stall_weight, 0.0);
+    let nan = text.replace("min_uncached_tokens = 2048", "stall_weight = nan");
+    let e = Config::validate(RawConfig::from_toml(&nan, "c").unwrap()).unwrap_err();
+    assert_eq!(e.field, "models[0].disaggregation.stall_weight");
 }

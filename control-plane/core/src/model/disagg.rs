@@ -10,8 +10,12 @@
 //!    prefill no later than the decode worker itself: its queued prefill
 //!    plus this prompt's uncached part there, against the decode worker's
 //!    queued prefill plus its own uncached part, each at that worker's
-//!    learned timing (a backed-up prefill pool then leaves requests local
-//!    instead of queueing them behind it), and
+//!    learned timing, plus the stall a local prefill puts on the decodes
+//!    running there (each waits out the prefill's compute, chunk by chunk:
+//!    `stall_weight` × requests in flight there × the compute). A backed-up
+//!    prefill pool then leaves requests local instead of queueing them
+//!    behind it, and a decode worker busy decoding sends its long prefills
+//!    away even when that costs the new request some TTFT; and
 //! 2. the local prefill reaches the threshold: `min_uncached_tokens` when
 //!    configured, else the tokens whose prefill on the decode worker, at its
 //!    learned engine timing (the priors until it learned), would take
@@ -51,22 +55,63 @@ pub struct DisaggConfig {
     /// A prefill worker takes a leg only when it would finish the prefill
     /// no later than the decode worker would locally (default true).
     pub only_if_sooner: bool,
+    /// With `only_if_sooner`: the weight of the decodes running on the
+    /// decode worker, each stalled by a local prefill's compute, against
+    /// the new request's own TTFT (1 = every millisecond of every request
+    /// counts the same; 0 = the new request's TTFT alone). Default 4, a
+    /// preference for inter-token latency, measured in docs/DECISIONS.md
+    /// ("A prefill's stall on the running decodes").
+    pub stall_weight: f64,
 }
 
 impl Default for DisaggConfig {
     fn default() -> Self {
-        Self { enabled: true, min_uncached_tokens: None, max_local_prefill_ms: 100.0, only_if_sooner: true }
+        Self {
+            enabled: true,
+            min_uncached_tokens: None,
+            max_local_prefill_ms: 100.0,
+            only_if_sooner: true,
+            stall_weight: 4.0,
+        }
     }
+}
+
+/// A worker class's learned timing, or the configured priors of `kv`.
+fn learned_or_priors(timing: Option<EngineTiming>, kv: &KvConfig) -> EngineTiming {
+    timing.unwrap_or(EngineTiming::linear(kv.prefill_ms_per_token, kv.decode_ms_per_seq))
 }
 
 /// Milliseconds until `c` has prefilled `uncached` tokens of a prompt after
 /// `cached` ones, behind the prefill already queued there (its learned
 /// timing, the priors until learned).
 pub fn prefill_done_ms(c: &Candidate, uncached: u32, cached: u32, block_size: u32, kv: &KvConfig) -> f64 {
-    let t = c.timing.unwrap_or(EngineTiming::linear(kv.prefill_ms_per_token, kv.decode_ms_per_seq));
+    let t = learned_or_priors(c.timing, kv);
     let queued = c.load.prefill_pending_blocks as f64 * f64::from(block_size);
     let n = queued + f64::from(uncached);
     n * t.prefill_ms_per_token_at(n, f64::from(cached))
+}
+
+/// Milliseconds a decode worker `c` would cost a request's first token and
+/// the decodes running there if it prefilled the `uncached` tokens after
+/// `cached` ones itself: its queue and this prefill ([`prefill_done_ms`]),
+/// plus `stall_weight` × the requests in flight there (at most its running
+/// limit) × this prefill's compute, the time each running decode waits for
+/// the chunks that carry it.
+pub fn local_cost_ms(
+    c: &Candidate,
+    uncached: u32,
+    cached: u32,
+    block_size: u32,
+    kv: &KvConfig,
+    stall_weight: f64,
+) -> f64 {
+    let done = prefill_done_ms(c, uncached, cached, block_size, kv);
+    let t = learned_or_priors(c.timing, kv);
+    let n = f64::from(uncached);
+    let compute = n * t.prefill_ms_per_token_at(n, f64::from(cached));
+    let running = c.load.max_running.map_or(c.load.inflight, |m| c.load.inflight.min(m));
+    let stall = stall_weight * f64::from(running) * compute;
+    if stall.is_finite() { done + stall } else { done }
 }
 
 impl DisaggConfig {
@@ -80,7 +125,7 @@ impl DisaggConfig {
         if let Some(min) = self.min_uncached_tokens {
             return uncached >= min;
         }
-        let t = timing.unwrap_or(EngineTiming::linear(kv.prefill_ms_per_token, kv.decode_ms_per_seq));
+        let t = learned_or_priors(timing, kv);
         let (n, c) = (f64::from(uncached), f64::from(cached));
         n * t.prefill_ms_per_token_at(n, c) >= self.max_local_prefill_ms
     }

@@ -301,8 +301,9 @@ impl ModelState {
         let one_token = RequestView { expected_output_tokens: 1, ..*view };
         let prefill: Vec<Candidate> = c.prefill.iter().map(|p| c.cands[*p]).collect();
         let kv = self.config.kv;
-        let local_ms =
-            cfg.only_if_sooner.then(|| super::disagg::prefill_done_ms(decode, uncached, held, view.block_size, &kv));
+        let local_ms = cfg
+            .only_if_sooner
+            .then(|| super::disagg::local_cost_ms(decode, uncached, held, view.block_size, &kv, cfg.stall_weight));
         let judged = super::disagg::open_for_a_leg(&one_token, prefill, kv, uncached + held, local_ms);
         match self.policy.pick(&one_token, &judged, &mut self.rng) {
             Some(d) if !judged[d.chosen].excluded => {
