@@ -245,6 +245,12 @@ impl KvConfig {
     pub fn dynamo() -> Self {
         Self { unit: CostUnit::Blocks, ..Self::default() }
     }
+
+    /// A worker's engine timing: `learned` for its class, else these
+    /// settings' priors.
+    pub fn timing_of(&self, learned: Option<EngineTiming>) -> EngineTiming {
+        learned.unwrap_or(EngineTiming::linear(self.prefill_ms_per_token, self.decode_ms_per_seq))
+    }
 }
 
 /// The `kv` policy.
@@ -340,7 +346,7 @@ impl KvPolicy {
                 // configured priors; the cost's unit is the same for every
                 // candidate of a decision, so that a slow worker's every
                 // millisecond counts as one.
-                let t = c.timing.unwrap_or(EngineTiming::linear(k.prefill_ms_per_token, k.decode_ms_per_seq));
+                let t = k.timing_of(c.timing);
                 let unit_ms = unit_rate * b;
                 if !(unit_ms.is_finite() && unit_ms > 0.0) {
                     return 0.0;

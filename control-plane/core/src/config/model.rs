@@ -164,11 +164,11 @@ fn disagg_config(f: &dyn Fn(&str) -> String, d: RawDisaggregation) -> Result<Dis
         return Err(err(f("disaggregation.stall_weight"), stall, "must be between 0 and 1000"));
     }
     Ok(DisaggConfig {
-        stall_weight: stall,
         enabled: d.enabled.unwrap_or(def.enabled),
         min_uncached_tokens: d.min_uncached_tokens,
         max_local_prefill_ms: ms,
         only_if_sooner: d.only_if_sooner.unwrap_or(def.only_if_sooner),
+        stall_weight: stall,
     })
 }
 

@@ -76,16 +76,11 @@ impl Default for DisaggConfig {
     }
 }
 
-/// A worker class's learned timing, or the configured priors of `kv`.
-fn learned_or_priors(timing: Option<EngineTiming>, kv: &KvConfig) -> EngineTiming {
-    timing.unwrap_or(EngineTiming::linear(kv.prefill_ms_per_token, kv.decode_ms_per_seq))
-}
-
 /// Milliseconds until `c` has prefilled `uncached` tokens of a prompt after
 /// `cached` ones, behind the prefill already queued there (its learned
 /// timing, the priors until learned).
 pub fn prefill_done_ms(c: &Candidate, uncached: u32, cached: u32, block_size: u32, kv: &KvConfig) -> f64 {
-    let t = learned_or_priors(c.timing, kv);
+    let t = kv.timing_of(c.timing);
     let queued = c.load.prefill_pending_blocks as f64 * f64::from(block_size);
     let n = queued + f64::from(uncached);
     n * t.prefill_ms_per_token_at(n, f64::from(cached))
@@ -106,7 +101,7 @@ pub fn local_cost_ms(
     stall_weight: f64,
 ) -> f64 {
     let done = prefill_done_ms(c, uncached, cached, block_size, kv);
-    let t = learned_or_priors(c.timing, kv);
+    let t = kv.timing_of(c.timing);
     let n = f64::from(uncached);
     let compute = n * t.prefill_ms_per_token_at(n, f64::from(cached));
     let running = c.load.max_running.map_or(c.load.inflight, |m| c.load.inflight.min(m));
@@ -125,7 +120,7 @@ impl DisaggConfig {
         if let Some(min) = self.min_uncached_tokens {
             return uncached >= min;
         }
-        let t = learned_or_priors(timing, kv);
+        let t = kv.timing_of(timing);
         let (n, c) = (f64::from(uncached), f64::from(cached));
         n * t.prefill_ms_per_token_at(n, c) >= self.max_local_prefill_ms
     }
