@@ -753,6 +753,8 @@ fn pd_rows(rows: &[stats::Row], gpus: usize) -> Vec<serde_json::Value> {
                 Ok(Frontend::Pd { prefill, decode, conditional, .. }) => {
                     (if conditional { "conditional" } else { "disaggregated" }, prefill, decode)
                 }
+                // Every worker decodes, and any may prefill for another.
+                Ok(Frontend::PdBoth { .. }) => ("conditional", 0, gpus),
                 _ => ("aggregated", 0, gpus),
             };
             serde_json::json!({

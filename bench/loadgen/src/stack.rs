@@ -10,7 +10,8 @@
 //! - for the disaggregated modes ([`Frontend::Pd`]): the first workers are
 //!   prefill workers, the rest decode workers each behind `kvgate
 //!   pd-sidecar` (or, for the `_filter` modes, none: the filter runs the
-//!   legs), their relays announcing the roles.
+//!   legs), their relays announcing the roles; for `conditional_both`
+//!   ([`Frontend::PdBoth`]) every worker is `both`, behind a sidecar.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -197,6 +198,11 @@ pub enum Frontend {
     /// running limit. `filter_legs`: no sidecars, the filter runs the legs
     /// (mode names end in `_filter`).
     Pd { prefill: usize, decode: usize, conditional: bool, filter_legs: bool },
+    /// Conditional disaggregation on a uniform fleet (`conditional_both`):
+    /// every worker is `both`, behind a `kvgate pd-sidecar`, and the control
+    /// plane's defaults plus `prefill_on_both = true` decide per request
+    /// whether another worker prefills it. `filter_legs` as for [`Frontend::Pd`].
+    PdBoth { filter_legs: bool },
     /// NVIDIA Dynamo's own frontend with this `--router-mode` (`kv` or
     /// `round-robin`) in front of Dynamo's own mocker workers
     /// ([`Stack::start_dynamo`]).
@@ -218,6 +224,9 @@ impl Frontend {
                 if *conditional { "conditional" } else { "disaggregated" },
                 if *filter_legs { "_filter" } else { "" }
             ),
+            Frontend::PdBoth { filter_legs } => {
+                format!("conditional_both{}", if *filter_legs { "_filter" } else { "" })
+            }
             Frontend::Dynamo(m) if m == "kv" => "dynamo".into(),
             Frontend::Dynamo(m) => format!("dynamo_{}", m.replace('-', "_")),
         }
@@ -233,6 +242,8 @@ impl Frontend {
             "kv_overload" => Frontend::KvOverload,
             "dynamo" => Frontend::Dynamo("kv".into()),
             "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
+            "conditional_both" => Frontend::PdBoth { filter_legs: false },
+            "conditional_both_filter" => Frontend::PdBoth { filter_legs: true },
             _ if s.starts_with("disaggregated_") || s.starts_with("conditional_") => {
                 let (kind, shape) = s.split_once('_').unwrap_or_default();
                 let (shape, filter_legs) = match shape.strip_suffix("_filter") {
@@ -249,7 +260,7 @@ impl Frontend {
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d or conditional_<P>p<D>d, with _filter for the filter's own legs)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d or conditional_both, with _filter for the filter's own legs)"
                 ),
             },
         })
@@ -449,16 +460,29 @@ impl Stack {
                 }
                 stack.start_kvgate(&told, "kv", &tk, &zmq, &roles)?
             }
+            Frontend::PdBoth { filter_legs } => {
+                let roles = vec!["both"; stack.workers.len()];
+                if !filter_legs {
+                    stack.start_sidecars(fleet, &roles)?;
+                }
+                let mut told = fleet.clone();
+                told.filter_legs = *filter_legs;
+                told.kv_settings.push("[models.disaggregation]".into());
+                told.kv_settings.push(format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0)));
+                told.kv_settings.push("prefill_on_both = true".into());
+                told.kv_settings.extend(fleet.disagg_settings.iter().cloned());
+                stack.start_kvgate(&told, "kv", &tk, &zmq, &roles)?
+            }
             Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),
         }
         Ok(stack)
     }
 
-    /// A `kvgate pd-sidecar` in front of every `decode` worker: it becomes
-    /// the worker's address (its engine stays in `engines`).
+    /// A `kvgate pd-sidecar` in front of every `decode` or `both` worker: it
+    /// becomes the worker's address (its engine stays in `engines`).
     fn start_sidecars(&mut self, fleet: &FleetSpec, roles: &[&str]) -> Result<()> {
         for (w, role) in roles.iter().enumerate() {
-            if *role != "decode" {
+            if *role == "prefill" {
                 continue;
             }
             let front = SocketAddr::from(([127, 0, 0, 1], free_port()?));
@@ -741,6 +765,8 @@ mod tests {
             "disaggregated_1p3d",
             "conditional_2p2d",
             "conditional_1p3d_filter",
+            "conditional_both",
+            "conditional_both_filter",
         ] {
             assert_eq!(Frontend::parse(name).unwrap().name(), name);
         }

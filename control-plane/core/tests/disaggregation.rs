@@ -6,7 +6,7 @@
 
 mod common;
 
-use kvgate_core::model::{DisaggConfig, ModelConfig, ModelState, PickOutput};
+use kvgate_core::model::{DisaggConfig, ModelConfig, ModelState, PickInput, PickOutput};
 use kvgate_protocol::pb;
 use kvgate_scheduler::Mode;
 
@@ -280,4 +280,64 @@ fn another_replicas_prefill_leg_is_load_on_its_prefill_worker() {
     let later = 3 + u64::from(leg.inflight.prefill_leg_ms);
     b.pick(&common::input("other", &[1, 2, 3], Some(4)), later).unwrap();
     assert_eq!(inflight(&b, &leg.worker_id), 0);
+}
+
+/// `prefill_on_both`: on a fleet of `both` workers, a long prefill leaves a
+/// decode worker busy decoding for another `both` worker whose queue, this
+/// prefill and the stall of its own decodes cost less; it stays when they
+/// cost the same, never goes to the decode worker itself, and without the
+/// setting such a fleet never disaggregates.
+#[test]
+fn both_workers_take_a_leg_when_the_prefill_stalls_fewer_decodes_there() {
+    let fleet = |on: bool, n: u32| {
+        let mut cfg = config(true);
+        cfg.disaggregation.prefill_on_both = on;
+        let mut st = ModelState::new(cfg, 1);
+        for w in 1..=n {
+            st.on_heartbeat(&hb(&format!("w{w}"), pb::WorkerRole::Both, 0), 0);
+        }
+        st
+    };
+    let on = |w: u32| vec![format!("10.0.0.{w}:8000")];
+    let short = |k: u32| -> Vec<u32> { (0..40).map(|t| 50_000 * (k + 1) + t).collect() };
+    // `n` short requests (below the threshold: local) on worker `w`.
+    let decodes = |st: &mut ModelState, w: u32, n: u32| {
+        for k in 0..n {
+            let (id, t, at) = (format!("s{w}-{k}"), short(10 * w + k), on(w));
+            let out = st.pick(&PickInput { allowed: Some(&at), ..common::input(&id, &t, Some(16)) }, 2).unwrap();
+            assert!(out.prefill.is_none());
+        }
+    };
+    let long = |st: &mut ModelState| {
+        let (t, at) = (tokens(), on(1));
+        let out = st.pick(&PickInput { allowed: Some(&at), ..common::input("long", &t, Some(16)) }, 2).unwrap();
+        assert_eq!(out.worker_id, "w1", "the decode worker the hint allows");
+        out.prefill.map(|l| l.worker_id)
+    };
+
+    // w1 decodes two requests: 8 + 4·2·8 block-times here, 8 on w2 or w3.
+    let mut st = fleet(true, 3);
+    decodes(&mut st, 1, 2);
+    let leg = long(&mut st).expect("a leg");
+    assert!(["w2", "w3"].contains(&leg.as_str()), "leg on {leg}");
+    assert_eq!(st.counters().disaggregated, 1);
+    assert_eq!(inflight(&st, &leg), 1, "the leg is load on its worker until its first token");
+
+    // Every worker decodes one: 8 + 4·1·8 everywhere, a tie: local.
+    let mut st = fleet(true, 3);
+    (1..=3).for_each(|w| decodes(&mut st, w, 1));
+    assert_eq!(long(&mut st), None);
+    assert_eq!(st.counters().no_prefill_capacity, 1);
+
+    // One worker: no other to take the leg, and nothing counted.
+    let mut st = fleet(true, 1);
+    decodes(&mut st, 1, 2);
+    assert_eq!(long(&mut st), None);
+    // Off (the default): a fleet of `both` workers routes aggregated.
+    let mut off = fleet(false, 3);
+    decodes(&mut off, 1, 2);
+    assert_eq!(long(&mut off), None);
+    for c in [st.counters(), off.counters()] {
+        assert_eq!((c.disaggregated, c.below_threshold, c.no_prefill_capacity), (0, 0, 0));
+    }
 }

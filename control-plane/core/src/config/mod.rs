@@ -180,6 +180,9 @@ pub struct RawDisaggregation {
     /// the decode worker counts against the new request's TTFT (default 4;
     /// 0 = only the new request's TTFT).
     pub stall_weight: Option<f64>,
+    /// `both` workers take prefill legs too (default false; every worker
+    /// must run a KV connector as `kv_both`).
+    pub prefill_on_both: Option<bool>,
 }
 
 /// Optional `[models.overload]` table: requests held while every worker is

@@ -169,6 +169,7 @@ fn disagg_config(f: &dyn Fn(&str) -> String, d: RawDisaggregation) -> Result<Dis
         max_local_prefill_ms: ms,
         only_if_sooner: d.only_if_sooner.unwrap_or(def.only_if_sooner),
         stall_weight: stall,
+        prefill_on_both: d.prefill_on_both.unwrap_or(def.prefill_on_both),
     })
 }
 

@@ -160,4 +160,8 @@ fn disaggregation_is_on_with_a_derived_threshold_and_validated() {
     let nan = text.replace("min_uncached_tokens = 2048", "stall_weight = nan");
     let e = Config::validate(RawConfig::from_toml(&nan, "c").unwrap()).unwrap_err();
     assert_eq!(e.field, "models[0].disaggregation.stall_weight");
+    let both = text.replace("min_uncached_tokens = 2048", "prefill_on_both = true");
+    let c = Config::validate(RawConfig::from_toml(&both, "c").unwrap()).unwrap();
+    assert!(c.models[0].routing.disaggregation.prefill_on_both);
+    assert!(!on.models[0].routing.disaggregation.prefill_on_both, "off unless asked");
 }

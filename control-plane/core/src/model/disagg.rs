@@ -22,13 +22,18 @@
 //!    `max_local_prefill_ms` or longer — long enough to stall every decode
 //!    running there.
 //!
+//! With `prefill_on_both`, the other live `both` workers are candidates for
+//! the leg too; each costs its queued prefill, this prefill and the stall
+//! of the decodes running there, so a leg goes to the worker where the
+//! prompt stalls the fewest decodes, and stays local when that is here.
+//!
 //! Then the model's policy ranks the prefill workers for the same prompt with
 //! one output token: in `kv` mode their overlap with the prompt and their
 //! prefill queues decide. The prefill leg is tracked as a request of its own
 //! (`<request id>` + [`PREFILL_LEG`]) that ends at the request's first token;
 //! the decode worker is charged no prefill for it (it receives the blocks).
 //!
-//! Cost: O(P log P) for P prefill workers on top of the decode pick.
+//! Cost: O(P log P) for P leg candidates on top of the decode pick.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -62,6 +67,13 @@ pub struct DisaggConfig {
     /// preference for inter-token latency, measured in docs/DECISIONS.md
     /// ("A prefill's stall on the running decodes").
     pub stall_weight: f64,
+    /// `both` workers take prefill legs too (default false): on a fleet
+    /// whose every worker runs a KV connector in both directions (vLLM's
+    /// `kv_role = "kv_both"`), a request's prefill may go to another worker
+    /// of the same pool, which then pays the stall of its own running
+    /// decodes. The split between prefill and decode then follows the load
+    /// request by request instead of a fixed P:D.
+    pub prefill_on_both: bool,
 }
 
 impl Default for DisaggConfig {
@@ -72,6 +84,7 @@ impl Default for DisaggConfig {
             max_local_prefill_ms: 100.0,
             only_if_sooner: true,
             stall_weight: 4.0,
+            prefill_on_both: false,
         }
     }
 }
@@ -126,25 +139,45 @@ impl DisaggConfig {
     }
 }
 
-/// The prefill workers as candidates for a leg of a `prompt_tokens`-token
-/// prompt: excluded when saturated for a one-token request (running limit,
-/// KV blocks) or, with `local_ms` (the decode worker's own finish time,
-/// [`prefill_done_ms`]), when they would finish later than that.
+/// A candidate for a prefill leg: a `prefill` worker, or (with
+/// [`DisaggConfig::prefill_on_both`]) a `both` worker, whose running
+/// decodes the leg's compute stalls.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LegCandidate {
+    pub cand: Candidate,
+    pub decodes_there: bool,
+}
+
+/// The candidates for a leg of a `prompt_tokens`-token prompt: excluded
+/// when saturated for a one-token request (running limit, KV blocks) or,
+/// with `local_ms` (the decode worker's own cost, [`local_cost_ms`]), when
+/// theirs is higher: a `prefill` worker's finish time
+/// ([`prefill_done_ms`]); a `both` worker's [`local_cost_ms`] (its queue,
+/// this prefill and the stall of the decodes running there), when not
+/// lower.
 pub(super) fn open_for_a_leg(
     view: &RequestView<'_>,
-    mut prefill: Vec<Candidate>,
+    legs: &[LegCandidate],
     kv: KvConfig,
     prompt_tokens: u32,
     local_ms: Option<f64>,
+    stall_weight: f64,
 ) -> Vec<Candidate> {
     let judge = KvPolicy::new(kv);
     let bs = view.block_size;
-    for c in &mut prefill {
+    let mut out: Vec<Candidate> = legs.iter().map(|l| l.cand).collect();
+    for (c, l) in out.iter_mut().zip(legs) {
         let held = c.overlap_blocks.max(c.inflight_overlap_blocks).saturating_mul(bs).min(prompt_tokens);
-        let later = local_ms.is_some_and(|l| prefill_done_ms(c, prompt_tokens - held, held, bs, &kv) > l);
+        let new = prompt_tokens - held;
+        // A `both` worker must cost less than staying (a tie is not worth
+        // the transfer); a `prefill` worker no more.
+        let later = local_ms.is_some_and(|local| match l.decodes_there {
+            true => local_cost_ms(c, new, held, bs, &kv, stall_weight) >= local,
+            false => prefill_done_ms(c, new, held, bs, &kv) > local,
+        });
         c.excluded = later || judge.saturated(view, c);
     }
-    prefill
+    out
 }
 
 /// Prefill legs in flight, by request id and by the time their prefill

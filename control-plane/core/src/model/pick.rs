@@ -13,6 +13,7 @@ use kvgate_protocol::{BlockSeed, SequenceHash, sequence_hashes};
 use kvgate_scheduler::{Candidate, Decision, KvConfig, KvPolicy, Mode, Policy as _, Reason, RequestView};
 
 use super::ModelState;
+use super::disagg::LegCandidate;
 
 /// The request as the model state needs it.
 #[derive(Debug, Clone, Copy)]
@@ -120,6 +121,8 @@ struct Candidates {
     /// Positions of the live `prefill` workers (excluded from the decode
     /// pick), for a prefill leg.
     prefill: Vec<usize>,
+    /// Positions of the live `both` workers (legs with `prefill_on_both`).
+    both: Vec<usize>,
     /// Some registered worker, live or not, is a `prefill` worker (a fleet
     /// without any never counts a disaggregation outcome).
     prefill_registered: bool,
@@ -215,8 +218,11 @@ impl ModelState {
         let mut shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
         // Prompt tokens a worker holding `held` leading blocks computes.
         let uncached = |held: u32| (input.token_ids.len() as u32).saturating_sub(held.saturating_mul(bs.get()));
-        let prefill =
-            if input.by_load.is_none() { self.prefill_choice(&view, &c, &chosen, uncached(shared)) } else { None };
+        let prefill = if input.by_load.is_none() {
+            self.prefill_choice(&view, &c, decision.chosen, uncached(shared))
+        } else {
+            None
+        };
         let mut leg_out = None;
         if let Some(p) = prefill {
             // The prefill worker computes the prompt for one token; the
@@ -245,7 +251,8 @@ impl ModelState {
                     ..Default::default()
                 },
             });
-            self.count_prefill(pb::WorkerRole::Prefill, uncached(held), now_ms);
+            let role = self.workers.get(c.id(p)).map_or(pb::WorkerRole::Prefill, |w| w.role);
+            self.count_prefill(role, uncached(held), now_ms);
             shared = hashes.len() as u32;
         } else {
             let role = self.workers.get(c.id(decision.chosen)).map_or(pb::WorkerRole::Both, |w| w.role);
@@ -281,34 +288,40 @@ impl ModelState {
 
     /// The prefill worker for this request when disaggregating it pays
     /// (see [`super::disagg`]): its position among the candidates.
-    /// `uncached` is the decode worker's own prefill in tokens.
+    /// `uncached` is the decode worker's (candidate `chosen`) own prefill in
+    /// tokens.
     fn prefill_choice(
         &mut self,
         view: &RequestView<'_>,
         c: &Candidates,
-        decode: &Candidate,
+        chosen: usize,
         uncached: u32,
     ) -> Option<usize> {
         let cfg = self.config.disaggregation;
-        if !cfg.enabled || !c.prefill_registered {
+        let on_both = cfg.prefill_on_both && c.both.iter().any(|b| *b != chosen);
+        if !cfg.enabled || !(c.prefill_registered || on_both) {
             return None;
         }
+        let decode = &c.cands[chosen];
         let held = decode.overlap_blocks.max(decode.inflight_overlap_blocks).saturating_mul(view.block_size);
         if !cfg.worth_it(uncached, held, decode.timing, &self.config.kv) {
             self.counters.below_threshold += 1;
             return None;
         }
         let one_token = RequestView { expected_output_tokens: 1, ..*view };
-        let prefill: Vec<Candidate> = c.prefill.iter().map(|p| c.cands[*p]).collect();
+        let others = c.both.iter().filter(|b| on_both && **b != chosen);
+        let at: Vec<usize> = c.prefill.iter().chain(others).copied().collect();
+        let legs: Vec<LegCandidate> =
+            at.iter().map(|p| LegCandidate { cand: c.cands[*p], decodes_there: !c.prefill.contains(p) }).collect();
         let kv = self.config.kv;
         let local_ms = cfg
             .only_if_sooner
             .then(|| super::disagg::local_cost_ms(decode, uncached, held, view.block_size, &kv, cfg.stall_weight));
-        let judged = super::disagg::open_for_a_leg(&one_token, prefill, kv, uncached + held, local_ms);
+        let judged = super::disagg::open_for_a_leg(&one_token, &legs, kv, uncached + held, local_ms, cfg.stall_weight);
         match self.policy.pick(&one_token, &judged, &mut self.rng) {
             Some(d) if !judged[d.chosen].excluded => {
                 self.counters.disaggregated += 1;
-                Some(c.prefill[d.chosen])
+                Some(at[d.chosen])
             }
             _ => {
                 self.counters.no_prefill_capacity += 1;
@@ -340,7 +353,7 @@ impl ModelState {
             self.sort_workers();
         }
         // Each live worker at its place in the sorted order: no sort per Pick.
-        let mut slots: Vec<Option<(Candidate, bool)>> = vec![None; self.order.len()];
+        let mut slots: Vec<Option<(Candidate, pb::WorkerRole)>> = vec![None; self.order.len()];
         let mut prefill_registered = false;
         for w in self.workers.values() {
             let prefill_only = w.role == pb::WorkerRole::Prefill;
@@ -363,18 +376,21 @@ impl ModelState {
                 excluded,
             };
             if let Some(slot) = slots.get_mut(w.rank as usize) {
-                *slot = Some((cand, prefill_only));
+                *slot = Some((cand, w.role));
             }
         }
-        let (mut cands, mut ranks, mut prefill) = (Vec::with_capacity(slots.len()), Vec::new(), Vec::new());
-        for (rank, (cand, prefill_only)) in slots.into_iter().enumerate().filter_map(|(r, s)| Some((r, s?))) {
-            if prefill_only {
-                prefill.push(cands.len());
+        let (mut cands, mut ranks, mut prefill, mut both) =
+            (Vec::with_capacity(slots.len()), Vec::new(), Vec::new(), Vec::new());
+        for (rank, (cand, role)) in slots.into_iter().enumerate().filter_map(|(r, s)| Some((r, s?))) {
+            match role {
+                pb::WorkerRole::Prefill => prefill.push(cands.len()),
+                pb::WorkerRole::Both => both.push(cands.len()),
+                _ => {}
             }
             cands.push(cand);
             ranks.push(rank as u32);
         }
-        Candidates { cands, order: self.order.clone(), ranks, prefill, prefill_registered }
+        Candidates { cands, order: self.order.clone(), ranks, prefill, both, prefill_registered }
     }
 
     /// Sorts the registered workers' ids into `order` and gives each its rank.
