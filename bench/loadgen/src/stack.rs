@@ -196,8 +196,11 @@ pub enum Frontend {
     /// else every request is (`min_uncached_tokens = 1`,
     /// `only_if_sooner = false`) while a prefill worker is below its
     /// running limit. `filter_legs`: no sidecars, the filter runs the legs
-    /// (mode names end in `_filter`).
-    Pd { prefill: usize, decode: usize, conditional: bool, filter_legs: bool },
+    /// (mode names end in `_filter`). `overflow` (names with
+    /// `_overflow` after the shape): `overflow_to_prefill = true`, a
+    /// prefill worker takes whole requests while the decode pool is
+    /// saturated.
+    Pd { prefill: usize, decode: usize, conditional: bool, filter_legs: bool, overflow: bool },
     /// Conditional disaggregation on a uniform fleet (`conditional_both`):
     /// every worker is `both`, behind a `kvgate pd-sidecar`, and the control
     /// plane's defaults plus `prefill_on_both = true` decide per request
@@ -219,9 +222,10 @@ impl Frontend {
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::KvTierBlind => "kv_tier_blind".into(),
             Frontend::KvOverload => "kv_overload".into(),
-            Frontend::Pd { prefill, decode, conditional, filter_legs } => format!(
-                "{}_{prefill}p{decode}d{}",
+            Frontend::Pd { prefill, decode, conditional, filter_legs, overflow } => format!(
+                "{}_{prefill}p{decode}d{}{}",
                 if *conditional { "conditional" } else { "disaggregated" },
+                if *overflow { "_overflow" } else { "" },
                 if *filter_legs { "_filter" } else { "" }
             ),
             Frontend::PdBoth { filter_legs } => {
@@ -250,17 +254,21 @@ impl Frontend {
                     Some(x) => (x, true),
                     None => (shape, false),
                 };
+                let (shape, overflow) = match shape.strip_suffix("_overflow") {
+                    Some(x) => (x, true),
+                    None => (shape, false),
+                };
                 let parsed = shape.strip_suffix('d').and_then(|x| x.split_once('p'));
                 let Some((Ok(prefill), Ok(decode))) = parsed.map(|(p, d)| (p.parse(), d.parse())) else {
                     bail!("mode {s:?}: expected {kind}_<P>p<D>d, e.g. {kind}_1p3d");
                 };
                 ensure!(prefill > 0 && decode > 0, "mode {s:?}: at least one prefill and one decode worker");
-                Frontend::Pd { prefill, decode, conditional: kind == "conditional", filter_legs }
+                Frontend::Pd { prefill, decode, conditional: kind == "conditional", filter_legs, overflow }
             }
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d or conditional_both, with _filter for the filter's own legs)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d[_overflow] or conditional_both, with _filter for the filter's own legs)"
                 ),
             },
         })
@@ -440,7 +448,7 @@ impl Stack {
                 told.filter_timeout_ms = OVERLOAD_FILTER_TIMEOUT_MS;
                 stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
-            Frontend::Pd { prefill, decode, conditional, filter_legs } => {
+            Frontend::Pd { prefill, decode, conditional, filter_legs, overflow } => {
                 let n = stack.workers.len();
                 ensure!(prefill + decode == n, "mode {}: {n} workers in the fleet", front.name());
                 let roles: Vec<&str> = (0..n).map(|w| if w < *prefill { "prefill" } else { "decode" }).collect();
@@ -457,6 +465,9 @@ impl Stack {
                     told.kv_settings.extend(fleet.disagg_settings.iter().cloned());
                 } else {
                     told.kv_settings.extend(["min_uncached_tokens = 1".into(), "only_if_sooner = false".into()]);
+                }
+                if *overflow {
+                    told.kv_settings.push("overflow_to_prefill = true".into());
                 }
                 stack.start_kvgate(&told, "kv", &tk, &zmq, &roles)?
             }
@@ -767,16 +778,22 @@ mod tests {
             "conditional_1p3d_filter",
             "conditional_both",
             "conditional_both_filter",
+            "conditional_2p2d_overflow",
+            "conditional_2p2d_overflow_filter",
         ] {
             assert_eq!(Frontend::parse(name).unwrap().name(), name);
         }
         assert_eq!(
             Frontend::parse("disaggregated_1p3d").unwrap(),
-            Frontend::Pd { prefill: 1, decode: 3, conditional: false, filter_legs: false }
+            Frontend::Pd { prefill: 1, decode: 3, conditional: false, filter_legs: false, overflow: false }
+        );
+        assert_eq!(
+            Frontend::parse("conditional_2p2d_overflow").unwrap(),
+            Frontend::Pd { prefill: 2, decode: 2, conditional: true, filter_legs: false, overflow: true }
         );
         assert_eq!(
             Frontend::parse("conditional_2p2d_filter").unwrap(),
-            Frontend::Pd { prefill: 2, decode: 2, conditional: true, filter_legs: true }
+            Frontend::Pd { prefill: 2, decode: 2, conditional: true, filter_legs: true, overflow: false }
         );
         for bad in [
             "disaggregated_",
@@ -785,6 +802,7 @@ mod tests {
             "conditional_xpyd",
             "pd",
             "conditional_1p3d_sidecar",
+            "conditional_2p2d_filter_overflow",
         ] {
             assert!(Frontend::parse(bad).is_err(), "{bad}");
         }

@@ -341,3 +341,30 @@ fn both_workers_take_a_leg_when_the_prefill_stalls_fewer_decodes_there() {
         assert_eq!((c.disaggregated, c.below_threshold, c.no_prefill_capacity), (0, 0, 0));
     }
 }
+
+/// `overflow_to_prefill`: when the decode side is saturated (here its
+/// running limit), a prefill worker that is not takes the whole request,
+/// without a leg; off (the default), or with the prefill workers saturated
+/// too, the request stays on the decode side.
+#[test]
+fn a_saturated_decode_pool_overflows_whole_requests_to_prefill_workers() {
+    let run = |overflow: bool, prefill_busy: u32| {
+        let mut cfg = config(true);
+        cfg.disaggregation.overflow_to_prefill = overflow;
+        let mut st = ModelState::new(cfg, 1);
+        st.on_heartbeat(&hb("w1", pb::WorkerRole::Prefill, prefill_busy), 0);
+        st.on_heartbeat(&hb("w2", pb::WorkerRole::Prefill, prefill_busy), 0);
+        st.on_heartbeat(&hb("w3", pb::WorkerRole::Decode, 4), 0);
+        let out = pick(&mut st, "a", &tokens());
+        (out, st.counters().overflowed)
+    };
+    let (out, n) = run(true, 0);
+    assert!(["w1", "w2"].contains(&out.worker_id.as_str()), "whole on {}", out.worker_id);
+    assert!(out.prefill.is_none(), "a whole request, no leg");
+    assert!(out.fallbacks.contains(&"10.0.0.3:8000".to_owned()), "the decode worker stays a fallback: {out:?}");
+    assert_eq!(n, 1);
+    for (overflow, busy) in [(false, 0), (true, 4)] {
+        let (out, n) = run(overflow, busy);
+        assert_eq!((out.worker_id.as_str(), n), ("w3", 0), "overflow {overflow}, prefill running {busy}");
+    }
+}

@@ -75,6 +75,11 @@ pub(crate) struct ServeArgs {
     /// from the learned engine timing, a prefill of 100 ms or more).
     #[arg(long, env = "KVGATE_DISAGGREGATE_MIN_UNCACHED_TOKENS")]
     disaggregate_min_uncached_tokens: Option<u32>,
+    /// Disaggregated prefill/decode of --model on `both` workers too: another
+    /// `both` worker may prefill a request (every worker must run a KV
+    /// connector as `kv_both`; default false).
+    #[arg(long, env = "KVGATE_DISAGGREGATE_PREFILL_ON_BOTH")]
+    disaggregate_prefill_on_both: Option<bool>,
     /// Static workers of --model, `id=ip:port`, repeatable.
     #[arg(long = "worker", requires = "model")]
     workers: Vec<String>,
@@ -153,10 +158,12 @@ fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
                     ..Default::default()
                 },
             ),
-            disaggregation: a.disaggregate_min_uncached_tokens.map(|n| kvgate_server::config::RawDisaggregation {
-                min_uncached_tokens: Some(n),
-                ..Default::default()
-            }),
+            disaggregation: (a.disaggregate_min_uncached_tokens.is_some() || a.disaggregate_prefill_on_both.is_some())
+                .then_some(kvgate_server::config::RawDisaggregation {
+                    min_uncached_tokens: a.disaggregate_min_uncached_tokens,
+                    prefill_on_both: a.disaggregate_prefill_on_both,
+                    ..Default::default()
+                }),
             ..Default::default()
         };
         match raw.models.iter_mut().find(|x| x.name == m.name) {

@@ -183,6 +183,9 @@ pub struct RawDisaggregation {
     /// `both` workers take prefill legs too (default false; every worker
     /// must run a KV connector as `kv_both`).
     pub prefill_on_both: Option<bool>,
+    /// A `prefill` worker takes a whole request when the chosen decode
+    /// worker is saturated (default false).
+    pub overflow_to_prefill: Option<bool>,
 }
 
 /// Optional `[models.overload]` table: requests held while every worker is

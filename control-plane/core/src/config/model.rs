@@ -170,6 +170,7 @@ fn disagg_config(f: &dyn Fn(&str) -> String, d: RawDisaggregation) -> Result<Dis
         only_if_sooner: d.only_if_sooner.unwrap_or(def.only_if_sooner),
         stall_weight: stall,
         prefill_on_both: d.prefill_on_both.unwrap_or(def.prefill_on_both),
+        overflow_to_prefill: d.overflow_to_prefill.unwrap_or(def.overflow_to_prefill),
     })
 }
 

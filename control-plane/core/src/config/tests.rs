@@ -164,4 +164,8 @@ fn disaggregation_is_on_with_a_derived_threshold_and_validated() {
     let c = Config::validate(RawConfig::from_toml(&both, "c").unwrap()).unwrap();
     assert!(c.models[0].routing.disaggregation.prefill_on_both);
     assert!(!on.models[0].routing.disaggregation.prefill_on_both, "off unless asked");
+    let over = text.replace("min_uncached_tokens = 2048", "overflow_to_prefill = true");
+    let c = Config::validate(RawConfig::from_toml(&over, "c").unwrap()).unwrap();
+    assert!(c.models[0].routing.disaggregation.overflow_to_prefill);
+    assert!(!on.models[0].routing.disaggregation.overflow_to_prefill, "off unless asked");
 }

@@ -69,6 +69,9 @@ pub struct ModelCounters {
     /// Requests that stayed aggregated because every prefill worker was
     /// saturated (or none was live).
     pub no_prefill_capacity: u64,
+    /// Requests served whole by a prefill worker because the decode side
+    /// was saturated (`overflow_to_prefill`).
+    pub overflowed: u64,
 }
 
 /// Which metric family a counter belongs to.
@@ -90,7 +93,7 @@ pub enum Family {
 
 impl ModelCounters {
     /// Every counter as (family, label value, value).
-    pub fn by_kind(&self) -> [(Family, &'static str, u64); 29] {
+    pub fn by_kind(&self) -> [(Family, &'static str, u64); 30] {
         use Family::*;
         let Self {
             batches_applied,
@@ -122,6 +125,7 @@ impl ModelCounters {
             disaggregated,
             below_threshold,
             no_prefill_capacity,
+            overflowed,
         } = *self;
         [
             (Batches, "applied", batches_applied),
@@ -153,6 +157,7 @@ impl ModelCounters {
             (Disaggregation, "disaggregated", disaggregated),
             (Disaggregation, "below_threshold", below_threshold),
             (Disaggregation, "no_prefill_capacity", no_prefill_capacity),
+            (Disaggregation, "overflow", overflowed),
         ]
     }
 }

@@ -27,6 +27,10 @@
 //! of the decodes running there, so a leg goes to the worker where the
 //! prompt stalls the fewest decodes, and stays local when that is here.
 //!
+//! With `overflow_to_prefill`, a request whose chosen decode worker is
+//! saturated goes whole to the `prefill` worker the policy ranks first
+//! among those that are not (and is not disaggregated).
+//!
 //! Then the model's policy ranks the prefill workers for the same prompt with
 //! one output token: in `kv` mode their overlap with the prompt and their
 //! prefill queues decide. The prefill leg is tracked as a request of its own
@@ -74,6 +78,13 @@ pub struct DisaggConfig {
     /// decodes. The split between prefill and decode then follows the load
     /// request by request instead of a fixed P:D.
     pub prefill_on_both: bool,
+    /// When the decode side's choice is saturated (its running limit, or
+    /// its KV blocks would overflow), a `prefill` worker that is not takes
+    /// the whole request (default false: roles hold strictly). For pools
+    /// whose prefill workers can decode too (vLLM with `kv_role =
+    /// "kv_both"`): a decode pool too small for the load borrows the
+    /// prefill pool's KV cache and batch slots until it is scaled.
+    pub overflow_to_prefill: bool,
 }
 
 impl Default for DisaggConfig {
@@ -85,6 +96,7 @@ impl Default for DisaggConfig {
             only_if_sooner: true,
             stall_weight: 4.0,
             prefill_on_both: false,
+            overflow_to_prefill: false,
         }
     }
 }

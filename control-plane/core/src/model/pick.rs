@@ -123,6 +123,9 @@ struct Candidates {
     prefill: Vec<usize>,
     /// Positions of the live `both` workers (legs with `prefill_on_both`).
     both: Vec<usize>,
+    /// Positions of the live `prefill` workers among the allowed endpoints
+    /// (whole requests with `overflow_to_prefill`).
+    prefill_allowed: Vec<usize>,
     /// Some registered worker, live or not, is a `prefill` worker (a fleet
     /// without any never counts a disaggregation outcome).
     prefill_registered: bool,
@@ -210,6 +213,9 @@ impl ModelState {
             Some(w) => keep_session(decision, &c.cands, w, &view),
             None => (decision, false),
         };
+        let overflow = if input.by_load.is_none() { self.overflow(&decision, &c, &view) } else { None };
+        let overflowed = overflow.is_some();
+        let decision = overflow.unwrap_or(decision);
         let chosen = c.cands[decision.chosen];
         self.sessions.pin(input.session, chosen.worker, now_ms);
         self.policy.observe(&view, chosen.worker, now_ms);
@@ -218,7 +224,7 @@ impl ModelState {
         let mut shared = chosen.overlap_blocks.max(chosen.inflight_overlap_blocks);
         // Prompt tokens a worker holding `held` leading blocks computes.
         let uncached = |held: u32| (input.token_ids.len() as u32).saturating_sub(held.saturating_mul(bs.get()));
-        let prefill = if input.by_load.is_none() {
+        let prefill = if input.by_load.is_none() && !overflowed {
             self.prefill_choice(&view, &c, decision.chosen, uncached(shared))
         } else {
             None
@@ -284,6 +290,39 @@ impl ModelState {
             out.reason = pb::PickReason::Session;
         }
         Ok(out)
+    }
+
+    /// With `overflow_to_prefill`: when `decision` chose a saturated worker
+    /// (running limit, KV blocks), the policy's pick among the live allowed
+    /// `prefill` workers that are not, for the whole request; its runners-up
+    /// first among the fallbacks, then the decode side's.
+    fn overflow(&mut self, decision: &Decision, c: &Candidates, view: &RequestView<'_>) -> Option<Decision> {
+        let cfg = self.config.disaggregation;
+        if !cfg.enabled || !cfg.overflow_to_prefill || c.prefill_allowed.is_empty() {
+            return None;
+        }
+        let judge = KvPolicy::new(self.config.kv);
+        if !judge.saturated(view, c.cands.get(decision.chosen)?) {
+            return None;
+        }
+        let mut only = c.cands.clone();
+        for (i, cand) in only.iter_mut().enumerate() {
+            cand.excluded = !c.prefill_allowed.contains(&i) || judge.saturated(view, cand);
+        }
+        let d = self.policy.pick(view, &only, &mut self.rng)?;
+        if only.get(d.chosen).is_none_or(|x| x.excluded) {
+            return None;
+        }
+        self.counters.overflowed += 1;
+        // The answer keeps as many as it sends.
+        let mut fallbacks: Vec<usize> = Vec::new();
+        let rest = std::iter::once(decision.chosen).chain(decision.fallbacks.iter().copied());
+        for i in d.fallbacks.iter().copied().filter(|i| only.get(*i).is_some_and(|x| !x.excluded)).chain(rest) {
+            if i != d.chosen && !fallbacks.contains(&i) {
+                fallbacks.push(i);
+            }
+        }
+        Some(Decision { chosen: d.chosen, fallbacks, reason: d.reason })
     }
 
     /// The prefill worker for this request when disaggregating it pays
@@ -353,7 +392,7 @@ impl ModelState {
             self.sort_workers();
         }
         // Each live worker at its place in the sorted order: no sort per Pick.
-        let mut slots: Vec<Option<(Candidate, pb::WorkerRole)>> = vec![None; self.order.len()];
+        let mut slots: Vec<Option<(Candidate, pb::WorkerRole, bool)>> = vec![None; self.order.len()];
         let mut prefill_registered = false;
         for w in self.workers.values() {
             let prefill_only = w.role == pb::WorkerRole::Prefill;
@@ -364,7 +403,8 @@ impl ModelState {
             let d = device.get(&w.idx).copied().unwrap_or(0);
             let h = any.get(&w.idx).copied().unwrap_or(0);
             let inflight = shares.get(w.idx.0 as usize).copied().unwrap_or_default();
-            let excluded = prefill_only || allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
+            let outside = allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
+            let excluded = prefill_only || outside;
             let cand = Candidate {
                 worker: w.idx,
                 overlap_blocks: d,
@@ -376,21 +416,26 @@ impl ModelState {
                 excluded,
             };
             if let Some(slot) = slots.get_mut(w.rank as usize) {
-                *slot = Some((cand, w.role));
+                *slot = Some((cand, w.role, outside));
             }
         }
-        let (mut cands, mut ranks, mut prefill, mut both) =
-            (Vec::with_capacity(slots.len()), Vec::new(), Vec::new(), Vec::new());
-        for (rank, (cand, role)) in slots.into_iter().enumerate().filter_map(|(r, s)| Some((r, s?))) {
+        let (mut cands, mut ranks, mut prefill, mut both, mut prefill_allowed) =
+            (Vec::with_capacity(slots.len()), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (rank, (cand, role, outside)) in slots.into_iter().enumerate().filter_map(|(r, s)| Some((r, s?))) {
             match role {
-                pb::WorkerRole::Prefill => prefill.push(cands.len()),
+                pb::WorkerRole::Prefill => {
+                    if !outside {
+                        prefill_allowed.push(cands.len());
+                    }
+                    prefill.push(cands.len());
+                }
                 pb::WorkerRole::Both => both.push(cands.len()),
                 _ => {}
             }
             cands.push(cand);
             ranks.push(rank as u32);
         }
-        Candidates { cands, order: self.order.clone(), ranks, prefill, both, prefill_registered }
+        Candidates { cands, order: self.order.clone(), ranks, prefill, both, prefill_allowed, prefill_registered }
     }
 
     /// Sorts the registered workers' ids into `order` and gives each its rank.
