@@ -15,7 +15,9 @@
 //! worker's engine, which receives the prompt's KV instead of computing it,
 //! and the stream reaches the client. Roles hold: no request is decoded on
 //! a prefill worker. A slow prefill worker (past the leg's timeout) and dead
-//! ones leave requests aggregated on the decode worker, none failed.
+//! ones leave requests aggregated on the decode worker, none failed. With
+//! the opt-ins, a `both` worker prefills for a busy one, and a saturated
+//! decode worker overflows whole requests to a prefill worker.
 
 mod common;
 
@@ -224,4 +226,144 @@ fn survives_prefill_faults(way: Way) {
     assert!(prom(&cp, &declined).unwrap_or(0.0) >= 1.0, "{cp}");
     assert_eq!(legs(&fleet, &envoy, way, "status"), 0.0, "no leg reached a wrong worker");
     assert_eq!(legs(&fleet, &envoy, way, "disaggregated"), 0.0);
+}
+
+#[test]
+fn a_both_worker_prefills_for_a_busy_one_behind_sidecars() {
+    both_workers_share_prefill(Way::Sidecar);
+}
+
+#[test]
+fn a_both_worker_prefills_for_a_busy_one_through_the_filters_legs() {
+    both_workers_share_prefill(Way::Filter);
+}
+
+/// `--disaggregate-prefill-on-both`: two `both` workers (each behind a
+/// sidecar, or none with the filter's legs) and session affinity. A
+/// document's first half lands on a worker A, prefilled there (both idle:
+/// a leg would cost as much, so none). A then decodes two slow answers of
+/// the same session. The whole document follows the session to A for
+/// decoding, and its uncached half, which would stall those two decodes,
+/// is prefilled on the idle worker B; A's engine receives the prompt's KV.
+fn both_workers_share_prefill(way: Way) {
+    let dir = scratch_dir(&format!("disaggregation-both-{way:?}")).unwrap();
+    let mut fleet = Fleet::start_opts(
+        &dir,
+        2,
+        "20",
+        FleetOpts {
+            roles: &["both", "both"],
+            pd_sidecar: way == Way::Sidecar,
+            serve_args: &[
+                "--disaggregate-min-uncached-tokens",
+                "64",
+                "--disaggregate-prefill-on-both",
+                "true",
+                "--session-affinity",
+                "true",
+            ],
+            ..Default::default()
+        },
+    );
+    let envoy = gateway(&fleet, way);
+    let headers = [("content-type", "application/json"), ("x-session-id", "agent-7")];
+    let post = |body: &[u8]| http_request(envoy.listen, "POST", "/v1/chat/completions", &headers, body).unwrap();
+    let doc = "Both workers prefill and decode; a busy one hands its prefill over. ".repeat(30);
+    let half = &doc[..doc.len() / 2];
+
+    let r = post(&chat(half, false));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let a = r.header("x-kvgate-worker").expect("worker").to_owned();
+    assert_eq!(r.header("x-kvgate-prefill"), None, "both idle: prefilled where it is decoded");
+    let (ia, ib) = if a == "w0" { (0, 1) } else { (1, 0) };
+    fleet.wait_quiet();
+
+    // Two slow answers on A (its engine 40 times slower), streaming while
+    // the document comes.
+    let r = http_request(fleet.engines[ia], "POST", "/kvgate/sim/slowdown?factor=40", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    let (listen, body) = (envoy.listen, |i: usize| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": format!("{half} Answer {i} slowly.")}],
+               "max_tokens": 120, "stream": true})
+        .to_string()
+        .into_bytes()
+    });
+    let busy: Vec<_> = (0..2)
+        .map(|i| {
+            let b = body(i);
+            std::thread::spawn(move || http_request(listen, "POST", "/v1/chat/completions", &headers, &b).unwrap())
+        })
+        .collect();
+    until(20, "two requests in flight on A", || fleet.worker(ia)["inflight"].as_u64() == Some(2));
+
+    let r = post(&chat(&doc, true));
+    let body_text = String::from_utf8_lossy(&r.body).into_owned();
+    assert_eq!(r.status, 200, "{body_text}");
+    assert!(body_text.contains("data: [DONE]"), "{body_text}");
+    assert_eq!(r.header("x-kvgate-worker"), Some(a.as_str()), "decoded where the session is");
+    assert_eq!(r.header("x-kvgate-prefill"), Some(fleet.http[ib].to_string().as_str()), "prefilled on B");
+    let usage: Value = body_text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["usage"].is_object())
+        .map(|v| v["usage"].clone())
+        .expect("usage");
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt - 1), "{usage}");
+    assert!(sim_cache(fleet.engines[ib])["cached_blocks"].as_u64().unwrap() >= prompt / BLOCK - 1);
+    for t in busy {
+        let r = t.join().unwrap();
+        assert_eq!((r.status, r.header("x-kvgate-worker")), (200, Some(a.as_str())));
+    }
+    let cp = fleet.metrics();
+    let n = |o: &str| prom(&cp, &format!(r#"kvgate_disaggregation_total{{model="{MODEL}",outcome="{o}"}}"#));
+    assert_eq!(n("disaggregated"), Some(1.0), "{cp}");
+    fleet.check();
+}
+
+/// `--disaggregate-overflow-to-prefill`: one prefill and one decode worker,
+/// each running one request at a time. While the decode worker streams a
+/// slow answer it is saturated, and the next request is served whole by
+/// the prefill worker (no leg); once it is free again, requests go back to
+/// it.
+#[test]
+fn a_saturated_decode_worker_overflows_whole_requests_to_the_prefill_worker() {
+    let dir = scratch_dir("disaggregation-overflow").unwrap();
+    let mut fleet = Fleet::start_opts(
+        &dir,
+        2,
+        "20",
+        FleetOpts {
+            roles: &["prefill", "decode"],
+            pd_sidecar: true,
+            sim_args: &["--max-num-seqs", "1"],
+            serve_args: &["--disaggregate-min-uncached-tokens", "64", "--disaggregate-overflow-to-prefill", "true"],
+            ..Default::default()
+        },
+    );
+    let envoy = gateway(&fleet, Way::Sidecar);
+    let json_ct = [("content-type", "application/json")];
+    let r = http_request(fleet.engines[1], "POST", "/kvgate/sim/slowdown?factor=40", &[], b"").unwrap();
+    assert_eq!(r.status, 200);
+    let listen = envoy.listen;
+    let slow = std::thread::spawn(move || {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Take your time."}],
+                          "max_tokens": 120, "stream": true});
+        http_request(listen, "POST", "/v1/chat/completions", &json_ct, body.to_string().as_bytes()).unwrap()
+    });
+    until(20, "the decode worker busy", || fleet.worker(1)["inflight"].as_u64() == Some(1));
+    let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &chat("A short question.", false))
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!((r.header("x-kvgate-worker"), r.header("x-kvgate-prefill")), (Some("w0"), None), "whole, on w0");
+    let r = slow.join().unwrap();
+    assert_eq!((r.status, r.header("x-kvgate-worker")), (200, Some("w1")));
+    let cp = fleet.metrics();
+    let overflow = format!(r#"kvgate_disaggregation_total{{model="{MODEL}",outcome="overflow"}}"#);
+    assert_eq!(prom(&cp, &overflow), Some(1.0), "{cp}");
+    fleet.wait_quiet();
+    let r = http_request(envoy.listen, "POST", "/v1/chat/completions", &json_ct, &chat("Another one.", false)).unwrap();
+    assert_eq!((r.status, r.header("x-kvgate-worker")), (200, Some("w1")), "the decode worker again");
+    fleet.check();
 }

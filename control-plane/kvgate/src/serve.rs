@@ -80,6 +80,12 @@ pub(crate) struct ServeArgs {
     /// connector as `kv_both`; default false).
     #[arg(long, env = "KVGATE_DISAGGREGATE_PREFILL_ON_BOTH")]
     disaggregate_prefill_on_both: Option<bool>,
+    /// Disaggregated prefill/decode of --model: while the chosen decode
+    /// worker is saturated, a prefill worker that is not serves the whole
+    /// request (prefill pods must run the connector as `kv_both`; default
+    /// false).
+    #[arg(long, env = "KVGATE_DISAGGREGATE_OVERFLOW_TO_PREFILL")]
+    disaggregate_overflow_to_prefill: Option<bool>,
     /// Static workers of --model, `id=ip:port`, repeatable.
     #[arg(long = "worker", requires = "model")]
     workers: Vec<String>,
@@ -158,12 +164,15 @@ fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
                     ..Default::default()
                 },
             ),
-            disaggregation: (a.disaggregate_min_uncached_tokens.is_some() || a.disaggregate_prefill_on_both.is_some())
-                .then_some(kvgate_server::config::RawDisaggregation {
-                    min_uncached_tokens: a.disaggregate_min_uncached_tokens,
-                    prefill_on_both: a.disaggregate_prefill_on_both,
-                    ..Default::default()
-                }),
+            disaggregation: (a.disaggregate_min_uncached_tokens.is_some()
+                || a.disaggregate_prefill_on_both.is_some()
+                || a.disaggregate_overflow_to_prefill.is_some())
+            .then_some(kvgate_server::config::RawDisaggregation {
+                min_uncached_tokens: a.disaggregate_min_uncached_tokens,
+                prefill_on_both: a.disaggregate_prefill_on_both,
+                overflow_to_prefill: a.disaggregate_overflow_to_prefill,
+                ..Default::default()
+            }),
             ..Default::default()
         };
         match raw.models.iter_mut().find(|x| x.name == m.name) {

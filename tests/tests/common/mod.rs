@@ -71,7 +71,7 @@ pub struct FleetOpts<'a> {
     /// Each worker's role (`prefill`, `decode`, `both`) for its relay's
     /// `--role`; missing or "" = the relay's default.
     pub roles: &'a [&'a str],
-    /// A `kvgate pd-sidecar` in front of every `decode` worker: its address
+    /// A `kvgate pd-sidecar` in front of every `decode` or `both` worker: its address
     /// is the worker's endpoint (in `http` and in the relay's heartbeats).
     pub pd_sidecar: bool,
 }
@@ -193,7 +193,7 @@ impl Fleet {
             wait_for_tcp(engine, Duration::from_secs(30)).unwrap();
             engines.push(engine);
             let role = roles.get(w).copied().unwrap_or("");
-            let addr = if pd_sidecar && role == "decode" {
+            let addr = if pd_sidecar && (role == "decode" || role == "both") {
                 let front: SocketAddr = ([127, 0, 0, 1], free_port().unwrap()).into();
                 let (listen, decode) = (front.to_string(), engine.to_string());
                 let a = ["pd-sidecar", "--listen", &listen, "--decode", &decode, "--prefill-timeout-ms", "5000"];
