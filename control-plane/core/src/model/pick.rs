@@ -121,7 +121,8 @@ struct Candidates {
     /// Positions of the live `prefill` workers (excluded from the decode
     /// pick), for a prefill leg.
     prefill: Vec<usize>,
-    /// Positions of the live `both` workers (legs with `prefill_on_both`).
+    /// Positions of the live `both` workers, with `prefill_on_both` (legs
+    /// there); empty without.
     both: Vec<usize>,
     /// Positions of the live `prefill` workers among the allowed endpoints
     /// (whole requests with `overflow_to_prefill`).
@@ -429,7 +430,8 @@ impl ModelState {
                     }
                     prefill.push(cands.len());
                 }
-                pb::WorkerRole::Both => both.push(cands.len()),
+                // Only when they may take legs: no list per Pick otherwise.
+                pb::WorkerRole::Both if self.config.disaggregation.prefill_on_both => both.push(cands.len()),
                 _ => {}
             }
             cands.push(cand);
