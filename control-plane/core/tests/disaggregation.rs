@@ -368,3 +368,27 @@ fn a_saturated_decode_pool_overflows_whole_requests_to_prefill_workers() {
         assert_eq!((out.worker_id.as_str(), n), ("w3", 0), "overflow {overflow}, prefill running {busy}");
     }
 }
+
+/// A prefill worker that decodes requests it took by overflow pays their
+/// stall when it takes a leg, like a decode worker: with two of them
+/// decoding there, a leg costs its queue + 8 + 4·2·8 block-times against
+/// the decode worker's 2 + 8 + 4·1·8, so the prefill stays local (without
+/// the stall the leg would go: 4 + 8 < 42). Its legs are not decodes.
+#[test]
+fn a_prefill_worker_decoding_overflowed_requests_counts_their_stall_for_a_leg() {
+    let mut cfg = config(true);
+    cfg.disaggregation.overflow_to_prefill = true;
+    let mut st = ModelState::new(cfg, 1);
+    st.on_heartbeat(&hb("w1", pb::WorkerRole::Prefill, 0), 0);
+    st.on_heartbeat(&hb("w3", pb::WorkerRole::Decode, 4), 0);
+    let short = |k: u32| -> Vec<u32> { (0..40).map(|t| 70_000 * (k + 1) + t).collect() };
+    for k in 0..2 {
+        assert_eq!(pick(&mut st, &format!("s{k}"), &short(k)).worker_id, "w1", "overflow {k}");
+    }
+    st.on_heartbeat(&hb("w3", pb::WorkerRole::Decode, 0), 1);
+    assert_eq!(pick(&mut st, "s2", &short(2)).worker_id, "w3");
+    let out = pick(&mut st, "long", &tokens());
+    assert_eq!((out.worker_id.as_str(), out.prefill), ("w3", None));
+    assert_eq!(st.counters().no_prefill_capacity, 1);
+    assert_eq!(st.counters().overflowed, 2);
+}

@@ -41,6 +41,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use kvgate_index::WorkerIdx;
 use kvgate_scheduler::{Candidate, EngineTiming, KvConfig, KvPolicy, RequestView};
 
 use super::ModelState;
@@ -111,16 +112,17 @@ pub fn prefill_done_ms(c: &Candidate, uncached: u32, cached: u32, block_size: u3
     n * t.prefill_ms_per_token_at(n, f64::from(cached))
 }
 
-/// Milliseconds a decode worker `c` would cost a request's first token and
-/// the decodes running there if it prefilled the `uncached` tokens after
-/// `cached` ones itself: its queue and this prefill ([`prefill_done_ms`]),
-/// plus `stall_weight` × the requests in flight there (at most its running
-/// limit) × this prefill's compute, the time each running decode waits for
-/// the chunks that carry it.
+/// Milliseconds a worker `c` would cost a request's first token and the
+/// decodes running there if it prefilled the `uncached` tokens after
+/// `cached` ones: its queue and this prefill ([`prefill_done_ms`]), plus
+/// `stall_weight` × its decoding requests (those in flight there but its
+/// `legs` prefill legs, at most its running limit) × this prefill's
+/// compute, the time each running decode waits for the chunks that carry
+/// it.
 pub fn local_cost_ms(
     c: &Candidate,
-    uncached: u32,
-    cached: u32,
+    legs: u32,
+    (uncached, cached): (u32, u32),
     block_size: u32,
     kv: &KvConfig,
     stall_weight: f64,
@@ -129,7 +131,8 @@ pub fn local_cost_ms(
     let t = kv.timing_of(c.timing);
     let n = f64::from(uncached);
     let compute = n * t.prefill_ms_per_token_at(n, f64::from(cached));
-    let running = c.load.max_running.map_or(c.load.inflight, |m| c.load.inflight.min(m));
+    let decoding = c.load.inflight.saturating_sub(legs);
+    let running = c.load.max_running.map_or(decoding, |m| decoding.min(m));
     let stall = stall_weight * f64::from(running) * compute;
     if stall.is_finite() { done + stall } else { done }
 }
@@ -152,21 +155,22 @@ impl DisaggConfig {
 }
 
 /// A candidate for a prefill leg: a `prefill` worker, or (with
-/// [`DisaggConfig::prefill_on_both`]) a `both` worker, whose running
-/// decodes the leg's compute stalls.
+/// [`DisaggConfig::prefill_on_both`]) a `both` worker. The leg's compute
+/// stalls the requests decoding there: all its requests in flight but its
+/// `legs` (a `prefill` worker decodes only what `overflow_to_prefill` gave
+/// it).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct LegCandidate {
     pub cand: Candidate,
-    pub decodes_there: bool,
+    pub legs: u32,
+    pub both: bool,
 }
 
 /// The candidates for a leg of a `prompt_tokens`-token prompt: excluded
 /// when saturated for a one-token request (running limit, KV blocks) or,
 /// with `local_ms` (the decode worker's own cost, [`local_cost_ms`]), when
-/// theirs is higher: a `prefill` worker's finish time
-/// ([`prefill_done_ms`]); a `both` worker's [`local_cost_ms`] (its queue,
-/// this prefill and the stall of the decodes running there), when not
-/// lower.
+/// their [`local_cost_ms`] (their queue, this prefill and the stall of the
+/// decodes running there) is higher, for a `both` worker when not lower.
 pub(super) fn open_for_a_leg(
     view: &RequestView<'_>,
     legs: &[LegCandidate],
@@ -183,39 +187,56 @@ pub(super) fn open_for_a_leg(
         let new = prompt_tokens - held;
         // A `both` worker must cost less than staying (a tie is not worth
         // the transfer); a `prefill` worker no more.
-        let later = local_ms.is_some_and(|local| match l.decodes_there {
-            true => local_cost_ms(c, new, held, bs, &kv, stall_weight) >= local,
-            false => prefill_done_ms(c, new, held, bs, &kv) > local,
+        let later = local_ms.is_some_and(|local| {
+            let there = local_cost_ms(c, l.legs, (new, held), bs, &kv, stall_weight);
+            if l.both { there >= local } else { there > local }
         });
         c.excluded = later || judge.saturated(view, c);
     }
     out
 }
 
-/// Prefill legs in flight, by request id and by the time their prefill
-/// should be done (the prefill worker's queue and this prefill at the
-/// learned timing). A leg ends then, or at its request's first report if
-/// sooner: the filter reports a request once it ended, up to a report
-/// interval later, long after its prefill leg.
+/// Prefill legs in flight, by request id (with their worker), by the time
+/// their prefill should be done (the prefill worker's queue and this
+/// prefill at the learned timing) and counted per worker. A leg ends then,
+/// or at its request's first report if sooner: the filter reports a
+/// request once it ended, up to a report interval later, long after its
+/// prefill leg.
 #[derive(Debug, Default)]
 pub(super) struct Legs {
-    by_id: HashMap<String, u64>,
+    by_id: HashMap<String, (u64, WorkerIdx)>,
     by_time: BTreeSet<(u64, String)>,
+    per_worker: HashMap<WorkerIdx, u32>,
 }
 
 impl Legs {
-    pub(super) fn insert(&mut self, request_id: &str, done_by_ms: u64) {
-        if let Some(old) = self.by_id.insert(request_id.to_owned(), done_by_ms) {
-            self.by_time.remove(&(old, request_id.to_owned()));
-        }
+    pub(super) fn insert(&mut self, request_id: &str, done_by_ms: u64, worker: WorkerIdx) {
+        self.remove(request_id);
+        self.by_id.insert(request_id.to_owned(), (done_by_ms, worker));
         self.by_time.insert((done_by_ms, request_id.to_owned()));
+        *self.per_worker.entry(worker).or_default() += 1;
     }
 
     /// Forgets a leg; whether it was in flight.
     pub(super) fn remove(&mut self, request_id: &str) -> bool {
-        let Some(t) = self.by_id.remove(request_id) else { return false };
+        let Some((t, w)) = self.by_id.remove(request_id) else { return false };
         self.by_time.remove(&(t, request_id.to_owned()));
+        self.forget(w);
         true
+    }
+
+    /// Legs in flight on `worker`.
+    pub(super) fn on(&self, worker: WorkerIdx) -> u32 {
+        self.per_worker.get(&worker).copied().unwrap_or(0)
+    }
+
+    fn forget(&mut self, worker: WorkerIdx) {
+        if let Some(n) = self.per_worker.get_mut(&worker) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_worker.remove(&worker);
+            }
+        }
     }
 
     /// The legs due by `now_ms`, forgotten. O(1) when none is.
@@ -226,7 +247,9 @@ impl Legs {
                 break;
             }
             if let Some((_, id)) = self.by_time.pop_first() {
-                self.by_id.remove(&id);
+                if let Some((_, w)) = self.by_id.remove(&id) {
+                    self.forget(w);
+                }
                 out.push(id);
             }
         }

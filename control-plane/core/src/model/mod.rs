@@ -445,7 +445,7 @@ impl ModelState {
                 let leg = disagg::leg_id(&ev.request_id);
                 let r = self.tracker.added_shared(&leg, idx, &[], ev.prompt_blocks, ev.overlap_blocks, 1, now_ms);
                 if r.is_ok() {
-                    self.prefill_legs.insert(&ev.request_id, now_ms + u64::from(ev.prefill_leg_ms));
+                    self.prefill_legs.insert(&ev.request_id, now_ms + u64::from(ev.prefill_leg_ms), idx);
                 }
                 r
             }

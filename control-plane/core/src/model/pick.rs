@@ -241,7 +241,7 @@ impl ModelState {
             let done_ms = super::disagg::prefill_done_ms(&pc, uncached(held), held * bs.get(), bs.get(), &kv);
             let leg_ms = done_ms.ceil().max(1.0) as u64;
             if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
-                self.prefill_legs.insert(input.request_id, now_ms + leg_ms);
+                self.prefill_legs.insert(input.request_id, now_ms + leg_ms, pc.worker);
             }
             leg_out = Some(PrefillLeg {
                 endpoint: self.workers.get(c.id(p)).and_then(|w| w.endpoint.clone()).unwrap_or_default(),
@@ -351,12 +351,18 @@ impl ModelState {
         let one_token = RequestView { expected_output_tokens: 1, ..*view };
         let others = c.both.iter().filter(|b| on_both && **b != chosen);
         let at: Vec<usize> = c.prefill.iter().chain(others).copied().collect();
-        let legs: Vec<LegCandidate> =
-            at.iter().map(|p| LegCandidate { cand: c.cands[*p], decodes_there: !c.prefill.contains(p) }).collect();
+        let legs: Vec<LegCandidate> = at
+            .iter()
+            .map(|p| {
+                let cand = c.cands[*p];
+                LegCandidate { cand, legs: self.prefill_legs.on(cand.worker), both: !c.prefill.contains(p) }
+            })
+            .collect();
         let kv = self.config.kv;
-        let local_ms = cfg
-            .only_if_sooner
-            .then(|| super::disagg::local_cost_ms(decode, uncached, held, view.block_size, &kv, cfg.stall_weight));
+        let here = self.prefill_legs.on(decode.worker);
+        let local_ms = cfg.only_if_sooner.then(|| {
+            super::disagg::local_cost_ms(decode, here, (uncached, held), view.block_size, &kv, cfg.stall_weight)
+        });
         let judged = super::disagg::open_for_a_leg(&one_token, &legs, kv, uncached + held, local_ms, cfg.stall_weight);
         match self.policy.pick(&one_token, &judged, &mut self.rng) {
             Some(d) if !judged[d.chosen].excluded => {
