@@ -36,6 +36,16 @@ fn sim_cache(addr: std::net::SocketAddr) -> Value {
     serde_json::from_slice(&http_request(addr, "GET", "/kvgate/sim/cache", &[], b"").unwrap().body).unwrap()
 }
 
+/// The usage chunk of a streamed answer.
+fn stream_usage(body: &str) -> Value {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["usage"].is_object())
+        .map(|v| v["usage"].clone())
+        .expect("usage")
+}
+
 /// Who runs the two legs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Way {
@@ -123,13 +133,7 @@ fn streams_through(way: Way) {
     let prefiller = r.header("x-kvgate-prefill").expect("disaggregated").to_owned();
     assert!(prefill_addrs.contains(&prefiller), "{prefiller}");
     // The usage chunk: the decode engine received all but the last token.
-    let usage: Value = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["usage"].is_object())
-        .map(|v| v["usage"].clone())
-        .expect("usage");
+    let usage = stream_usage(&body);
     let prompt = usage["prompt_tokens"].as_u64().unwrap();
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt - 1), "{usage}");
     assert_eq!(legs(&fleet, &envoy, way, "disaggregated"), 1.0);
@@ -302,13 +306,7 @@ fn both_workers_share_prefill(way: Way) {
     assert!(body_text.contains("data: [DONE]"), "{body_text}");
     assert_eq!(r.header("x-kvgate-worker"), Some(a.as_str()), "decoded where the session is");
     assert_eq!(r.header("x-kvgate-prefill"), Some(fleet.http[ib].to_string().as_str()), "prefilled on B");
-    let usage: Value = body_text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["usage"].is_object())
-        .map(|v| v["usage"].clone())
-        .expect("usage");
+    let usage = stream_usage(&body_text);
     let prompt = usage["prompt_tokens"].as_u64().unwrap();
     assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt - 1), "{usage}");
     assert!(sim_cache(fleet.engines[ib])["cached_blocks"].as_u64().unwrap() >= prompt / BLOCK - 1);
