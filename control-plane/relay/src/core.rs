@@ -15,6 +15,7 @@
 //! | `s ≤ l`, same bytes as the batch applied as `s` | a duplicate (a retransmitting proxy, a test harness, a PUB connected twice) | count `duplicates`, skip |
 //! | `s ≤ l`, other bytes | the engine restarted (sequence back to 0) | publish `AllBlocksCleared`, clear the mirror, `engine_generation += 1`, apply |
 //! | `s > l + 1` | batches lost | replay from `l + 1` (live messages are held until the replay ends), else clear and resync |
+//! | the event socket reconnected ([`RelayCore::catch_up`]) | batches may be lost, or the engine restarted meanwhile and its new numbering already passed `l` | replay from `l`: batch `l` with the same bytes is the same process; other bytes are a new one: clear, `engine_generation += 1`, replay from 0 |
 //!
 //! A duplicate is recognized by the fingerprint of its payload among the
 //! last [`RECENT`] applied batches: a restarted engine's batch differs (its
@@ -139,6 +140,12 @@ pub const DEFAULT_MAX_BATCH_BYTES: usize = 900 * 1024;
 struct Replay {
     next: u64,
     held: Vec<(u64, Vec<u8>)>,
+    /// After a reconnect: the last applied batch (sequence, fingerprint),
+    /// asked for again to tell the same engine process from a new one.
+    verify: Option<(u64, u64)>,
+    /// The engine restarted: the rest of this replay is the new process's
+    /// from `verify`'s sequence on; ask again from 0 when it ends.
+    restarted: bool,
 }
 
 /// The relay's state for one engine.
@@ -295,22 +302,60 @@ impl RelayCore {
     /// The event socket was (re)connected: what the engine published before
     /// the subscription reached it is lost to PUB/SUB (ZMQ's slow joiner),
     /// and a new engine process may publish nothing more for a while. With
-    /// a replay socket, ask for everything after the last applied batch
-    /// (from 0 on a fresh stream); live messages are held meanwhile.
+    /// a replay socket, ask for everything from the last applied batch on
+    /// (from 0 on a fresh stream); live messages are held meanwhile. The
+    /// last applied batch comes back first: the same bytes mean the same
+    /// engine process; other bytes mean a new one that restarted while
+    /// the socket was down (its numbering began again and may already
+    /// have passed ours), so the mirror is cleared and the replay asked
+    /// again from 0.
     pub fn catch_up(&mut self) -> Vec<Action> {
         if !self.config.replay || self.replay.is_some() {
             return Vec::new();
         }
-        let from = self.last_seq.map_or(0, |l| l + 1);
+        let verify = self.last_seq.and_then(|l| self.recent.iter().find(|(s, _)| *s == l).copied());
+        let from = match (self.last_seq, verify) {
+            (_, Some((l, _))) => l,
+            (Some(l), None) => l + 1,
+            (None, _) => 0,
+        };
         self.counters.replays += 1;
-        self.replay = Some(Replay { next: from, held: Vec::new() });
+        self.replay = Some(Replay { next: from, held: Vec::new(), verify, restarted: false });
         vec![Action::RequestReplay { from_seq: from }]
     }
 
     fn start_replay(&mut self, from: u64, seq: u64, payload: &[u8], out: &mut Vec<Action>) {
         self.counters.replays += 1;
-        self.replay = Some(Replay { next: from, held: vec![(seq, payload.to_vec())] });
+        self.replay = Some(Replay { next: from, held: vec![(seq, payload.to_vec())], verify: None, restarted: false });
         out.push(Action::RequestReplay { from_seq: from });
+    }
+
+    /// A replay after a reconnect checks its first batch against the last
+    /// one applied ([`RelayCore::catch_up`]). Returns whether the batch is
+    /// consumed by the check (the same batch again, or the rest of a new
+    /// process's replay, asked again from 0 at its end).
+    fn verified(&mut self, seq: u64, payload: &[u8], out: &mut Vec<Action>) -> bool {
+        let Some(r) = self.replay.as_mut() else { return false };
+        if r.restarted {
+            return true;
+        }
+        let Some((vs, vf)) = r.verify.take() else { return false };
+        if seq != vs {
+            // The engine no longer buffers it: nothing to compare.
+            r.next = vs + 1;
+            return false;
+        }
+        if fingerprint(payload) == vf {
+            r.next = vs + 1;
+            self.counters.duplicates += 1;
+            return true;
+        }
+        r.restarted = true;
+        self.counters.restarts += 1;
+        self.generation += 1;
+        self.clear(out);
+        self.last_seq = None;
+        true
     }
 
     /// Handles one reply of the replay socket (its frames after the identity).
@@ -320,6 +365,10 @@ impl RelayCore {
         match kvgate_vllm_wire::decode_replay_reply(frames) {
             Err(e) => self.decode_error(e.cause()),
             Ok(ReplayReply::Batch { seq, payload, .. }) => {
+                if self.verified(seq, payload, &mut out) {
+                    return out;
+                }
+                let next = self.replay.as_ref().map_or(next, |r| r.next);
                 if seq < next {
                     self.counters.duplicates += 1;
                     return out;
@@ -334,7 +383,15 @@ impl RelayCore {
                     r.next = seq + 1;
                 }
             }
-            Ok(ReplayReply::End) => self.finish_replay(&mut out),
+            Ok(ReplayReply::End) => match self.replay.as_mut() {
+                Some(r) if r.restarted => {
+                    // The new process's batches, all of them this time.
+                    (r.next, r.restarted, r.verify) = (0, false, None);
+                    self.counters.replays += 1;
+                    out.push(Action::RequestReplay { from_seq: 0 });
+                }
+                _ => self.finish_replay(&mut out),
+            },
         }
         out
     }

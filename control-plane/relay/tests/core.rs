@@ -418,6 +418,53 @@ fn catch_up_after_a_reconnect_replays_what_was_missed() {
     out.extend(published(&r.on_replay(&refs)));
     assert!(!r.replaying());
     assert_eq!(out.iter().map(|b| b.engine_seq).collect::<Vec<_>>(), vec![0, 1, 2]);
-    // Reconnected again: from the batch after the last applied.
-    assert_eq!(r.catch_up(), vec![Action::RequestReplay { from_seq: 3 }]);
+    // Reconnected again: from the last applied batch, to compare it.
+    assert_eq!(r.catch_up(), vec![Action::RequestReplay { from_seq: 2 }]);
+}
+
+/// An engine that restarted while the event socket was down: its
+/// numbering began again and already passed ours, so the live stream alone
+/// would take its batches for the old process's next ones. The replay after
+/// the reconnect asks for the last applied batch again: the same bytes are
+/// the same process (a duplicate), other bytes a new one: the mirror is
+/// cleared and the new process's batches are asked for from 0.
+#[test]
+fn a_restart_while_the_socket_was_down_is_found_by_the_catch_up_replay() {
+    let msgs = capture("inst1");
+    let reply = |seq: u64, m: &[Vec<u8>]| -> Vec<Vec<u8>> {
+        vec![Vec::new(), m[0].clone(), seq.to_be_bytes().to_vec(), m[2].clone()]
+    };
+    let end: Vec<Vec<u8>> = vec![Vec::new(), Vec::new(), vec![0xff; 8], Vec::new()];
+    let on = |r: &mut RelayCore, f: &[Vec<u8>]| {
+        let refs: Vec<&[u8]> = f.iter().map(Vec::as_slice).collect();
+        r.on_replay(&refs)
+    };
+    let mut r = relay(true);
+    for m in &msgs[..3] {
+        feed(&mut r, m);
+    }
+    // The same process: its batch 2 again, a duplicate; nothing cleared.
+    assert_eq!(r.catch_up(), vec![Action::RequestReplay { from_seq: 2 }]);
+    assert!(published(&on(&mut r, &reply(2, &msgs[2]))).is_empty());
+    assert!(published(&on(&mut r, &end)).is_empty());
+    assert_eq!((r.replaying(), r.counters().restarts, r.generation()), (false, 0, 0));
+
+    // A new process whose batch 2 differs: cleared, the rest of this
+    // replay ignored, then everything from 0.
+    assert_eq!(r.catch_up(), vec![Action::RequestReplay { from_seq: 2 }]);
+    let out = published(&on(&mut r, &reply(2, &msgs[0])));
+    assert!(matches!(out[0].events[0].event, Some(kv_event::Event::Cleared(_))), "{out:?}");
+    assert!(r.mirror().is_empty());
+    assert!(published(&on(&mut r, &reply(3, &msgs[1]))).is_empty(), "the rest waits for the replay from 0");
+    assert_eq!(on(&mut r, &end), vec![Action::RequestReplay { from_seq: 0 }]);
+    let mut applied = Vec::new();
+    for (seq, m) in [(0, &msgs[0]), (1, &msgs[1]), (2, &msgs[2])] {
+        applied.extend(published(&on(&mut r, &reply(seq, m))));
+    }
+    applied.extend(published(&on(&mut r, &end)));
+    assert!(!r.replaying());
+    assert_eq!(applied.iter().map(|b| b.engine_seq).collect::<Vec<_>>(), vec![0, 1, 2]);
+    assert!(applied.iter().all(|b| b.engine_generation == 1));
+    assert_eq!((r.counters().restarts, r.generation()), (1, 1));
+    assert!(!r.mirror().is_empty(), "the new process's blocks");
 }
