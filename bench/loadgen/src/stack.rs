@@ -275,6 +275,25 @@ impl Frontend {
     }
 }
 
+/// `[models.disaggregation]` of a conditional mode: the control plane's own
+/// default (100 ms of local prefill) in the wall-clock time it learns in,
+/// then the run's `--disagg` settings.
+fn conditional_lines(fleet: &FleetSpec) -> Vec<String> {
+    let mut lines = vec![format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0))];
+    lines.extend(fleet.disagg_settings.iter().cloned());
+    lines
+}
+
+/// What the control plane of a P/D mode is told: the fleet, who runs the
+/// legs, and a `[models.disaggregation]` table of `lines`.
+fn disaggregation_told(fleet: &FleetSpec, filter_legs: bool, lines: Vec<String>) -> FleetSpec {
+    let mut told = fleet.clone();
+    told.filter_legs = filter_legs;
+    told.kv_settings.push("[models.disaggregation]".into());
+    told.kv_settings.extend(lines);
+    told
+}
+
 /// A running stack.
 pub struct Stack {
     /// Where clients send OpenAI requests.
@@ -455,34 +474,23 @@ impl Stack {
                 if !filter_legs {
                     stack.start_sidecars(fleet, &roles)?;
                 }
-                let mut told = fleet.clone();
-                told.filter_legs = *filter_legs;
-                told.kv_settings.push("[models.disaggregation]".into());
-                // Conditional: the control plane's own default (100 ms of
-                // local prefill), in the wall-clock time it learns in.
-                if *conditional {
-                    told.kv_settings.push(format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0)));
-                    told.kv_settings.extend(fleet.disagg_settings.iter().cloned());
-                } else {
-                    told.kv_settings.extend(["min_uncached_tokens = 1".into(), "only_if_sooner = false".into()]);
-                }
+                let mut lines = match conditional {
+                    true => conditional_lines(fleet),
+                    false => vec!["min_uncached_tokens = 1".into(), "only_if_sooner = false".into()],
+                };
                 if *overflow {
-                    told.kv_settings.push("overflow_to_prefill = true".into());
+                    lines.push("overflow_to_prefill = true".into());
                 }
-                stack.start_kvgate(&told, "kv", &tk, &zmq, &roles)?
+                stack.start_kvgate(&disaggregation_told(fleet, *filter_legs, lines), "kv", &tk, &zmq, &roles)?
             }
             Frontend::PdBoth { filter_legs } => {
                 let roles = vec!["both"; stack.workers.len()];
                 if !filter_legs {
                     stack.start_sidecars(fleet, &roles)?;
                 }
-                let mut told = fleet.clone();
-                told.filter_legs = *filter_legs;
-                told.kv_settings.push("[models.disaggregation]".into());
-                told.kv_settings.push(format!("max_local_prefill_ms = {:?}", (100.0 / fleet.speedup).max(1.0)));
-                told.kv_settings.push("prefill_on_both = true".into());
-                told.kv_settings.extend(fleet.disagg_settings.iter().cloned());
-                stack.start_kvgate(&told, "kv", &tk, &zmq, &roles)?
+                let mut lines = conditional_lines(fleet);
+                lines.push("prefill_on_both = true".into());
+                stack.start_kvgate(&disaggregation_told(fleet, *filter_legs, lines), "kv", &tk, &zmq, &roles)?
             }
             Frontend::Dynamo(_) => bail!("the dynamo modes have their own workers (Stack::start_dynamo)"),
         }

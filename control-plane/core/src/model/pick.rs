@@ -351,11 +351,13 @@ impl ModelState {
         let one_token = RequestView { expected_output_tokens: 1, ..*view };
         let others = c.both.iter().filter(|b| on_both && **b != chosen);
         let at: Vec<usize> = c.prefill.iter().chain(others).copied().collect();
+        // `at` lists the prefill workers first, then the `both` ones.
         let legs: Vec<LegCandidate> = at
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
                 let cand = c.cands[*p];
-                LegCandidate { cand, legs: self.prefill_legs.on(cand.worker), both: !c.prefill.contains(p) }
+                LegCandidate { cand, legs: self.prefill_legs.on(cand.worker), both: i >= c.prefill.len() }
             })
             .collect();
         let kv = self.config.kv;
