@@ -499,9 +499,9 @@ fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
     }
 
     // A stream passes through as it is produced: when the first event
-    // arrives, the engine is still generating the request (160 tokens, about
-    // 2 s here). Causal, not a comparison of two clocks.
-    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 160, "stream": true,
+    // arrives, the engine is still generating the request (320 tokens, about
+    // 4 s here). Causal, not a comparison of two clocks.
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 320, "stream": true,
                       "stream_options": {"include_usage": true}})
     .to_string();
     // Requests the workers finished, read from their /metrics.
@@ -520,7 +520,18 @@ fn real_fleet_conversation_follows_its_cache_streams_and_reports() {
     };
     let before = finished();
     let mut at_first = None;
-    let (worker, body) = stream(gw.listen, body.as_bytes(), |_| at_first = Some(finished()));
+    let (worker, body) = stream(gw.listen, body.as_bytes(), |worker| {
+        at_first = Some(finished());
+        // The filter reports the first token while the stream runs: the
+        // control plane stops counting the prompt as prefill still to do
+        // on that worker, and the request is still in flight there.
+        let series = |name: &str| format!("{name}{{model=\"{MODEL}\",worker=\"{worker}\"}}");
+        until(10, "the first token reported before the end", || {
+            let m = fleet.metrics();
+            prom(&m, &series("kvgate_worker_inflight")) == Some(1.0)
+                && prom(&m, &series("kvgate_worker_prefilling_blocks")) == Some(0.0)
+        });
+    });
     assert!(body.contains("data: [DONE]"), "{body}");
     assert!(worker.starts_with('w'), "x-kvgate-worker: {worker:?}");
     assert_eq!(at_first, Some(before), "the first event arrived before the engine finished the request");

@@ -89,6 +89,7 @@ pub fn colour(mode: &str) -> &'static str {
         "kv_no_speculation" => "#ff9896",
         "kv_tier_blind" => "#c49c94",
         "kv_overload" => "#9467bd",
+        "kv_end_reports" => "#98df8a",
         _ => "#7f7f7f",
     }
 }

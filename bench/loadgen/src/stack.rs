@@ -64,6 +64,9 @@ pub struct FleetSpec {
     /// `[models.disaggregation]` settings for the conditional P/D modes
     /// (TOML lines); empty: the control plane's defaults.
     pub disagg_settings: Vec<String>,
+    /// The filter reports a request at its end only, not a stream's first
+    /// token as well (`reports.first_token: false`).
+    pub end_reports_only: bool,
     /// The `kvgate` binary to run.
     pub kvgate: PathBuf,
 }
@@ -107,6 +110,7 @@ impl FleetSpec {
             stream_interval,
             kv_settings: Vec::new(),
             disagg_settings: Vec::new(),
+            end_reports_only: false,
             kvgate: kvgate_bin(),
         }
     }
@@ -187,6 +191,10 @@ pub enum Frontend {
     /// Envoy with the kvgate filter (callout timeout above the hold); the
     /// control plane in `kv` mode with overload protection on ([`OVERLOAD`]).
     KvOverload,
+    /// Envoy with the kvgate filter reporting each request at its end only
+    /// (as before first-token reports): the control plane in `kv` mode
+    /// counts a stream's prompt as prefill to do until the stream ends.
+    KvEndReports,
     /// Envoy with the kvgate filter; the control plane in `kv` mode with a
     /// disaggregated fleet: the first `prefill` workers prefill only, the
     /// other `decode` ones decode behind `kvgate pd-sidecar`. `conditional`:
@@ -222,6 +230,7 @@ impl Frontend {
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::KvTierBlind => "kv_tier_blind".into(),
             Frontend::KvOverload => "kv_overload".into(),
+            Frontend::KvEndReports => "kv_end_reports".into(),
             Frontend::Pd { prefill, decode, conditional, filter_legs, overflow } => format!(
                 "{}_{prefill}p{decode}d{}{}",
                 if *conditional { "conditional" } else { "disaggregated" },
@@ -244,6 +253,7 @@ impl Frontend {
             "kv_no_speculation" => Frontend::KvNoSpeculation,
             "kv_tier_blind" => Frontend::KvTierBlind,
             "kv_overload" => Frontend::KvOverload,
+            "kv_end_reports" => Frontend::KvEndReports,
             "dynamo" => Frontend::Dynamo("kv".into()),
             "dynamo_round_robin" => Frontend::Dynamo("round-robin".into()),
             "conditional_both" => Frontend::PdBoth { filter_legs: false },
@@ -268,11 +278,19 @@ impl Frontend {
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d[_overflow] or conditional_both, with _filter for the filter's own legs)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, kv_end_reports, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d[_overflow] or conditional_both, with _filter for the filter's own legs)"
                 ),
             },
         })
     }
+}
+
+/// The filter's report flush period for a fleet at `speedup`: a second of
+/// simulated time, as the filter's default of 1 s is at a real speed of 1×
+/// (a wall-clock second would be 8 simulated seconds at 8×, as long as a
+/// DOKS turn's decode).
+pub fn report_interval_ms(speedup: f64) -> u32 {
+    (1000.0 / speedup).round().clamp(10.0, 1000.0) as u32
 }
 
 /// `[models.disaggregation]` of a conditional mode: the control plane's own
@@ -460,6 +478,10 @@ impl Stack {
                 told.kv_settings.push(TIER_BLIND.to_owned());
                 stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
+            Frontend::KvEndReports => {
+                let told = FleetSpec { end_reports_only: true, ..fleet.clone() };
+                stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
+            }
             Frontend::KvOverload => {
                 let mut told = fleet.clone();
                 // A table after `[models.kv]`'s lines (TOML allows it).
@@ -594,8 +616,12 @@ impl Stack {
         self.cp_admin = Some(admin);
         // Debug headers: the client records each decision's reason and
         // matched blocks (for the `mispredicted` count).
-        let mut filter =
-            serde_json::json!({"control_plane": {"timeout_ms": fleet.filter_timeout_ms}, "debug_headers": true});
+        let reports = serde_json::json!({
+            "interval_ms": report_interval_ms(fleet.speedup),
+            "first_token": !fleet.end_reports_only,
+        });
+        let mut filter = serde_json::json!({"control_plane": {"timeout_ms": fleet.filter_timeout_ms},
+                                            "debug_headers": true, "reports": reports});
         if fleet.filter_legs {
             // The sidecar's own default timeout (30 s).
             filter["disaggregation"] = serde_json::json!({"legs": "filter", "timeout_ms": 30_000});

@@ -168,6 +168,8 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
         s.gauge("kvgate_worker_engine_health", "The engine's health as its relay probes it.", health, 1);
         let inflight = u64::from(w.inflight);
         s.gauge("kvgate_worker_inflight", "Requests in flight on the worker (all replicas).", wl(&[]), inflight);
+        let help = "Prompt blocks of the worker's requests in flight before their first token.";
+        s.gauge("kvgate_worker_prefilling_blocks", help, wl(&[]), w.prefilling_blocks);
         s.gauge("kvgate_worker_blocks", "Device blocks indexed for the worker.", wl(&[]), w.device_blocks as u64);
         if let Some(r) = w.running {
             s.gauge("kvgate_worker_running", "vllm:num_requests_running at the last heartbeat.", wl(&[]), r.into());

@@ -109,6 +109,34 @@ fn a_burst_of_connection_failures_makes_a_suspect_for_a_while() {
     assert_eq!(picked(&mut st, 3300), vec!["w0", "w1"], "suspicion lapses");
 }
 
+/// A stream's first-token report ends its prefill on the worker (the
+/// prompt no longer counts as prefill to do there) but not the request;
+/// when Envoy served it elsewhere the failure is counted once, by the end
+/// report, not by both.
+#[test]
+fn a_first_token_report_ends_the_prefill_not_the_request() {
+    use pb::EngineHealth as H;
+    let mut st = state();
+    st.on_heartbeat(&hb("w0", H::Healthy), 0);
+    let tokens: Vec<u32> = (0..16 * 10).collect();
+    let out = st.pick(&common::input("s", &tokens, Some(64)), 1).unwrap();
+    let view = |st: &ModelState| {
+        let v = &st.worker_views(2)[0];
+        (v.inflight, v.prefilling_blocks)
+    };
+    assert_eq!(view(&st), (1, 10));
+    let mut r = report(&out.worker_id, &out.endpoint, "10.0.0.9:8000", 200);
+    r.request_id = "s".into();
+    let first = pb::CompletionReport { total_us: 0, ttfb_us: 5, ..r.clone() };
+    st.on_report(&first, 2);
+    assert_eq!(view(&st), (1, 0), "in flight, its prefill done");
+    assert_eq!(st.counters().connection_failures, 0);
+    assert_eq!(st.counters().reports, 0, "not the end");
+    st.on_report(&r, 3);
+    assert_eq!(view(&st), (0, 0));
+    assert_eq!((st.counters().connection_failures, st.counters().reports), (1, 1));
+}
+
 /// During a NATS outage no heartbeat arrives; the outage does not count
 /// against the workers once it is thawed, so they are not reaped.
 #[test]

@@ -17,7 +17,8 @@
 //!   "tenant_header": "x-tenant-id",
 //!   "priority_header": "x-priority",
 //!   "lora_adapters": { "sql-lora": "llama-3-8b" },
-//!   "reports": { "enabled": true, "interval_ms": 1000, "max_batch": 512, "max_queue": 8192, "tail_bytes": 16384 },
+//!   "reports": { "enabled": true, "interval_ms": 1000, "max_batch": 512, "max_queue": 8192, "tail_bytes": 16384,
+//!                "first_token": true },
 //!   "disaggregation": { "legs": "sidecar", "cluster": "kvgate_prefill", "timeout_ms": 30000 }
 //! }
 //! ```
@@ -61,6 +62,9 @@ pub struct Reports {
     pub max_queue: usize,
     /// Bytes of the response's end kept to find `usage`.
     pub tail_bytes: usize,
+    /// Also report a stream's first token when it arrives (its worker's
+    /// prefill is over), not only its end.
+    pub first_token: bool,
 }
 
 /// Who runs the two legs of a disaggregated request.
@@ -167,6 +171,7 @@ struct RawReports {
     max_batch: Option<usize>,
     max_queue: Option<usize>,
     tail_bytes: Option<usize>,
+    first_token: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -353,6 +358,7 @@ impl Config {
                 1 << 20,
                 "must be between 256 and 1048576",
             )?,
+            first_token: r.first_token.unwrap_or(true),
         };
         if reports.max_batch > reports.max_queue {
             return Err(err("reports.max_batch", reports.max_batch, "cannot exceed reports.max_queue"));
@@ -441,10 +447,12 @@ mod tests {
             br#"{"control_plane":{"cluster":"cp","authority":"cp.kvgate:9000","timeout_ms":20},
                  "failure_mode":"closed","max_body_bytes":2048,"chat_paths":["/chat"],"completions_paths":[],
                  "max_fallbacks":0,"debug_headers":true,"lora_adapters":{"a":"b"},
-                 "reports":{"enabled":false,"interval_ms":50,"max_batch":2,"max_queue":3,"tail_bytes":300}}"#,
+                 "reports":{"enabled":false,"interval_ms":50,"max_batch":2,"max_queue":3,"tail_bytes":300,
+                            "first_token":false}}"#,
         )
         .unwrap();
         assert_eq!(f.failure_mode, FailureMode::Closed);
+        assert!(d.reports.first_token && !f.reports.first_token);
         assert_eq!(f.lora_adapters.get("a").map(String::as_str), Some("b"));
         assert_eq!(f.reports.max_queue, 3);
         assert!(f.grpc_service.ends_with(b"cp.kvgate:9000"));

@@ -117,6 +117,8 @@ pub struct RequestFilter {
     prefill: Option<PrefillLeg>,
     /// Why the filter's prefill leg fell back to aggregated.
     prefill_fallback: Option<Fallback>,
+    /// The stream's first-token report was made.
+    first_token_reported: bool,
 }
 
 /// A prefill leg the filter runs.
@@ -165,6 +167,7 @@ impl RequestFilter {
             body_size: 0,
             prefill: None,
             prefill_fallback: None,
+            first_token_reported: false,
         }
     }
 
@@ -577,6 +580,38 @@ impl RequestFilter {
         Action::Continue
     }
 
+    /// A streamed answer's first body byte arrived: once per request, a
+    /// report with its time to first byte and no end (`total_us` 0), so
+    /// that the control plane learns the chosen worker's prefill is over
+    /// while the stream still runs (a stream decodes for seconds; until its
+    /// first token is known the worker counts its prompt as prefill still
+    /// to do). Only for a request the control plane routed, answered 2xx,
+    /// and with `reports.first_token` on; the end is reported by
+    /// [`RequestFilter::finish`] as before.
+    pub fn first_token_report(&mut self, host: &impl Host) -> Option<pb::CompletionReport> {
+        let r = &self.cfg.reports;
+        let due = self.state == State::Forwarded
+            && r.enabled
+            && r.first_token
+            && self.stream
+            && !self.first_token_reported
+            && (200..300).contains(&self.status);
+        let (d, first) = (self.decision.as_ref().filter(|_| due)?, self.t_first_byte?);
+        self.first_token_reported = true;
+        Some(pb::CompletionReport {
+            request_id: self.request_id.clone(),
+            model: self.model.clone(),
+            worker_id: d.worker_id.clone(),
+            endpoint: d.endpoint().to_owned(),
+            status_code: self.status,
+            ttfb_us: first.saturating_sub(self.t_start) / 1000,
+            total_us: 0,
+            stream: true,
+            served_endpoint: host.upstream_address().unwrap_or_default(),
+            ..Default::default()
+        })
+    }
+
     /// The stream is over: the completion report of a request that went
     /// upstream through the steering path (steered or failed open).
     pub fn finish(&mut self, host: &impl Host) -> Option<pb::CompletionReport> {
@@ -600,7 +635,8 @@ impl RequestFilter {
             endpoint,
             status_code: self.status,
             ttfb_us: self.t_first_byte.map_or(0, |t| t.saturating_sub(self.t_start) / 1000),
-            total_us: now.saturating_sub(self.t_start) / 1000,
+            // Never 0: a report with no end marks a first token only.
+            total_us: (now.saturating_sub(self.t_start) / 1000).max(1),
             output_tokens: usage.completion_tokens,
             prompt_tokens: usage.prompt_tokens,
             cached_tokens: usage.cached_tokens,
@@ -751,10 +787,20 @@ mod tests {
         assert_eq!(h.response_headers_added(DEBUG_BLOCKS).as_deref(), Some("2/3"));
         assert_eq!(h.response_headers_added(DEBUG_PASSED_OVER), None, "nothing larger was passed over");
         assert_eq!(h.response_headers_added(DEBUG_REASON).as_deref(), Some("kv"));
+        assert_eq!(f.first_token_report(&h), None, "no byte yet");
         h.advance_us(1000);
         let first = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
         h.set_response_chunk(first);
         assert_eq!(f.on_response_body(&h, first.len(), false), Action::Continue);
+        // The first token is reported while the stream runs, once.
+        let ft = f.first_token_report(&h).unwrap();
+        assert_eq!(
+            (ft.request_id.as_str(), ft.worker_id.as_str(), ft.endpoint.as_str()),
+            ("r1", "w1", "10.0.0.1:8000")
+        );
+        assert_eq!((ft.ttfb_us, ft.total_us, ft.status_code, ft.stream), (1300, 0, 200, true));
+        assert_eq!(ft.output_tokens, None);
+        assert_eq!(f.first_token_report(&h), None, "once");
         h.advance_us(5000);
         let last = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\ndata: [DONE]\n\n";
         h.set_response_chunk(last);
@@ -767,6 +813,35 @@ mod tests {
         assert_eq!((r.ttfb_us, r.total_us), (1300, 6300));
         assert_eq!((r.prompt_tokens, r.output_tokens, r.cached_tokens), (Some(9), Some(4), Some(0)));
         assert!(r.stream);
+    }
+
+    /// No first-token report without a stream, a routed worker, a 2xx
+    /// answer or the setting: the end report alone.
+    #[test]
+    fn a_first_token_is_reported_only_for_a_routed_stream() {
+        let first_report = |extra: &str, body: &[u8], status: &str, routed: bool| {
+            let h = MockHost::post("/v1/chat/completions");
+            let mut f = RequestFilter::new(cfg(extra));
+            let t = to_pick(&mut f, &h, body);
+            match routed {
+                true => f.on_pick_response(&h, t, 0, Some(&answer("10.0.0.1:8000"))),
+                false => f.on_pick_response(&h, t, 14, None),
+            }
+            h.set_response_header(":status", status);
+            f.on_response_headers(&h);
+            h.advance_us(700);
+            h.set_response_chunk(b"data: {}\n\n");
+            f.on_response_body(&h, 10, false);
+            let ft = f.first_token_report(&h);
+            assert!(f.finish(&h).is_some_and(|r| r.total_us > 0), "the end is always reported");
+            ft.map(|r| r.ttfb_us)
+        };
+        assert_eq!(first_report("", CHAT, "200", true), Some(700));
+        let plain = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
+        assert_eq!(first_report("", plain, "200", true), None, "not a stream");
+        assert_eq!(first_report("", CHAT, "500", true), None, "an error");
+        assert_eq!(first_report("", CHAT, "200", false), None, "failed open: no worker of the control plane's");
+        assert_eq!(first_report(r#","reports":{"first_token":false}"#, CHAT, "200", true), None, "off");
     }
 
     /// A request steered with the answer `edit` makes of a plain one, the

@@ -274,7 +274,12 @@ impl HttpContext for Http {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> PwAction {
         let host = Envoy { metric_ids: &self.shared.metric_ids };
-        pw(self.filter.on_response_body(&host, body_size, end_of_stream))
+        let action = self.filter.on_response_body(&host, body_size, end_of_stream);
+        if let Some(report) = self.filter.first_token_report(&host) {
+            let dropped = self.shared.reports.borrow_mut().push(report);
+            metric(&self.shared.metric_ids, Metric::ReportsDropped, dropped);
+        }
+        pw(action)
     }
 
     fn on_log(&mut self) {

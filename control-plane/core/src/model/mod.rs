@@ -383,8 +383,10 @@ impl ModelState {
     /// A completion report from a filter. Returns the in-flight events to
     /// share with other replicas.
     pub fn on_report(&mut self, r: &pb::CompletionReport, now_ms: u64) -> Vec<pb::InflightEvent> {
+        // A failed connection is counted once per request, by its end
+        // report (a first-token report of the same request may come first).
         let elsewhere = !r.worker_id.is_empty() && reached_another(r);
-        if elsewhere {
+        if elsewhere && r.total_us > 0 {
             self.connection_failed(&r.worker_id, now_ms);
         }
         if self.tracker.first_token(&r.request_id).is_err() {
@@ -392,8 +394,9 @@ impl ModelState {
         }
         // Its prefill worker finished the leg by the first token.
         self.end_leg(&r.request_id);
-        // A report before the end marks the first token (the filter reports
-        // once, at the end; the calibration then takes the routing time).
+        // A report before the end marks the first token (the filter sends
+        // one for a stream, the ext_proc adapter for every answer; without
+        // it the calibration takes the routing time).
         if r.total_us == 0 {
             self.calibration.first_token(&r.request_id, now_ms);
         }

@@ -83,6 +83,9 @@ pub struct WorkerView {
     pub host_blocks: usize,
     /// Requests in flight (all replicas).
     pub inflight: u32,
+    /// Prompt blocks of its requests in flight not yet past their first
+    /// token (the prefill the worker still has to do, as reported).
+    pub prefilling_blocks: u64,
     /// Last measured running / waiting.
     pub running: Option<u32>,
     /// Last measured waiting.
@@ -322,6 +325,7 @@ impl ModelState {
             device_blocks: self.index.worker_blocks(w.idx, Tier::Device),
             host_blocks: self.index.worker_blocks(w.idx, Tier::Host),
             inflight: load.inflight,
+            prefilling_blocks: load.prefill_pending_blocks,
             running: load.measured_running,
             waiting: load.measured_waiting,
             heartbeat_age_ms: w.last_heartbeat_ms.map(|t| now_ms.saturating_sub(t)),
