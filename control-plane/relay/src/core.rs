@@ -279,11 +279,7 @@ impl RelayCore {
             // A sequence that does not move forward with other bytes is a
             // new engine process, even when the old one had published only
             // seq 0.
-            Some(l) if f.seq <= l => {
-                self.counters.restarts += 1;
-                self.generation += 1;
-                self.clear(&mut out);
-            }
+            Some(l) if f.seq <= l => self.restarted(&mut out),
             Some(l) if f.seq > l + 1 => {
                 self.counters.gaps += 1;
                 if self.config.replay {
@@ -351,9 +347,7 @@ impl RelayCore {
             return true;
         }
         r.restarted = true;
-        self.counters.restarts += 1;
-        self.generation += 1;
-        self.clear(out);
+        self.restarted(out);
         self.last_seq = None;
         true
     }
@@ -422,6 +416,14 @@ impl RelayCore {
                 _ => self.apply(seq, &payload, out),
             }
         }
+    }
+
+    /// The engine restarted: a new generation, the mirror cleared and
+    /// `AllBlocksCleared` published.
+    fn restarted(&mut self, out: &mut Vec<Action>) {
+        self.counters.restarts += 1;
+        self.generation += 1;
+        self.clear(out);
     }
 
     fn clear(&mut self, out: &mut Vec<Action>) {

@@ -595,21 +595,14 @@ impl RequestFilter {
             && r.first_token
             && self.stream
             && !self.first_token_reported
-            && (200..300).contains(&self.status);
-        let (d, first) = (self.decision.as_ref().filter(|_| due)?, self.t_first_byte?);
+            && (200..300).contains(&self.status)
+            && self.decision.is_some()
+            && self.t_first_byte.is_some();
+        if !due {
+            return None;
+        }
         self.first_token_reported = true;
-        Some(pb::CompletionReport {
-            request_id: self.request_id.clone(),
-            model: self.model.clone(),
-            worker_id: d.worker_id.clone(),
-            endpoint: d.endpoint().to_owned(),
-            status_code: self.status,
-            ttfb_us: first.saturating_sub(self.t_start) / 1000,
-            total_us: 0,
-            stream: true,
-            served_endpoint: host.upstream_address().unwrap_or_default(),
-            ..Default::default()
-        })
+        Some(self.report(host, 0))
     }
 
     /// The stream is over: the completion report of a request that went
@@ -618,31 +611,36 @@ impl RequestFilter {
         if self.state != State::Forwarded || !self.cfg.reports.enabled {
             return None;
         }
-        let now = host.now_ns();
         let usage = self.tail.as_ref().and_then(|t| find_usage(t.bytes())).unwrap_or_default();
-        let (worker_id, endpoint) = match self.decision.take() {
-            Some(d) => {
-                let mut h = d.header;
-                h.truncate(d.primary_len);
-                (d.worker_id, h)
-            }
-            None => (String::new(), String::new()),
-        };
+        // Never 0: a report with no end marks a first token only.
+        let total_us = (host.now_ns().saturating_sub(self.t_start) / 1000).max(1);
         Some(pb::CompletionReport {
-            request_id: std::mem::take(&mut self.request_id),
-            model: std::mem::take(&mut self.model),
+            output_tokens: usage.completion_tokens,
+            prompt_tokens: usage.prompt_tokens,
+            cached_tokens: usage.cached_tokens,
+            ..self.report(host, total_us)
+        })
+    }
+
+    /// A report of this request as it stands, `total_us` after its start
+    /// (0: its first token only), without usage.
+    fn report(&self, host: &impl Host, total_us: u64) -> pb::CompletionReport {
+        let (worker_id, endpoint) = self
+            .decision
+            .as_ref()
+            .map_or((String::new(), String::new()), |d| (d.worker_id.clone(), d.endpoint().to_owned()));
+        pb::CompletionReport {
+            request_id: self.request_id.clone(),
+            model: self.model.clone(),
             worker_id,
             endpoint,
             status_code: self.status,
             ttfb_us: self.t_first_byte.map_or(0, |t| t.saturating_sub(self.t_start) / 1000),
-            // Never 0: a report with no end marks a first token only.
-            total_us: (now.saturating_sub(self.t_start) / 1000).max(1),
-            output_tokens: usage.completion_tokens,
-            prompt_tokens: usage.prompt_tokens,
-            cached_tokens: usage.cached_tokens,
+            total_us,
             stream: self.stream,
             served_endpoint: host.upstream_address().unwrap_or_default(),
-        })
+            ..Default::default()
+        }
     }
 }
 
