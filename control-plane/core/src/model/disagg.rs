@@ -199,9 +199,9 @@ pub(super) fn open_for_a_leg(
 /// Prefill legs in flight, by request id (with their worker), by the time
 /// their prefill should be done (the prefill worker's queue and this
 /// prefill at the learned timing) and counted per worker. A leg ends then,
-/// or at its request's first report if sooner: the filter reports a
-/// request once it ended, up to a report interval later, long after its
-/// prefill leg.
+/// or at its request's first report if sooner: reports are batched for up
+/// to a report interval, and a non-streamed request is reported only once
+/// it ended, long after its prefill leg.
 #[derive(Debug, Default)]
 pub(super) struct Legs {
     by_id: HashMap<String, (u64, WorkerIdx)>,

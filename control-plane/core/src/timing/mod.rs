@@ -279,8 +279,9 @@ impl Calibration {
             a.sums
         });
         // The decode window: from a first-token report when there was one
-        // before the end, else from the routing (the filter reports once, at
-        // the end; decode is most of a stream's life).
+        // before the end, else from the routing (without one, e.g. with the
+        // filter's `reports.first_token` off; decode is most of a stream's
+        // life).
         let from = match o.first {
             Some(f) if now.is_some_and(|n| f.last_ms < n.last_ms) => f,
             _ => o.start,
@@ -406,8 +407,8 @@ mod tests {
             // The request itself runs too while it decodes.
             cal.touch(w, &load(running + 1, 0), now);
             let ttft = 20 + (0.2 * f64::from(new)) as u64 + rng.u64(0..10);
-            // The filter reports once, at the end; a first-token report
-            // may come too.
+            // The end is always reported; a first-token report may come
+            // too (streams, with the filter's `reports.first_token`).
             if i % 2 == 0 {
                 cal.first_token(&id, now + ttft);
             }
