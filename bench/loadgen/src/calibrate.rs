@@ -22,7 +22,7 @@
 //! | quantity | learned (× speedup: the control plane sees wall time) | truth |
 //! |---|---|---|
 //! | decode step | the decode fit at (R, KV fill), no prefill in the step | the preset's step of R decodes at that fill and the run's mean decode context |
-//! | prefill | the first-token fit's change from the run's shortest to its longest uncached prompt | the preset's, for the steps that prefill them beside R decodes |
+//! | prefill | the change of the prefill time `kv` prices with (`used`: the two fits' prefill rates averaged by precision, and the growth terms it keeps) from the run's shortest to its longest uncached prompt; the first-token fit's own change is reported beside it (`prefill_fit`) | the preset's, for the steps that prefill them beside R decodes |
 //! | time to first token of a request that does not queue | the first-token fit at (new, cached, 0 ahead, R) | the preset's prefill steps + what the run measured outside the formula: the engines' queue time (arrival to the first step, e.g. the step in progress) and the gateway's share (client TTFT − engine TTFT) |
 //!
 //! The operating range: (R, fill) pairs the class's workers were at (their
@@ -157,6 +157,16 @@ fn learned_ttft_ms(class: &Value, new: f64, cached: f64, running: f64) -> f64 {
         + p("ttft_ms_per_running") * running
 }
 
+/// Prefill time of `new` tokens after `cached` as the `kv` policy prices
+/// it (the admin API's `used`: the two fits' rates averaged by precision,
+/// and the growth terms it keeps), ms.
+fn used_prefill_ms(class: &Value, new: f64, cached: f64) -> f64 {
+    let u = |name: &str| class["used"][name].as_f64().unwrap_or(0.0);
+    u("prefill_ms_per_token") * new
+        + u("prefill_ms_per_token_per_ktok") * new * new / 1000.0
+        + u("prefill_ms_per_token_per_kctx") * new * cached / 1000.0
+}
+
 fn learned_step_ms(class: &Value, running: f64, fill: f64) -> f64 {
     let p = params(&class["decode"]);
     p("step_base_ms") + p("decode_ms_per_seq") * running + p("step_ms_per_kv_fill") * fill
@@ -214,8 +224,12 @@ struct Errors {
     /// measurement per class.
     ttft: Option<f64>,
     step: f64,
-    /// `None` when the run's prompts do not span enough uncached tokens.
+    /// The prefill time `kv` prices with; `None` when the run's prompts do
+    /// not span enough uncached tokens.
     prefill: Option<f64>,
+    /// The first-token fit's own prefill terms (reported, not in
+    /// [`Errors::within`]).
+    prefill_fit: Option<f64>,
 }
 
 impl Errors {
@@ -224,7 +238,7 @@ impl Errors {
     }
 
     fn json(&self) -> Value {
-        json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill})
+        json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill, "prefill_fit": self.prefill_fit})
     }
 }
 
@@ -249,10 +263,12 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
     // shortest grid point to each one at least PREFILL_SPAN longer.
     let Some(&(nl, cl)) = grid.iter().min_by_key(|p| p.0) else { return e };
     for &(n, c) in grid.iter().filter(|p| p.0 >= nl + PREFILL_SPAN) {
-        let got =
-            (learned_ttft_ms(class, n as f64, c as f64, r) - learned_ttft_ms(class, nl as f64, cl as f64, r)) * speedup;
         let want = truth.prefill_ms(n, c, r, f) - truth.prefill_ms(nl, cl, r, f);
-        e.prefill = Some(e.prefill.unwrap_or(0.0).max(rel(got, want)));
+        let (n, c, nl, cl) = (n as f64, c as f64, nl as f64, cl as f64);
+        let used = (used_prefill_ms(class, n, c) - used_prefill_ms(class, nl, cl)) * speedup;
+        e.prefill = Some(e.prefill.unwrap_or(0.0).max(rel(used, want)));
+        let fit = (learned_ttft_ms(class, n, c, r) - learned_ttft_ms(class, nl, cl, r)) * speedup;
+        e.prefill_fit = Some(e.prefill_fit.unwrap_or(0.0).max(rel(fit, want)));
     }
     e
 }
@@ -311,7 +327,7 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
             "slowdown": a.slowdown,
             "within": WITHIN,
             "workload": format!("DOKS conversations, {} distinct documents of {}-{} words", a.starters, a.starter_words.first().copied().unwrap_or(0), a.starter_words.last().copied().unwrap_or(0)),
-            "compared": "x speedup, largest relative error over the measured operating range: decode step (fit at R, KV fill) against the preset's step; prefill (the first-token fit's change from the shortest to each longer uncached prompt) against the preset's; within = both <= 10 %. TTFT (fit at new, cached, R) against the clients' measured mean, reported, not in within",
+            "compared": "x speedup, largest relative error over the measured operating range: decode step (fit at R, KV fill) against the preset's step; prefill (the change of the prefill time kv prices with, from the shortest to each longer uncached prompt) against the preset's; within = both <= 10 %; prefill_fit: the same for the first-token fit's own terms, reported, not in within. TTFT (fit at new, cached, R) against the clients' measured mean, reported, not in within",
         },
         "presets": presets,
     });
@@ -387,6 +403,9 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         bail!("the run ended before the slowdown");
     }
     std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
+    // Every poll of the learned timing, for a look at how it moved.
+    let polls: Vec<Value> = snaps.iter().map(|s| json!({"slowed": s.slowed, "timing": s.timing})).collect();
+    std::fs::write(dir.join("timing-polls.json"), serde_json::to_vec(&polls)?)?;
     let g = grid(&run.records);
     let kinds = fleet.kinds();
     let truth_of = |class: &str, slowdown: f64| -> Result<Truth> {
@@ -662,7 +681,13 @@ mod tests {
 
     fn class(first: &[(&str, f64)], decode: &[(&str, f64)]) -> Value {
         let ps = |v: &[(&str, f64)]| v.iter().map(|(n, x)| json!({"name": n, "value": x})).collect::<Vec<_>>();
-        json!({"first_token": {"params": ps(first)}, "decode": {"params": ps(decode)}})
+        // The policy uses the first-token fit's prefill terms.
+        let used: serde_json::Map<String, Value> = first
+            .iter()
+            .filter(|(n, _)| n.starts_with("prefill_ms_per_token"))
+            .map(|(n, x)| ((*n).to_owned(), json!(x)))
+            .collect();
+        json!({"first_token": {"params": ps(first)}, "decode": {"params": ps(decode)}, "used": used})
     }
 
     const H200: Truth =
@@ -700,7 +725,7 @@ mod tests {
         // prefill.
         let op = Operating { ttft_ms: vec![None, None], ..op };
         let e = errors(&c, &H200, &[(50, 5_000), (80, 6_000)], &op, 1.0);
-        assert_eq!((e.prefill, e.ttft), (None, None));
+        assert_eq!((e.prefill, e.prefill_fit, e.ttft), (None, None, None));
     }
 
     #[test]

@@ -60,7 +60,11 @@ struct Integrals {
     running_ms: f64,
     fill_ms: f64,
     fill_sq_ms: f64,
+    /// Uncached prompt tokens routed to the worker (predicted), cumulative.
     prefill_tokens: f64,
+    /// Uncached prompt tokens of its requests whose first token came
+    /// (their prefill is done), cumulative.
+    prefilled_tokens: f64,
 }
 
 /// A worker: its class (and the capacity and running limit it was named
@@ -90,6 +94,8 @@ struct Open {
     class: Arc<str>,
     added_ms: u64,
     predicted_cached: f64,
+    /// Predicted uncached prompt tokens.
+    new_tokens: f64,
     ahead_tokens: f64,
     running: f64,
     saturated: bool,
@@ -212,7 +218,8 @@ impl Calibration {
     ) {
         self.touch(worker, before, now_ms);
         let Some(a) = self.activity.get_mut(&worker) else { return };
-        a.sums.prefill_tokens += new_blocks as f64 * self.block_size;
+        let new_tokens = new_blocks as f64 * self.block_size;
+        a.sums.prefill_tokens += new_tokens;
         let (class, start) = (Arc::clone(&a.class), a.sums);
         self.open.insert(
             request_id.to_owned(),
@@ -221,6 +228,7 @@ impl Calibration {
                 class,
                 added_ms: now_ms,
                 predicted_cached: cached_blocks as f64 * self.block_size,
+                new_tokens,
                 ahead_tokens: before.prefill_pending_blocks as f64 * self.block_size,
                 running: f64::from(before.effective_requests()),
                 saturated: before.queued_if_added() > 0,
@@ -238,6 +246,7 @@ impl Calibration {
         {
             a.sums.advance(now_ms);
             o.first = Some(a.sums);
+            a.sums.prefilled_tokens += o.new_tokens;
         }
     }
 
@@ -259,6 +268,22 @@ impl Calibration {
             self.classes.insert(key.to_owned(), EngineFit::new(self.prior));
         }
         let Some(fit) = self.classes.get_mut(key) else { return };
+        // The prefill queued ahead: what the worker finished of other
+        // requests' prompts while this one waited for its first token (in
+        // first-come order, the prompts ahead of it and those that shared
+        // its steps), when its first token was reported; else what was
+        // pending when it was routed, which counts prompts already done but
+        // not yet reported and misses those that came after it.
+        let ahead_tokens = match o.first {
+            Some(f) => (f.prefilled_tokens - o.start.prefilled_tokens).max(0.0),
+            None => {
+                // Its prefill ended before its end report, unreported.
+                if let Some(a) = self.activity.get_mut(&o.worker) {
+                    a.sums.prefilled_tokens += o.new_tokens;
+                }
+                o.ahead_tokens
+            }
+        };
         if o.saturated {
             self.counters.queued += 1;
         } else {
@@ -266,7 +291,7 @@ impl Calibration {
                 ttft_ms: r.ttfb_us as f64 / 1000.0,
                 new_tokens: f64::from(prompt.saturating_sub(cached)),
                 cached_tokens: f64::from(cached.min(prompt)),
-                ahead_tokens: o.ahead_tokens,
+                ahead_tokens,
                 running: o.running,
             };
             if fit.observe_first_token(&ft) {
@@ -466,6 +491,46 @@ mod tests {
         // Alone, the slow class would keep the priors' ratio (0.2).
         let alone = cal.classes().find(|(k, _)| *k == "blocks=500,seqs=64").map(|(_, f)| f.timing());
         assert!(alone.is_some_and(|t| (t.prefill_ms_per_token - 0.2 * t.decode_ms_per_seq).abs() < 1e-9), "{alone:?}");
+    }
+
+    /// The prefill queued ahead is what the worker did while a request
+    /// waited, not what was pending when it was routed: a long prompt is
+    /// prefilled in chunks, and short prompts that come after it share its
+    /// steps and finish first (more of them the longer it is), while it
+    /// delays none of them. Engine: 0.2 ms per prefilled token, the
+    /// worker's own and the others' done meanwhile. Priced by what was
+    /// pending at routing, the long prompts' waits for the short ones read
+    /// as a higher rate per token and the short ones' "queue" as free.
+    #[test]
+    fn the_prefill_queued_ahead_is_what_the_worker_did_meanwhile() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(0);
+        let mut rng = fastrand::Rng::with_seed(21);
+        let mut now = 1_000u64;
+        for round in 0..200 {
+            let long = 16 * rng.u64(60..500);
+            let shorts = long / 800;
+            let long_id = format!("l{round}");
+            cal.routed(&long_id, w, &load(1, 0), (long / 16, 0), now);
+            cal.touch(w, &load(2, long / 16), now);
+            for i in 0..shorts {
+                let id = format!("s{round}-{i}");
+                cal.routed(&id, w, &load(2 + i as u32, (long + 96 * i) / 16), (6, 0), now + 1);
+                let ttft = 20 + (0.2 * 96.0 * (i + 1) as f64) as u64 + rng.u64(0..3);
+                cal.first_token(&id, now + 1 + ttft);
+                cal.done(&report(&id, ttft, ttft + 100, 96, 0, 11), now + 1 + ttft + 100);
+            }
+            let ttft = 20 + (0.2 * (long + 96 * shorts) as f64) as u64 + rng.u64(0..3);
+            cal.first_token(&long_id, now + ttft);
+            cal.done(&report(&long_id, ttft, ttft + 100, long as u32, 0, 11), now + ttft + 100);
+            cal.touch(w, &load(1, 0), now + ttft + 100);
+            now += ttft + 200;
+        }
+        let t = cal.timing(w).unwrap_or(EngineTiming::linear(0.0, 0.0));
+        assert!((t.prefill_ms_per_token - 0.2).abs() < 0.01, "{t:?}");
+        let fit = cal.classes().next().map(|(_, f)| f.first_token());
+        let queued = fit.as_ref().and_then(|l| l.params.iter().find(|p| p.name == "queued_prefill_ms_per_token"));
+        assert!(queued.is_some_and(|p| (p.value - 0.2).abs() < 0.02), "{fit:?}");
     }
 
     #[test]

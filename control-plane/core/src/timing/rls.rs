@@ -22,16 +22,23 @@
 //! to how unsure the prior was; after `n` observations `P` is about
 //! `(Σ x·xᵀ)⁻¹` whatever the noise, so the fit converges at the rate of
 //! least squares. Forgetting (λ = 0.99: memory of ~100 observations) lets
-//! it follow a fleet whose speed changes. A residual far outside the scale
+//! it follow a fleet whose speed changes slowly. A step change (the engine
+//! got 1.5× slower) shows as residuals of one sign, one after another,
+//! which Huber's weight clips: a running mean of the clipped standardized
+//! residuals beyond 1 (over four of its standard deviations for unbiased
+//! noise) is taken for a change, and `P` is multiplied by 4 at once
+//! (three quarters of what was learned forgotten), so the fit follows in
+//! tens of observations instead of hundreds. A residual far outside the scale
 //! (a GC pause, a request that queued for a batch slot) is clipped, not
 //! believed, and moves the scale by a bounded step (Huber's proposal 2: the
 //! clipped mean absolute residual, ×1.25 to read as a standard deviation
 //! for normal noise), so 10 % of stalls cannot inflate it. Without new
 //! information along some direction forgetting would grow `P` without
-//! bound ("wind-up"): the trace of `P` is capped at the prior's, so an idle
-//! direction returns to prior-like uncertainty and no further, and the
-//! estimate drifts back to the prior along the directions the data leave
-//! uncertain (idle, or a difference of collinear coefficients):
+//! bound ("wind-up"): the trace of `P` is capped at the prior's (a change
+//! inflates it no further), so an idle direction returns to prior-like
+//! uncertainty and no further, and the estimate drifts back to the prior
+//! along the directions the data leave uncertain (idle, or a difference of
+//! collinear coefficients):
 //! `θ ← θ + (1 − λ)·P·P0⁻¹·(prior − θ)`, which leaves a well-determined
 //! combination where the data put it. Standard errors are `s·√P_ii`.
 //!
@@ -49,6 +56,15 @@ const HUBER_C: f64 = 2.5;
 const SCALE_FORGET: f64 = 0.95;
 /// Mean absolute deviation to standard deviation, for normal noise.
 const MAD_TO_SD: f64 = 1.25;
+/// Forgetting factor of the running mean of standardized residuals.
+const BIAS_FORGET: f64 = 0.9;
+/// That mean beyond this many standard deviations is a change of the
+/// engine, not noise: for unbiased noise it has a standard deviation of
+/// √(0.1 / 1.9) ≈ 0.23, so 1.0 is over four of them.
+const BIAS_ALARM: f64 = 1.0;
+/// On a change, the coefficients' covariance is multiplied by this: three
+/// quarters of what was learned is forgotten at once.
+const CHANGE_INFLATE: f64 = 4.0;
 
 /// One robust recursive least-squares fit of `N` coefficients.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,8 +77,11 @@ pub struct Rls<const N: usize> {
     /// The prior's variances (diagonal of the first `p`).
     p0: [f64; N],
     scale: f64,
+    /// Running mean of the standardized, clipped residuals.
+    bias: f64,
     samples: u64,
     rejected: u64,
+    changes: u64,
 }
 
 impl<const N: usize> Rls<N> {
@@ -78,7 +97,7 @@ impl<const N: usize> Rls<N> {
             }
         }
         let p_cap = prior_var.iter().sum();
-        Self { theta: prior, p, prior, p_cap, p0: prior_var, scale, samples: 0, rejected: 0 }
+        Self { theta: prior, p, prior, p_cap, p0: prior_var, scale, bias: 0.0, samples: 0, rejected: 0, changes: 0 }
     }
 
     /// Adds the observation `y` at features `x`. A non-finite input is
@@ -89,11 +108,30 @@ impl<const N: usize> Rls<N> {
             return false;
         }
         let e = y - dot(&self.theta, &x);
-        let px = mat_vec(&self.p, &x);
-        let v = dot(&x, &px).max(0.0);
+        let mut px = mat_vec(&self.p, &x);
+        let mut v = dot(&x, &px).max(0.0);
         // The residual's expected spread: noise plus the estimate's own
         // uncertainty at x (large while the fit is young).
-        let spread = self.scale * (1.0 + v).sqrt();
+        let mut spread = self.scale * (1.0 + v).sqrt();
+        // A change of the engine: residuals of one sign, one after another.
+        // Most of what was learned is forgotten at once, so the fit follows
+        // within tens of observations instead of hundreds.
+        if spread.is_finite() && spread > 0.0 {
+            let z = (e / spread).clamp(-HUBER_C, HUBER_C);
+            self.bias = BIAS_FORGET * self.bias + (1.0 - BIAS_FORGET) * z;
+            if self.bias.abs() > BIAS_ALARM {
+                self.bias = 0.0;
+                self.changes += 1;
+                let trace: f64 = (0..N).map(|i| self.p[i][i]).sum();
+                let f = CHANGE_INFLATE.min(self.p_cap / trace.max(f64::MIN_POSITIVE));
+                if f > 1.0 {
+                    self.p.iter_mut().flatten().for_each(|q| *q *= f);
+                    px = mat_vec(&self.p, &x);
+                    v = dot(&x, &px).max(0.0);
+                    spread = self.scale * (1.0 + v).sqrt();
+                }
+            }
+        }
         let r = e.abs() / spread;
         let w = if r > HUBER_C { HUBER_C / r } else { 1.0 };
         let denom = FORGET / w + v;
@@ -111,6 +149,17 @@ impl<const N: usize> Rls<N> {
                 p[i][j] = (p[i][j] - k[i] * px[j]) / FORGET;
             }
         }
+        // Kept symmetric: rounding makes k·(Px)ᵀ slightly asymmetric, and
+        // forgetting grows the asymmetric part by 1/λ per observation
+        // (×e¹⁰ every thousand); within a few thousand observations it
+        // took over P and the coefficients ran off to 1e306.
+        let mut sym = p;
+        for (i, row) in sym.iter_mut().enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = 0.5 * (p[i][j] + p[j][i]);
+            }
+        }
+        let mut p = sym;
         if !(theta.iter().all(|v| v.is_finite()) && p.iter().flatten().all(|v| v.is_finite())) {
             self.rejected += 1;
             return false;
@@ -206,6 +255,11 @@ impl<const N: usize> Rls<N> {
         self.scale
     }
 
+    /// Changes detected (runs of residuals of one sign).
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
     /// Observations used.
     pub fn samples(&self) -> u64 {
         self.samples
@@ -289,6 +343,50 @@ mod tests {
         // The fleet got 1.5× slower.
         feed(&mut f, 1.5, 300);
         assert!((f.theta()[1] - 1.5).abs() < 0.05, "{:?}", f.theta());
+    }
+
+    /// Tens of thousands of observations (a class's requests over an hour
+    /// in production) leave the fit where the data put it: the covariance
+    /// stays symmetric (it did not, and the coefficients ran off to 1e306
+    /// within 5,000).
+    #[test]
+    fn a_long_run_stays_where_the_data_put_it() {
+        let mut f = Rls::new([50.0, 100.0, 5.0], [500.0, 500.0, 25.0], 50.0);
+        let mut rng = fastrand::Rng::with_seed(17);
+        for _ in 0..50_000 {
+            let x = [1.0, rng.f64() * 8.0, rng.f64() * 4.0];
+            f.observe(x, 100.0 + 40.0 * x[1] + 6.5 * x[2] + noisy(&mut rng, 10.0));
+        }
+        let t = f.theta();
+        assert!((t[0] - 100.0).abs() < 5.0 && (t[1] - 40.0).abs() < 1.0 && (t[2] - 6.5).abs() < 1.5, "{t:?}");
+        assert!((0..3).all(|i| (0..3).all(|j| f.p[i][j] == f.p[j][i])), "{:?}", f.p);
+    }
+
+    /// A 1.5× slower engine is a run of residuals of one sign: detected
+    /// (once or a few times), and followed within a hundred observations,
+    /// not three hundred. Noise with stalls (a tenth of observations far
+    /// above the line) is not a change.
+    #[test]
+    fn a_change_is_detected_and_followed_noise_is_not_a_change() {
+        let mut f = Rls::new([50.0, 100.0, 5.0], [500.0, 500.0, 25.0], 50.0);
+        let mut rng = fastrand::Rng::with_seed(17);
+        let mut feed = |f: &mut Rls<3>, speed: f64, n: usize| {
+            for i in 0..n {
+                let x = [1.0, rng.f64() * 8.0, rng.f64() * 4.0];
+                let stall = if i % 10 == 3 { 2_000.0 } else { 0.0 };
+                let y = speed * (100.0 + 40.0 * x[1] + 6.5 * x[2]) + noisy(&mut rng, 10.0) + stall;
+                f.observe(x, y);
+            }
+        };
+        feed(&mut f, 1.0, 5_000);
+        assert_eq!(f.changes(), 0, "{:?}", f.theta());
+        assert!((f.theta()[1] - 40.0).abs() < 2.0, "{:?}", f.theta());
+        feed(&mut f, 1.5, 100);
+        let changes = f.changes();
+        assert!((1..=3).contains(&changes), "{changes}: {:?}", f.theta());
+        assert!((f.theta()[1] - 60.0).abs() < 3.0, "{:?}", f.theta());
+        feed(&mut f, 1.5, 5_000);
+        assert_eq!(f.changes(), changes);
     }
 
     #[test]
