@@ -221,6 +221,8 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
             let samples = l(&[("class", class), ("fit", name)]);
             let help = "Observations each fit ignored for non-finite values.";
             s.counter("kvgate_engine_timing_rejected", help, samples.clone(), learned.rejected);
+            let help = "Changes of the engine each fit detected (runs of residuals of one sign); each forgets most of what it learned.";
+            s.counter("kvgate_engine_timing_changes", help, samples.clone(), learned.changes);
             s.counter("kvgate_engine_timing_samples", "Observations each fit learned from.", samples, learned.samples);
             for p in learned.params {
                 let labels = l(&[("class", class), ("fit", name), ("param", p.name)]);

@@ -76,6 +76,7 @@ fn every_registered_family_has_help_a_type_and_samples() {
         "kvgate_engine_timing_observations",
         "kvgate_engine_timing_samples",
         "kvgate_engine_timing_rejected",
+        "kvgate_engine_timing_changes",
         "kvgate_engine_timing",
         "kvgate_engine_timing_stderr",
         "kvgate_engine_timing_used",
