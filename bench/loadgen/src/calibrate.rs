@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use kvgate_scheduler::EngineTiming;
 use kvgate_sim::timing::{StepShape, Timing};
 use kvgate_testkit::http_request;
 use plotters::prelude::*;
@@ -162,9 +163,13 @@ fn learned_ttft_ms(class: &Value, new: f64, cached: f64, running: f64) -> f64 {
 /// and the growth terms it keeps), ms.
 fn used_prefill_ms(class: &Value, new: f64, cached: f64) -> f64 {
     let u = |name: &str| class["used"][name].as_f64().unwrap_or(0.0);
-    u("prefill_ms_per_token") * new
-        + u("prefill_ms_per_token_per_ktok") * new * new / 1000.0
-        + u("prefill_ms_per_token_per_kctx") * new * cached / 1000.0
+    let timing = EngineTiming {
+        prefill_ms_per_token: u("prefill_ms_per_token"),
+        prefill_ms_per_token_per_ktok: u("prefill_ms_per_token_per_ktok"),
+        prefill_ms_per_token_per_kctx: u("prefill_ms_per_token_per_kctx"),
+        decode_ms_per_seq: u("decode_ms_per_seq"),
+    };
+    timing.prefill_ms_per_token_at(new, cached) * new
 }
 
 fn learned_step_ms(class: &Value, running: f64, fill: f64) -> f64 {

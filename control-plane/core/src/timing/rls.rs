@@ -145,21 +145,15 @@ impl<const N: usize> Rls<N> {
         for i in 0..N {
             theta[i] += k[i] * e;
             for j in 0..N {
-                // P is symmetric: xᵀP = (Px)ᵀ.
-                p[i][j] = (p[i][j] - k[i] * px[j]) / FORGET;
+                // P is symmetric: xᵀP = (Px)ᵀ, and k·xᵀP = Px·(Px)ᵀ / denom,
+                // computed so that entries (i, j) and (j, i) round alike.
+                // Written as k_i·(Px)_j they did not, and forgetting grows
+                // the asymmetric part by 1/λ per observation (×e¹⁰ every
+                // thousand): within a few thousand observations it took
+                // over P and the coefficients ran off to 1e306.
+                p[i][j] = (p[i][j] - px[i] * px[j] / denom) / FORGET;
             }
         }
-        // Kept symmetric: rounding makes k·(Px)ᵀ slightly asymmetric, and
-        // forgetting grows the asymmetric part by 1/λ per observation
-        // (×e¹⁰ every thousand); within a few thousand observations it
-        // took over P and the coefficients ran off to 1e306.
-        let mut sym = p;
-        for (i, row) in sym.iter_mut().enumerate() {
-            for (j, v) in row.iter_mut().enumerate() {
-                *v = 0.5 * (p[i][j] + p[j][i]);
-            }
-        }
-        let mut p = sym;
         if !(theta.iter().all(|v| v.is_finite()) && p.iter().flatten().all(|v| v.is_finite())) {
             self.rejected += 1;
             return false;
