@@ -28,6 +28,23 @@
 //! 5 % (`bench/results/calibration.json`, DECISIONS "Prefill rate from the
 //! decode steps too").
 
+//!
+//! The decode rate `kv` prices a running request with is what one more
+//! request adds to a step at the class's operating point: the per-request
+//! coefficient plus the KV-fill coefficient times the fill one request
+//! adds (the decode observations' mean fill over their mean running
+//! requests). Under steady load the two terms are nearly collinear, so each
+//! alone wandered (on `hetero`'s H100 class at concurrency 180 the
+//! per-request term went from 0.045 to 0.017 ms in one run) while their
+//! sum along the data stays put (0.037–0.046 ms; the formula's marginal
+//! 0.042).
+//!
+//! A rate a fit is no longer sure of (it forgot it after a detected change,
+//! or the traffic stopped varying the way that pins it down) is held: at
+//! its last known ratio to the other rate when that one is known, else at
+//! its last known value. Falling back to the configured prior instead put
+//! a class back on the prior's clock, 8× off at the benchmark's speed-up.
+
 use kvgate_scheduler::EngineTiming;
 use serde::Serialize;
 
@@ -168,6 +185,51 @@ pub struct EngineFit {
     prior: Prior,
     first: Rls<6>,
     decode: Rls<4>,
+    /// Recent decode observations' mean KV fill and running requests
+    /// (exponential averages): the operating point at which one more
+    /// request's step cost is read from the decode fit.
+    operating: Operating,
+    /// The rates as last known, held while a fit is not sure of them.
+    held: Held,
+}
+
+/// Exponential averages of the decode observations' KV fill and running
+/// requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Operating {
+    fill: f64,
+    running: f64,
+    weight: f64,
+}
+
+impl Operating {
+    /// Weight of a new observation once warm: about the last hundred count.
+    const ALPHA: f64 = 0.01;
+
+    fn observe(&mut self, o: &Decode) {
+        if !(o.kv_fill.is_finite() && o.running.is_finite()) {
+            return;
+        }
+        // Plain means while few observations are in, then forgetting.
+        self.weight += 1.0;
+        let a = (1.0 / self.weight).max(Self::ALPHA);
+        self.fill += a * (o.kv_fill.clamp(0.0, 1.0) - self.fill);
+        self.running += a * (o.running.max(0.0) - self.running);
+    }
+
+    /// KV fill one running request adds, on average.
+    fn fill_per_request(&self) -> f64 {
+        if self.running >= 1.0 { self.fill / self.running } else { 0.0 }
+    }
+}
+
+/// The last known rates (ms per token, ms per request) and their ratio
+/// when both were known at once.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Held {
+    prefill: Option<f64>,
+    decode: Option<f64>,
+    ratio: Option<f64>,
 }
 
 impl EngineFit {
@@ -179,17 +241,46 @@ impl EngineFit {
         let d = prior.decode_ms_per_seq * 10.0;
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
-        Self { prior, first, decode }
+        Self { prior, first, decode, operating: Operating::default(), held: Held::default() }
     }
 
     /// Learns from a first token.
     pub fn observe_first_token(&mut self, o: &FirstToken) -> bool {
-        o.new_tokens >= 0.0 && self.first.observe(o.features(), o.ttft_ms)
+        let used = o.new_tokens >= 0.0 && self.first.observe(o.features(), o.ttft_ms);
+        if used {
+            self.hold();
+        }
+        used
     }
 
     /// Learns from a stream's decode.
     pub fn observe_decode(&mut self, o: &Decode) -> bool {
-        o.itl_ms > 0.0 && self.decode.observe(o.features(), o.itl_ms)
+        let used = o.itl_ms > 0.0 && self.decode.observe(o.features(), o.itl_ms);
+        if used {
+            self.operating.observe(o);
+            self.hold();
+        }
+        used
+    }
+
+    /// Keeps the rates that are known now, to stand in while a fit is not
+    /// sure of them (after a change it detected, most of what it learned
+    /// is forgotten on purpose; the rate it had is still a better guess
+    /// than the configured prior, which may be on another clock).
+    fn hold(&mut self) {
+        let r = self.rates();
+        if let Some((p, _)) = r.prefill {
+            self.held.prefill = Some(p);
+        }
+        if let Some((d, _)) = r.decode {
+            self.held.decode = Some(d);
+        }
+        if let (Some((p, _)), Some((d, dse))) = (r.prefill, r.decode)
+            && d > 0.0
+            && d > 3.0 * dse
+        {
+            self.held.ratio = Some(p / d);
+        }
     }
 
     /// Predicted gateway TTFT for `o`'s inputs (its `ttft_ms` ignored), ms,
@@ -273,9 +364,17 @@ impl EngineFit {
             let clear = ft[i] > 3.0 * fse[i];
             if agrees && clear && known(ft[i], fse[i], fshare[i], fs, p_prior) { ft[i] / K } else { 0.0 }
         };
+        // What one more running request adds to a step: its own share of
+        // the per-request term and of the KV-fill term, at the fill per
+        // request the worker has been running at. The two terms are nearly
+        // collinear under steady load (fill grows with the requests), so
+        // each alone wanders while their sum along the data stays put.
+        let marginal = [0.0, 1.0, 10.0 * self.operating.fill_per_request(), 0.0];
+        let (dv, dve) = (self.decode.predict(&marginal), self.decode.predict_stderr(&marginal));
         Rates {
             prefill,
-            decode: known(dt[1], dse[1], dshare[1], ds, d_prior).then(|| (dt[1].max(0.0) / 10.0, dse[1] / 10.0)),
+            decode: known(dv, dve, self.decode.prior_share_at(&marginal), ds, d_prior)
+                .then(|| (dv.max(0.0) / 10.0, dve / 10.0)),
             growth: (growth(2), growth(3)),
         }
     }
@@ -288,10 +387,12 @@ impl EngineFit {
 
     /// What the `kv` policy uses: the known rates ([`EngineFit::rates`]);
     /// when only one is known and clearly above zero, the other keeps a
-    /// ratio to it so that the two are on the same clock: the ratio of
-    /// `reference` (another class of the same model with both rates
-    /// learned) when there is one, else the priors' ratio. With neither
-    /// known, the priors. The growth terms (with the chunk, with the cached
+    /// ratio to it so that the two are on the same clock: this class's
+    /// last ratio with both known, else the ratio of `reference` (another
+    /// class of the same model with both rates learned) when there is one,
+    /// else the priors' ratio; one not clearly above zero sets no clock,
+    /// and the other is then held at its last known value. With neither
+    /// known, the last known values, else the priors. The growth terms (with the chunk, with the cached
     /// context) are the first-token fit's, used only beside a learned
     /// prefill rate that agrees with that fit's own and only when each is
     /// known and clearly above zero; otherwise 0.
@@ -301,18 +402,23 @@ impl EngineFit {
         // rate down, and a prior in another time scale than the learned
         // decode rate would misprice load against cache. A sibling class's
         // measured ratio is this model's; the priors' is a guess.
-        let ratio = reference
-            .filter(|r| r.prefill_ms_per_token > 0.0 && r.decode_ms_per_seq > 0.0)
-            .map_or(self.prior.prefill_ms_per_token / self.prior.decode_ms_per_seq, |r| {
-                r.prefill_ms_per_token / r.decode_ms_per_seq
-            });
+        let ratio = self.held.ratio.unwrap_or_else(|| {
+            reference
+                .filter(|r| r.prefill_ms_per_token > 0.0 && r.decode_ms_per_seq > 0.0)
+                .map_or(self.prior.prefill_ms_per_token / self.prior.decode_ms_per_seq, |r| {
+                    r.prefill_ms_per_token / r.decode_ms_per_seq
+                })
+        });
         // A prior of 0 (or a non-finite one) gives no ratio.
         let ratio = (ratio.is_finite() && ratio > 0.0).then_some(ratio);
         // Only a rate clearly above zero (three standard errors) sets the
         // clock: one that is truly about zero (`dynamo-mocker`'s decode cost
         // per request) says nothing about time's scale.
         let clear = |(v, se): (f64, f64)| v > 0.0 && v > 3.0 * se;
-        let (prior_p, prior_d) = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
+        // A rate no longer known (the fit forgot it after a change) is
+        // held at its last known value, not reset to the prior.
+        let prior_p = self.held.prefill.unwrap_or(self.prior.prefill_ms_per_token);
+        let prior_d = self.held.decode.unwrap_or(self.prior.decode_ms_per_seq);
         let (prefill, decode) = match (r.prefill, r.decode) {
             (Some(p), Some(d)) => (p.0, d.0),
             (Some(p), None) => (p.0, ratio.filter(|_| clear(p)).map_or(prior_d, |q| p.0 / q)),
@@ -460,18 +566,104 @@ mod tests {
     /// mocker: it depends on KV fill only) is learned as 0 per request, not
     /// left at the prior.
     #[test]
-    fn a_decode_rate_of_zero_is_learned() {
+    fn a_step_that_grows_with_kv_fill_is_priced_per_request_at_the_fill_each_adds() {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(4);
         for _ in 0..300 {
-            let f = rng.f64();
-            let d = Decode { itl_ms: 0.0, running: rng.f64() * 60.0, kv_fill: f, prefill_tokens_per_step: 0.0 };
+            // Dynamo's mocker: the step grows with KV usage, which each
+            // running request adds to (here 1 % each, give or take).
+            let r = rng.f64() * 60.0;
+            let f = (r * 0.01 + noise(&mut rng, 0.02)).clamp(0.0, 1.0);
+            let d = Decode { itl_ms: 0.0, running: r, kv_fill: f, prefill_tokens_per_step: 0.0 };
             let itl = 5.74 + 54.01 * f - 25.74 * f * f + noise(&mut rng, 0.5);
             assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
+        }
+        // d(itl)/d(request) = 0.01 × (54.01 − 2 × 25.74 × f) at the mean fill 0.3.
+        let t = fit.timing();
+        assert!(near(t.decode_ms_per_seq, 0.01 * (54.01 - 2.0 * 25.74 * 0.3), 0.15), "{t:?}");
+    }
+
+    /// A step time that no request changes: the rate per request is about
+    /// zero, and a rate about zero sets no clock for the prefill rate.
+    #[test]
+    fn a_decode_rate_of_zero_is_learned_and_sets_no_clock() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(4);
+        for _ in 0..300 {
+            let r = rng.f64() * 60.0;
+            let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: 0.0 };
+            assert!(fit.observe_decode(&Decode { itl_ms: 12.0 + noise(&mut rng, 0.5), ..d }));
         }
         let t = fit.timing();
         assert!(t.decode_ms_per_seq < 0.02, "{t:?}");
         assert_eq!(t.prefill_ms_per_token, 0.1, "a zero rate sets no clock");
+    }
+
+    /// An engine that turns 1.5× slower: the fits detect the change, forget
+    /// most of what they knew and follow within a hundred observations.
+    /// While they relearn, the timing the policy gets stays within a small
+    /// factor of the engine's (held at the last known rates where a fit is
+    /// unsure), never back at the prior, which here is on another clock
+    /// (8× slower).
+    #[test]
+    fn a_detected_change_is_followed_and_holds_the_rates_not_the_prior() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(9);
+        let mut feed = |fit: &mut EngineFit, speed: f64| {
+            let r = rng.f64() * 60.0;
+            let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: rng.f64() * 400.0 };
+            let itl = speed * (1.6 + 0.0625 * r + 0.0125 * d.prefill_tokens_per_step) + noise(&mut rng, 0.05);
+            fit.observe_decode(&Decode { itl_ms: itl, ..d });
+            let n = 100.0 + rng.f64() * 4_000.0;
+            let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: r };
+            fit.observe_first_token(&FirstToken { ttft_ms: speed * (4.0 + 0.0125 * n) + noise(&mut rng, 0.5), ..o });
+        };
+        for _ in 0..500 {
+            feed(&mut fit, 1.0);
+        }
+        let t = fit.timing();
+        assert!(near(t.decode_ms_per_seq, 0.0625, 0.1) && near(t.prefill_ms_per_token, 0.0125, 0.1), "{t:?}");
+        for i in 0..100 {
+            feed(&mut fit, 1.5);
+            let t = fit.timing();
+            let close = |v: f64, at_1x: f64| (0.5 * at_1x..=2.5 * at_1x).contains(&v);
+            assert!(close(t.decode_ms_per_seq, 0.0625) && close(t.prefill_ms_per_token, 0.0125), "{i}: {t:?}");
+        }
+        assert!(fit.decode().changes > 0 && fit.first_token().changes > 0, "a fit missed the change");
+        let t = fit.timing();
+        assert!(
+            near(t.decode_ms_per_seq, 1.5 * 0.0625, 0.1) && near(t.prefill_ms_per_token, 1.5 * 0.0125, 0.1),
+            "{t:?}"
+        );
+    }
+
+    /// Traffic whose prompts stop varying (every turn alike, no burst of
+    /// cold prompts) no longer pins the prefill rate down, and forgetting
+    /// lets both fits become unsure of it. The policy then keeps the rate
+    /// at its last known ratio to the decode rate, which is still learned,
+    /// instead of the prior's ratio (0.2 here; the engine's is 0.32).
+    #[test]
+    fn a_rate_the_traffic_stops_pinning_down_keeps_its_ratio() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(10);
+        for i in 0..2_000 {
+            let varied = i < 500;
+            let r = rng.f64() * 60.0;
+            let q = if varied { rng.f64() * 400.0 } else { 100.0 };
+            let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: q };
+            let itl = 1.6 + 0.0625 * r + 0.02 * q + noise(&mut rng, 0.05);
+            fit.observe_decode(&Decode { itl_ms: itl, ..d });
+            let n = if varied { 100.0 + rng.f64() * 4_000.0 } else { 900.0 };
+            let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: r };
+            fit.observe_first_token(&FirstToken { ttft_ms: 4.0 + 0.02 * n + noise(&mut rng, 0.5), ..o });
+            let t = fit.timing();
+            if i >= 300 {
+                assert!(
+                    near(t.decode_ms_per_seq, 0.0625, 0.1) && near(t.prefill_ms_per_token, 0.02, 0.15),
+                    "{i}: {t:?}"
+                );
+            }
+        }
     }
 
     /// Every prompt cached (new tokens all alike): the prefill rate cannot
@@ -484,7 +676,8 @@ mod tests {
         for _ in 0..300 {
             // A clock 8× faster: 0.5 ms per request becomes 0.0625 (and a
             // ratio under 0.1 must scale too: see the 20× case below).
-            let d = Decode { itl_ms: 0.0, running: rng.f64() * 60.0, kv_fill: 0.3, prefill_tokens_per_step: 0.0 };
+            let r = rng.f64() * 60.0;
+            let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: 0.0 };
             let itl = 1.6 + 0.0625 * d.running + noise(&mut rng, 0.05);
             fit.observe_decode(&Decode { itl_ms: itl, ..d });
             let o = FirstToken {
@@ -501,7 +694,8 @@ mod tests {
         assert!((t.prefill_ms_per_token - 0.0125).abs() < 0.002, "{t:?}");
         let mut fast = EngineFit::new(PRIOR);
         for _ in 0..300 {
-            let d = Decode { itl_ms: 0.0, running: rng.f64() * 60.0, kv_fill: 0.3, prefill_tokens_per_step: 0.0 };
+            let r = rng.f64() * 60.0;
+            let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: 0.0 };
             fast.observe_decode(&Decode { itl_ms: 0.6 + 0.025 * d.running + noise(&mut rng, 0.02), ..d });
         }
         let t = fast.timing();

@@ -34,9 +34,10 @@
 //! clipped mean absolute residual, ×1.25 to read as a standard deviation
 //! for normal noise), so 10 % of stalls cannot inflate it. Without new
 //! information along some direction forgetting would grow `P` without
-//! bound ("wind-up"): the trace of `P` is capped at the prior's (a change
-//! inflates it no further), so an idle direction returns to prior-like
-//! uncertainty and no further, and the estimate drifts back to the prior
+//! bound ("wind-up"): every coefficient's variance is capped at its prior's
+//! (`P ← D·P·D`, `D_i = min(1, √(P0_ii / P_ii))`; a change inflates it no
+//! further), so an idle direction returns to prior-like uncertainty and no
+//! further, and the estimate drifts back to the prior
 //! along the directions the data leave uncertain (idle, or a difference of
 //! collinear coefficients):
 //! `θ ← θ + (1 − λ)·P·P0⁻¹·(prior − θ)`, which leaves a well-determined
@@ -122,14 +123,13 @@ impl<const N: usize> Rls<N> {
             if self.bias.abs() > BIAS_ALARM {
                 self.bias = 0.0;
                 self.changes += 1;
-                let trace: f64 = (0..N).map(|i| self.p[i][i]).sum();
-                let f = CHANGE_INFLATE.min(self.p_cap / trace.max(f64::MIN_POSITIVE));
-                if f > 1.0 {
-                    self.p.iter_mut().flatten().for_each(|q| *q *= f);
-                    px = mat_vec(&self.p, &x);
-                    v = dot(&x, &px).max(0.0);
-                    spread = self.scale * (1.0 + v).sqrt();
-                }
+                let mut inflated = self.p;
+                inflated.iter_mut().flatten().for_each(|q| *q *= CHANGE_INFLATE);
+                cap_to(&mut inflated, &self.p0);
+                self.p = inflated;
+                px = mat_vec(&self.p, &x);
+                v = dot(&x, &px).max(0.0);
+                spread = self.scale * (1.0 + v).sqrt();
             }
         }
         let r = e.abs() / spread;
@@ -158,12 +158,8 @@ impl<const N: usize> Rls<N> {
             self.rejected += 1;
             return false;
         }
-        // Anti-wind-up: the uncertainty never grows past the prior's.
-        let trace: f64 = (0..N).map(|i| p[i][i]).sum();
-        if trace > self.p_cap {
-            let f = self.p_cap / trace;
-            p.iter_mut().flatten().for_each(|v| *v *= f);
-        }
+        // Anti-wind-up: no coefficient's uncertainty grows past its prior's.
+        cap_to(&mut p, &self.p0);
         // Forgetting toward the prior: a coefficient the data do not pin
         // down (its variance back near the prior's: an idle or collinear
         // direction) drifts back to its prior at the forgetting rate instead
@@ -238,6 +234,13 @@ impl<const N: usize> Rls<N> {
         out
     }
 
+    /// How much of the prior's variance of the prediction at `x` is left
+    /// (as [`Rls::prior_share`] for one combination of coefficients).
+    pub fn prior_share_at(&self, x: &[f64; N]) -> f64 {
+        let prior: f64 = (0..N).map(|i| x[i] * x[i] * self.p0[i]).sum();
+        if prior > 0.0 { (dot(x, &mat_vec(&self.p, x)) / prior).max(0.0) } else { 0.0 }
+    }
+
     /// Standard error of the prediction at `x` (the estimate's, without
     /// the noise), same units as `y`.
     pub fn predict_stderr(&self, x: &[f64; N]) -> f64 {
@@ -267,6 +270,29 @@ impl<const N: usize> Rls<N> {
 
 fn dot<const N: usize>(a: &[f64; N], b: &[f64; N]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Scales `p` to `D·p·D` with `D_i = min(1, √(cap_i / p_ii))`: every
+/// variance at most its cap, correlations kept, and still positive
+/// semi-definite (a congruence). Capping the trace instead let an idle
+/// direction near its prior hold the whole budget, and a detected change
+/// could then not inflate the directions the data had pinned down.
+fn cap_to<const N: usize>(p: &mut [[f64; N]; N], cap: &[f64; N]) {
+    let mut d = [1.0; N];
+    for (i, di) in d.iter_mut().enumerate() {
+        let v = p[i][i];
+        if v > cap[i] && v.is_finite() && v > 0.0 {
+            *di = (cap[i] / v).sqrt();
+        }
+    }
+    if d.iter().all(|di| *di == 1.0) {
+        return;
+    }
+    for (i, row) in p.iter_mut().enumerate() {
+        for (j, q) in row.iter_mut().enumerate() {
+            *q *= d[i] * d[j];
+        }
+    }
 }
 
 fn mat_vec<const N: usize>(m: &[[f64; N]; N], x: &[f64; N]) -> [f64; N] {
