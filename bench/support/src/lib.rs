@@ -126,8 +126,12 @@ pub fn provenance() -> (String, String) {
             .unwrap_or_default()
     };
     let mut commit = git(&["rev-parse", "--short", "HEAD"]);
-    // Results of earlier runs (bench/results/) do not make the code dirty.
-    if !git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"]).is_empty() {
+    // Results of earlier runs (bench/results/) and prose (Markdown: READMEs,
+    // docs/) do not make the code dirty: a README written while a long run
+    // goes on labelled its results "-dirty" though the code was the commit's.
+    let changed =
+        git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results", ":(exclude)*.md"]);
+    if !changed.is_empty() {
         commit.push_str("-dirty");
     }
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
