@@ -481,6 +481,17 @@ mod tests {
         (0..12).map(|_| rng.f64()).sum::<f64>().mul_add(sd, -6.0 * sd)
     }
 
+    /// One decode and one first-token observation of a linear engine `speed`
+    /// times slower than the base one: steps of `1.6 + 0.0625·r + p·q` ms
+    /// with `r` requests running (1 % of KV each) and `q` prefill tokens
+    /// per step, first tokens of `4 + p·n` ms for `n` new tokens.
+    fn observe_linear(fit: &mut EngineFit, rng: &mut fastrand::Rng, speed: f64, p: f64, (r, q, n): (f64, f64, f64)) {
+        let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: q };
+        fit.observe_decode(&Decode { itl_ms: speed * (1.6 + 0.0625 * r + p * q) + noise(rng, 0.05), ..d });
+        let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: r };
+        fit.observe_first_token(&FirstToken { ttft_ms: speed * (4.0 + p * n) + noise(rng, 0.5), ..o });
+    }
+
     fn near(got: f64, want: f64, rel: f64) -> bool {
         (got - want).abs() <= rel * want.abs()
     }
@@ -610,13 +621,8 @@ mod tests {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(9);
         let mut feed = |fit: &mut EngineFit, speed: f64| {
-            let r = rng.f64() * 60.0;
-            let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: rng.f64() * 400.0 };
-            let itl = speed * (1.6 + 0.0625 * r + 0.0125 * d.prefill_tokens_per_step) + noise(&mut rng, 0.05);
-            fit.observe_decode(&Decode { itl_ms: itl, ..d });
-            let n = 100.0 + rng.f64() * 4_000.0;
-            let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: r };
-            fit.observe_first_token(&FirstToken { ttft_ms: speed * (4.0 + 0.0125 * n) + noise(&mut rng, 0.5), ..o });
+            let (r, q, n) = (rng.f64() * 60.0, rng.f64() * 400.0, 100.0 + rng.f64() * 4_000.0);
+            observe_linear(fit, &mut rng, speed, 0.0125, (r, q, n));
         };
         for _ in 0..500 {
             feed(&mut fit, 1.0);
@@ -650,12 +656,8 @@ mod tests {
             let varied = i < 500;
             let r = rng.f64() * 60.0;
             let q = if varied { rng.f64() * 400.0 } else { 100.0 };
-            let d = Decode { itl_ms: 0.0, running: r, kv_fill: r * 0.01, prefill_tokens_per_step: q };
-            let itl = 1.6 + 0.0625 * r + 0.02 * q + noise(&mut rng, 0.05);
-            fit.observe_decode(&Decode { itl_ms: itl, ..d });
             let n = if varied { 100.0 + rng.f64() * 4_000.0 } else { 900.0 };
-            let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: r };
-            fit.observe_first_token(&FirstToken { ttft_ms: 4.0 + 0.02 * n + noise(&mut rng, 0.5), ..o });
+            observe_linear(&mut fit, &mut rng, 1.0, 0.02, (r, q, n));
             let t = fit.timing();
             if i >= 300 {
                 assert!(
