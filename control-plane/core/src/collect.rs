@@ -213,7 +213,7 @@ fn counter_rows(s: &mut Sheet, mc: &ModelCounters, l: LabelsOf<'_>) {
 /// errors and sample counts, and the values `kv` uses, per worker class.
 fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
     for (kind, n) in c.counters().by_kind() {
-        let help = "Completed requests by what the engine-timing fits took from them.";
+        let help = "Requests by what the engine-timing fits took from them (first tokens learned, decodes learned, queued, unusable, mispredicted splits).";
         s.counter("kvgate_engine_timing_observations", help, l(&[("kind", kind)]), n);
     }
     for (class, fit) in c.classes() {

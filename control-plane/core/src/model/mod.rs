@@ -398,7 +398,7 @@ impl ModelState {
         // one for a stream, the ext_proc adapter for every answer; without
         // it the calibration takes the routing time).
         if r.total_us == 0 {
-            self.calibration.first_token(&r.request_id, now_ms);
+            self.calibration.first_token(&r.request_id, r.ttfb_us, now_ms);
         }
         let event = |phase: pb::InflightPhase| pb::InflightEvent {
             request_id: r.request_id.clone(),

@@ -6,8 +6,9 @@
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
 //! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄` | step base, per running request, KV fill, prefill tokens sharing the steps |
 //!
-//! `n` new prompt tokens (prompt − cached, as the engine reported), `c`
-//! cached tokens, `a` the prefill of other requests that the worker
+//! `n` new prompt tokens (prompt − cached: as the router predicted when the
+//! first token is learned as it comes, as the engine reported when it is
+//! learned at the end), `c` cached tokens, `a` the prefill of other requests that the worker
 //! finished while this one waited for its first token (its queue for
 //! compute; without a first-token report, what was pending when it was
 //! routed), `R` requests on the worker when it was routed; `R̄`, `f̄` (KV fill) and `q̄` (prefill tokens per step)

@@ -15,8 +15,8 @@
 //!
 //! | operation | cost |
 //! |---|---|
-//! | [`Calibration::routed`], [`Calibration::first_token`], [`Calibration::touch`] | O(1) |
-//! | [`Calibration::done`] | O(classes) (one fit update: 6² + 4² multiply-adds; every class's timing refreshed) |
+//! | [`Calibration::routed`], [`Calibration::touch`] | O(1) |
+//! | [`Calibration::first_token`], [`Calibration::done`] | O(classes) (one fit update: 6² or 4² multiply-adds; every class's timing refreshed) |
 //! | [`Calibration::expire`] | O(requests open) |
 //!
 //! Memory: one record per request in flight (dropped at its end or its
@@ -102,6 +102,9 @@ struct Open {
     /// The worker's integrals when it was routed (its own prefill counted).
     start: Integrals,
     first: Option<Integrals>,
+    /// Its first token was learned from when it came (see
+    /// [`Calibration::first_token`]).
+    learned_first: bool,
 }
 
 /// What happened to observations, for metrics.
@@ -117,14 +120,23 @@ pub struct TimingCounters {
     /// Completed requests without what a fit needs (no usage, an error
     /// status, a single output token, not streamed).
     pub unusable: u64,
+    /// First tokens learned from the routing's predicted prompt split
+    /// whose usage then reported another (by more than a block).
+    pub mispredicted: u64,
 }
 
 impl TimingCounters {
     /// Every counter with its `kind` label (destructured without `..`: a
     /// new counter does not compile until it is exported).
-    pub fn by_kind(&self) -> [(&'static str, u64); 4] {
-        let Self { first_tokens, decodes, queued, unusable } = *self;
-        [("first_token", first_tokens), ("decode", decodes), ("queued", queued), ("unusable", unusable)]
+    pub fn by_kind(&self) -> [(&'static str, u64); 5] {
+        let Self { first_tokens, decodes, queued, unusable, mispredicted } = *self;
+        [
+            ("first_token", first_tokens),
+            ("decode", decodes),
+            ("queued", queued),
+            ("unusable", unusable),
+            ("mispredicted", mispredicted),
+        ]
     }
 }
 
@@ -234,20 +246,53 @@ impl Calibration {
                 saturated: before.queued_if_added() > 0,
                 start,
                 first: None,
+                learned_first: false,
             },
         );
     }
 
-    /// A request's first token was reported.
-    pub fn first_token(&mut self, request_id: &str, now_ms: u64) {
+    /// A request's first token was reported, `ttfb_us` after it was sent
+    /// (0: not measured). With a measurement the first-token fit learns
+    /// now, from the routing's predicted split of the prompt (the usage
+    /// comes with the end, a whole decode later: after the engine changed,
+    /// the requests in flight went on teaching the old speed for about as
+    /// many requests as were in flight); else it learns at the end.
+    pub fn first_token(&mut self, request_id: &str, ttfb_us: u64, now_ms: u64) {
         let Some(o) = self.open.get_mut(request_id) else { return };
-        if o.first.is_none()
-            && let Some(a) = self.activity.get_mut(&o.worker)
-        {
-            a.sums.advance(now_ms);
-            o.first = Some(a.sums);
-            a.sums.prefilled_tokens += o.new_tokens;
+        if o.first.is_some() {
+            return;
         }
+        let Some(a) = self.activity.get_mut(&o.worker) else { return };
+        a.sums.advance(now_ms);
+        let f = a.sums;
+        o.first = Some(f);
+        a.sums.prefilled_tokens += o.new_tokens;
+        if ttfb_us == 0 || o.saturated {
+            return;
+        }
+        let ft = FirstToken {
+            ttft_ms: ttfb_us as f64 / 1000.0,
+            new_tokens: o.new_tokens,
+            cached_tokens: o.predicted_cached,
+            ahead_tokens: (f.prefilled_tokens - o.start.prefilled_tokens).max(0.0),
+            running: o.running,
+        };
+        o.learned_first = true;
+        let class = Arc::clone(&o.class);
+        if self.fit_mut(&class).is_some_and(|f| f.observe_first_token(&ft)) {
+            self.counters.first_tokens += 1;
+        }
+        self.refresh_timings();
+    }
+
+    /// The class's fit, new at the prior when it has none (its name is
+    /// copied only then).
+    fn fit_mut(&mut self, class: &str) -> Option<&mut EngineFit> {
+        let key = self.class_key(class);
+        if !self.classes.contains_key(key) {
+            self.classes.insert(key.to_owned(), EngineFit::new(self.prior));
+        }
+        self.classes.get_mut(key)
     }
 
     /// A request ended: learns from it when it can.
@@ -262,12 +307,6 @@ impl Calibration {
             self.counters.unusable += 1;
             return;
         };
-        // The class's fit (its name is copied only when the fit is new).
-        let key = self.class_key(&o.class);
-        if !self.classes.contains_key(key) {
-            self.classes.insert(key.to_owned(), EngineFit::new(self.prior));
-        }
-        let Some(fit) = self.classes.get_mut(key) else { return };
         // The prefill queued ahead: what the worker finished of other
         // requests' prompts while this one waited for its first token (in
         // first-come order, the prompts ahead of it and those that shared
@@ -284,17 +323,24 @@ impl Calibration {
                 o.ahead_tokens
             }
         };
+        let new_tokens = f64::from(prompt.saturating_sub(cached));
         if o.saturated {
             self.counters.queued += 1;
+        } else if o.learned_first {
+            // Learned at the first token from the prediction; the usage
+            // says whether that was the split the engine ran.
+            if (new_tokens - o.new_tokens).abs() > self.block_size {
+                self.counters.mispredicted += 1;
+            }
         } else {
             let ft = FirstToken {
                 ttft_ms: r.ttfb_us as f64 / 1000.0,
-                new_tokens: f64::from(prompt.saturating_sub(cached)),
+                new_tokens,
                 cached_tokens: f64::from(cached.min(prompt)),
                 ahead_tokens,
                 running: o.running,
             };
-            if fit.observe_first_token(&ft) {
+            if self.fit_mut(&o.class).is_some_and(|f| f.observe_first_token(&ft)) {
                 self.counters.first_tokens += 1;
             }
         }
@@ -320,7 +366,7 @@ impl Calibration {
                     kv_fill: (now.fill_ms - from.fill_ms) / window,
                     prefill_tokens_per_step: (now.prefill_tokens - from.prefill_tokens) / f64::from(steps),
                 };
-                if fit.observe_decode(&d) {
+                if self.fit_mut(&o.class).is_some_and(|f| f.observe_decode(&d)) {
                     self.counters.decodes += 1;
                 }
             }
@@ -435,7 +481,7 @@ mod tests {
             // The end is always reported; a first-token report may come
             // too (streams, with the filter's `reports.first_token`).
             if i % 2 == 0 {
-                cal.first_token(&id, now + ttft);
+                cal.first_token(&id, ttft * 1000, now + ttft);
             }
             let steps = 50u32;
             let itl = 10.0 + 1.5 * f64::from(running + 1);
@@ -517,11 +563,11 @@ mod tests {
                 let id = format!("s{round}-{i}");
                 cal.routed(&id, w, &load(2 + i as u32, (long + 96 * i) / 16), (6, 0), now + 1);
                 let ttft = 20 + (0.2 * 96.0 * (i + 1) as f64) as u64 + rng.u64(0..3);
-                cal.first_token(&id, now + 1 + ttft);
+                cal.first_token(&id, ttft * 1000, now + 1 + ttft);
                 cal.done(&report(&id, ttft, ttft + 100, 96, 0, 11), now + 1 + ttft + 100);
             }
             let ttft = 20 + (0.2 * (long + 96 * shorts) as f64) as u64 + rng.u64(0..3);
-            cal.first_token(&long_id, now + ttft);
+            cal.first_token(&long_id, ttft * 1000, now + ttft);
             cal.done(&report(&long_id, ttft, ttft + 100, long as u32, 0, 11), now + ttft + 100);
             cal.touch(w, &load(1, 0), now + ttft + 100);
             now += ttft + 200;
@@ -533,13 +579,37 @@ mod tests {
         assert!(queued.is_some_and(|p| (p.value - 0.2).abs() < 0.02), "{fit:?}");
     }
 
+    /// A first token is learned when it is reported, from the routing's
+    /// predicted split: the fit knows it a whole decode before the end
+    /// report comes. The end report then only says whether the prediction
+    /// held (here the engine had evicted the predicted prefix).
+    #[test]
+    fn a_first_token_is_learned_when_it_comes_and_checked_at_the_end() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(0);
+        cal.routed("a", w, &load(1, 0), (10, 100), 0);
+        cal.first_token("a", 40_000, 40);
+        assert_eq!(cal.counters().first_tokens, 1, "learned at the first token");
+        cal.done(&report("a", 40, 900, 1760, 1600, 50), 900);
+        cal.routed("b", w, &load(1, 0), (10, 100), 1000);
+        cal.first_token("b", 40_000, 1040);
+        cal.done(&report("b", 40, 1900, 1760, 0, 50), 1900);
+        // Without a measured time to first token, it is learned at the end.
+        cal.routed("c", w, &load(1, 0), (10, 100), 2000);
+        cal.first_token("c", 0, 2040);
+        assert_eq!(cal.counters().first_tokens, 2);
+        cal.done(&report("c", 40, 2900, 1760, 1600, 50), 2900);
+        let c = cal.counters();
+        assert_eq!((c.first_tokens, c.decodes, c.mispredicted), (3, 3, 1), "b's prefix was not there");
+    }
+
     #[test]
     fn saturated_failed_and_foreign_requests_teach_nothing_about_compute() {
         let mut cal = Calibration::new(PRIOR, true, 16);
         let w = WorkerIdx(0);
         // At its running limit: the first token measured a wait.
         cal.routed("full", w, &load(64, 0), (10, 0), 0);
-        cal.first_token("full", 500);
+        cal.first_token("full", 500_000, 500);
         cal.done(&report("full", 500, 900, 200, 0, 1), 900);
         // An error status.
         cal.routed("err", w, &load(1, 0), (10, 0), 1000);
@@ -574,7 +644,7 @@ mod tests {
     fn without_learning_the_policy_keeps_its_constants() {
         let mut cal = Calibration::new(PRIOR, false, 16);
         cal.routed("a", WorkerIdx(0), &load(0, 0), (10, 0), 0);
-        cal.first_token("a", 100);
+        cal.first_token("a", 100_000, 100);
         cal.done(&report("a", 100, 200, 200, 0, 10), 200);
         assert_eq!(cal.timing(WorkerIdx(0)), None);
         assert_eq!(cal.counters().first_tokens, 1, "still fitted and exported");
