@@ -8,8 +8,8 @@
 //!
 //! `n` new prompt tokens (prompt − cached: as the router predicted when the
 //! first token is learned as it comes, as the engine reported when it is
-//! learned at the end), `c` cached tokens, `a` the prefill of other requests that the worker
-//! finished while this one waited for its first token (its queue for
+//! learned at the end), `c` cached tokens, `a` the prefill of other
+//! requests that the worker finished while this one waited for its first token (its queue for
 //! compute; without a first-token report, what was pending when it was
 //! routed), `R` requests on the worker when it was routed; `R̄`, `f̄` (KV fill) and `q̄` (prefill tokens per step)
 //! are averages over the stream's decode window. Queueing is kept apart
@@ -77,7 +77,7 @@ pub struct Reference {
 }
 
 /// The rates that are known, with their standard errors.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Rates {
     prefill: Option<(f64, f64)>,
     decode: Option<(f64, f64)>,
@@ -192,6 +192,10 @@ pub struct EngineFit {
     operating: Operating,
     /// The rates as last known, held while a fit is not sure of them.
     held: Held,
+    /// [`EngineFit::rates_now`] after the last observation (they change
+    /// only with one): the timings of every class are refreshed after each
+    /// observation, and each reads them.
+    rates: Rates,
 }
 
 /// Exponential averages of the decode observations' KV fill and running
@@ -242,7 +246,16 @@ impl EngineFit {
         let d = prior.decode_ms_per_seq * 10.0;
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
-        Self { prior, first, decode, operating: Operating::default(), held: Held::default() }
+        let mut fit = Self {
+            prior,
+            first,
+            decode,
+            operating: Operating::default(),
+            held: Held::default(),
+            rates: Rates::default(),
+        };
+        fit.rates = fit.rates_now();
+        fit
     }
 
     /// Learns from a first token.
@@ -269,7 +282,8 @@ impl EngineFit {
     /// is forgotten on purpose; the rate it had is still a better guess
     /// than the configured prior, which may be on another clock).
     fn hold(&mut self) {
-        let r = self.rates();
+        self.rates = self.rates_now();
+        let r = self.rates;
         if let Some((p, _)) = r.prefill {
             self.held.prefill = Some(p);
         }
@@ -307,7 +321,7 @@ impl EngineFit {
     /// above zero: what a class of the same model whose prefill (or decode)
     /// the traffic never pinned down can borrow its ratio from.
     pub fn reference(&self) -> Option<Reference> {
-        let r = self.rates();
+        let r = self.rates;
         match (r.prefill, r.decode) {
             (Some(p), Some(d)) if d.0 > 3.0 * d.1 => {
                 Some(Reference { prefill_ms_per_token: p.0, decode_ms_per_seq: d.0, samples: self.first.samples() })
@@ -323,7 +337,7 @@ impl EngineFit {
     /// size (sizes below a tenth of the prior count as a tenth of the
     /// prior, so that a rate that is truly about zero can be learned). The
     /// prefill rate must be positive; the decode rate is at least 0.
-    fn rates(&self) -> Rates {
+    fn rates_now(&self) -> Rates {
         let (ft, fse, fs) = (self.first.theta(), self.first.stderr(), self.first.samples());
         let (dt, dse, ds) = (self.decode.theta(), self.decode.stderr(), self.decode.samples());
         let (fshare, dshare) = (self.first.prior_share(), self.decode.prior_share());
@@ -386,7 +400,7 @@ impl EngineFit {
         self.timing_with(None)
     }
 
-    /// What the `kv` policy uses: the known rates ([`EngineFit::rates`]);
+    /// What the `kv` policy uses: the known rates ([`EngineFit::rates_now`]);
     /// when only one is known and clearly above zero, the other keeps a
     /// ratio to it so that the two are on the same clock: this class's
     /// last ratio with both known, else the ratio of `reference` (another
@@ -398,7 +412,7 @@ impl EngineFit {
     /// prefill rate that agrees with that fit's own and only when each is
     /// known and clearly above zero; otherwise 0.
     pub fn timing_with(&self, reference: Option<Reference>) -> EngineTiming {
-        let r = self.rates();
+        let r = self.rates;
         // A workload whose prompts are all cached never pins the prefill
         // rate down, and a prior in another time scale than the learned
         // decode rate would misprice load against cache. A sibling class's
