@@ -188,6 +188,10 @@ struct SweepArgs {
     /// Logs and configs of every cell.
     #[arg(long, default_value = "target/bench-runs")]
     run_dir: PathBuf,
+    /// Runs of every cell, interleaved (each level: every mode once, then
+    /// again); a row is the median of its runs, which it also lists.
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
 }
 
 impl SweepArgs {
@@ -217,6 +221,7 @@ struct Sweep {
     warmup_s: f64,
     measure_s: f64,
     cpu_limit: f64,
+    repeats: usize,
     commit: String,
     machine: String,
     stamp: u64,
@@ -227,8 +232,8 @@ impl Sweep {
     /// Checks the flags and lays out the sweep; `out` is relative to the
     /// repository unless absolute.
     fn new(a: &SweepArgs, speedup: f64, measure_s: f64, drain_s: f64, out: PathBuf) -> Result<Self> {
-        if !(speedup.is_finite() && speedup > 0.0) || a.stream_interval == 0 {
-            bail!("--speedup must be > 0 and --stream-interval at least 1");
+        if !(speedup.is_finite() && speedup > 0.0) || a.stream_interval == 0 || a.repeats == 0 {
+            bail!("--speedup must be > 0, --stream-interval and --repeats at least 1");
         }
         let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
         let root = kvgate_testkit::repo_root();
@@ -251,6 +256,7 @@ impl Sweep {
             warmup_s: a.warmup_s,
             measure_s,
             cpu_limit: a.cpu_limit,
+            repeats: a.repeats,
             commit,
             machine,
             stamp,
@@ -259,9 +265,11 @@ impl Sweep {
     }
 
     /// Runs every cell: level by level, every mode in turn on a fresh stack
-    /// (slow drifts of a shared machine fall on every mode alike). `prepare`
-    /// builds a level's workload; `cell` drives it on one stack and
-    /// summarizes the run as that mode's row.
+    /// (slow drifts of a shared machine fall on every mode alike), the
+    /// whole round `repeats` times; a mode's row at a level is the median
+    /// of its runs ([`stats::median_row`]). `prepare` builds a level's
+    /// workload; `cell` drives it on one stack and summarizes the run as
+    /// that mode's row.
     fn cells<L>(
         &self,
         tag: &str,
@@ -272,48 +280,58 @@ impl Sweep {
         let mut rows = Vec::new();
         for &level in levels {
             let load = prepare(level)?;
-            for front in &self.fronts {
-                let mode = front.name();
-                let dir = self.run_dir.join(format!("{tag}-{}", self.stamp)).join(format!("{mode}-{level}"));
-                let mut stack =
-                    Stack::start(&dir, &self.fleet, front).with_context(|| format!("starting the stack for {mode}"))?;
-                let (run, row) = cell(self, &load, &stack, &mode, level)?;
-                stack.check().with_context(|| format!("{mode} at {level}: a process of the stack died"))?;
-                stack.save_diagnostics(&dir);
-                drop(stack);
-                println!(
-                    "   {level:>3} {mode:<19} TTFT p50 {:>7.0} p95 {:>7.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} % (oracle {:>5.1} %)  n {}  errors {}  CPU {:.0} %{}",
-                    row.ttft_p50_ms,
-                    row.ttft_p95_ms,
-                    row.itl_p50_ms,
-                    row.e2e_p50_s,
-                    row.output_tok_per_s,
-                    row.hit_rate * 100.0,
-                    row.oracle_hit_rate * 100.0,
-                    row.requests,
-                    row.errors,
-                    row.host_cpu * 100.0,
-                    if row.valid { "" } else { " (CPU above the limit: invalid)" }
-                );
-                std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
+            let mut runs: Vec<Vec<stats::Row>> = vec![Vec::new(); self.fronts.len()];
+            for repeat in 0..self.repeats {
+                for (front, runs) in self.fronts.iter().zip(&mut runs) {
+                    let mode = front.name();
+                    let name =
+                        if self.repeats > 1 { format!("{mode}-{level}-{repeat}") } else { format!("{mode}-{level}") };
+                    let dir = self.run_dir.join(format!("{tag}-{}", self.stamp)).join(name);
+                    let mut stack = Stack::start(&dir, &self.fleet, front)
+                        .with_context(|| format!("starting the stack for {mode}"))?;
+                    let (run, row) = cell(self, &load, &stack, &mode, level)?;
+                    stack.check().with_context(|| format!("{mode} at {level}: a process of the stack died"))?;
+                    stack.save_diagnostics(&dir);
+                    drop(stack);
+                    print_row(&row);
+                    std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
+                    runs.push(row);
+                }
+            }
+            for runs in runs {
+                let row = stats::median_row(runs)?;
+                if self.repeats > 1 {
+                    print!("   median of {}:", self.repeats);
+                    print_row(&row);
+                }
                 rows.push(row);
             }
         }
         Ok(rows)
     }
 
+    /// What a result says about repeats: nothing for one run per cell.
+    fn repeats_note(&self) -> String {
+        if self.repeats > 1 {
+            format!("; every cell the median of {} interleaved runs", self.repeats)
+        } else {
+            String::new()
+        }
+    }
+
     /// The line every result states first: commit, machine, preset, workers
     /// (then `note`), speedup, stream interval, windows, then `tail`.
     fn context(&self, note: &str, stream_interval: usize, tail: &str) -> String {
         format!(
-            "commit {}, {}; preset {}, {} workers{note}; speedup {}x, stream interval {stream_interval}, windows {} s warm-up + {} s measured (simulated); {tail}",
+            "commit {}, {}; preset {}, {} workers{note}; speedup {}x, stream interval {stream_interval}, windows {} s warm-up + {} s measured (simulated){}; {tail}",
             self.commit,
             self.machine,
             self.fleet.preset,
             self.fleet.kinds().len(),
             self.speedup,
             self.warmup_s,
-            self.measure_s
+            self.measure_s,
+            self.repeats_note()
         )
     }
 
@@ -349,6 +367,7 @@ impl Sweep {
             },
             "unix_time": self.stamp,
             "quick": quick,
+            "repeats": self.repeats,
         });
         if let (Some(d), serde_json::Value::Object(e)) = (doc.as_object_mut(), extra) {
             d.extend(e);
@@ -383,6 +402,26 @@ impl Sweep {
         );
         Ok(())
     }
+}
+
+/// A cell's line in the sweep's log.
+fn print_row(row: &stats::Row) {
+    println!(
+        "   {:>3} {:<19} TTFT p50 {:>7.0} p95 {:>7.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} % (oracle {:>5.1} %)  n {}  errors {}  CPU {:.0} %{}",
+        row.concurrency,
+        row.mode,
+        row.ttft_p50_ms,
+        row.ttft_p95_ms,
+        row.itl_p50_ms,
+        row.e2e_p50_s,
+        row.output_tok_per_s,
+        row.hit_rate * 100.0,
+        row.oracle_hit_rate * 100.0,
+        row.requests,
+        row.errors,
+        row.host_cpu * 100.0,
+        if row.valid { "" } else { " (CPU above the limit: invalid)" }
+    );
 }
 
 #[derive(clap::Args)]
@@ -899,7 +938,7 @@ fn doks(mut a: DoksArgs) -> Result<()> {
     let sweep = Sweep::new(&a.sweep, a.speedup, a.measure_s, a.drain_s, out)?;
     let workload = workload::Doks::default();
     let starter_shared = workload.starter_shared_tokens(&stack::tokenizer_dir())?;
-    let cells = a.levels.len() * sweep.fronts.len();
+    let cells = a.levels.len() * sweep.fronts.len() * sweep.repeats;
     let per_cell = sweep.windows.warmup + sweep.windows.measure;
     println!(
         "== DOKS multi-turn: {} levels x {} modes, speedup {}x, windows {} s + {} s simulated ({:.1} s + {:.1} s wall); about {:.0} min",
@@ -933,7 +972,7 @@ fn doks(mut a: DoksArgs) -> Result<()> {
         },
     )?;
     let context = format!(
-        "commit {}, {}; fleet preset {} ({} workers); control plane defaults{}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated)",
+        "commit {}, {}; fleet preset {} ({} workers); control plane defaults{}; speedup {}x, stream interval {}, windows {} s warm-up + {} s measured (simulated){}",
         sweep.commit,
         sweep.machine,
         sweep.fleet.preset,
@@ -942,7 +981,8 @@ fn doks(mut a: DoksArgs) -> Result<()> {
         a.speedup,
         a.sweep.stream_interval,
         a.sweep.warmup_s,
-        a.measure_s
+        a.measure_s,
+        sweep.repeats_note()
     );
     let doc = sweep.doc(
         a.sweep.stream_interval,

@@ -86,6 +86,10 @@ pub struct Row {
     pub valid: bool,
     /// CPU seconds per wall second, per process role.
     pub cpu_by_role: Vec<(String, f64)>,
+    /// When the cell ran several times (`--repeats`), each run's own row;
+    /// this row is then their median ([`median_row`]). Empty for one run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub repeats: Vec<Row>,
 }
 
 /// JSON has no NaN: `serde_json` writes it as `null`; read back as NaN.
@@ -365,7 +369,46 @@ pub fn summarize(
         host_cpu: r3(run.host_cpu),
         valid: run.host_cpu < cpu_limit,
         cpu_by_role: run.cpu_by_role.iter().map(|(r, s)| (r.clone(), r3(s / wall))).collect(),
+        repeats: Vec::new(),
     }
+}
+
+/// One row for several runs of the same cell: every number the median of
+/// the runs' (each metric on its own: a run's p95 is a noisy estimate, and
+/// the median of three is not moved by one run's outlier); a count stays a
+/// whole number (the lower middle when the runs are even); `valid` only if
+/// every run was; what is not a number (the CPU per role) from the first
+/// run. The runs are kept in [`Row::repeats`]. One run is returned as it is.
+pub fn median_row(mut runs: Vec<Row>) -> anyhow::Result<Row> {
+    use serde_json::Value;
+    if runs.len() <= 1 {
+        return runs.pop().ok_or_else(|| anyhow::anyhow!("a cell without a run"));
+    }
+    let values = runs.iter().map(serde_json::to_value).collect::<Result<Vec<Value>, _>>()?;
+    let Some(Value::Object(first)) = values.first().cloned() else { anyhow::bail!("a row is not an object") };
+    let mut out = serde_json::Map::new();
+    for (key, v0) in first {
+        let all: Vec<&Value> = values.iter().map(|v| v.get(&key).unwrap_or(&Value::Null)).collect();
+        let merged = match v0 {
+            Value::Bool(_) => Value::Bool(all.iter().all(|v| v.as_bool().unwrap_or(false))),
+            Value::Number(_) | Value::Null => {
+                let mut nums: Vec<f64> = all.iter().filter_map(|v| v.as_f64()).collect();
+                nums.sort_by(f64::total_cmp);
+                let whole = all.iter().all(|v| v.is_null() || v.is_u64());
+                match nums.len() {
+                    0 => Value::Null,
+                    n if whole => Value::from(nums[(n - 1) / 2] as u64),
+                    n if n % 2 == 1 => Value::from(nums[n / 2]),
+                    n => Value::from((nums[n / 2 - 1] + nums[n / 2]) / 2.0),
+                }
+            }
+            other => other,
+        };
+        out.insert(key, merged);
+    }
+    let mut row: Row = serde_json::from_value(Value::Object(out))?;
+    row.repeats = runs;
+    Ok(row)
 }
 
 #[cfg(test)]
@@ -408,7 +451,45 @@ pub(crate) mod tests {
             host_cpu: 0.5,
             valid: true,
             cpu_by_role: vec![],
+            repeats: vec![],
         }
+    }
+
+    #[test]
+    fn repeated_runs_of_a_cell_give_each_metric_its_median() {
+        let run = |p95: f64, tok: f64, requests: usize, hit: Option<f64>, valid: bool| Row {
+            ttft_p95_ms: p95,
+            output_tok_per_s: tok,
+            requests,
+            engine_hit_rate: hit,
+            inflight_spread_p95: f64::NAN,
+            valid,
+            ..row("kv", 60)
+        };
+        let runs = vec![
+            run(120.0, 2000.0, 300, Some(0.9), true),
+            run(100.0, 2100.0, 310, None, true),
+            run(900.0, 1900.0, 305, Some(0.8), true),
+        ];
+        let m = median_row(runs.clone()).unwrap();
+        // Each metric on its own: the outlier run's p95 does not count.
+        assert_eq!((m.ttft_p95_ms, m.output_tok_per_s, m.requests), (120.0, 2000.0, 305));
+        assert!(m.engine_hit_rate.is_some_and(|h| (h - 0.85).abs() < 1e-9), "the runs that measured it");
+        assert!(m.inflight_spread_p95.is_nan() && m.valid);
+        assert_eq!((m.mode.as_str(), m.concurrency, m.repeats.len()), ("kv", 60, 3));
+        // One invalid run makes the cell invalid; an even count of a whole
+        // number takes the lower middle.
+        let mut four = runs;
+        four.push(run(110.0, 2050.0, 320, None, false));
+        let m = median_row(four).unwrap();
+        assert_eq!((m.ttft_p95_ms, m.requests, m.valid), (115.0, 305, false));
+        // One run is itself, with no repeats; none is an error.
+        let one = median_row(vec![row("kv", 60)]).unwrap();
+        assert!(one.repeats.is_empty() && one.ttft_p95_ms == 600.0);
+        assert!(median_row(Vec::new()).is_err());
+        // The median row and its runs survive the result file.
+        let back: Row = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
+        assert_eq!((back.repeats.len(), back.ttft_p95_ms), (4, 115.0));
     }
 
     fn rec(conv: u64, turn: usize, start: f64, ttft: f64, e2e: f64, p: u64, c: u64) -> Record {
