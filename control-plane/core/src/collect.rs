@@ -217,7 +217,9 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
         s.counter("kvgate_engine_timing_observations", help, l(&[("kind", kind)]), n);
     }
     for (class, fit) in c.classes() {
-        for (name, learned) in [("first_token", fit.first_token()), ("decode", fit.decode())] {
+        let fits =
+            [("first_token", fit.first_token()), ("decode", fit.decode()), ("engine_prefill", fit.engine_prefill())];
+        for (name, learned) in fits {
             let samples = l(&[("class", class), ("fit", name)]);
             let help = "Observations each fit ignored for non-finite values.";
             s.counter("kvgate_engine_timing_rejected", help, samples.clone(), learned.rejected);
@@ -235,6 +237,10 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
                     p.stderr,
                 );
             }
+        }
+        if let Some(ratio) = fit.clock_ratio() {
+            let help = "Control-plane milliseconds per engine millisecond, from the two sides' inter-token times (about 1 for a real engine; a simulator's speed-up).";
+            s.gauge_f64("kvgate_engine_timing_clock_ratio", help, l(&[("class", class)]), ratio);
         }
         for (param, v) in fit.timing().params() {
             let help = "Engine timing the kv policy uses for the class (learned, or the prior until trusted).";

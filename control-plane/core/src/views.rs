@@ -67,6 +67,8 @@ impl App {
                     let v = serde_json::json!({
                         "first_token": fit.first_token(),
                         "decode": fit.decode(),
+                        "engine_prefill": fit.engine_prefill(),
+                        "clock_ratio": fit.clock_ratio(),
                         "used": used,
                     });
                     (class.to_owned(), v)

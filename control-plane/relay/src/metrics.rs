@@ -6,6 +6,7 @@
 //! | `vllm:num_requests_waiting` | `waiting` |
 //! | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `kv_usage`, a fraction |
 //! | `vllm:cache_config_info{block_size="…", num_gpu_blocks="…"}` | `block_size`, `capacity_blocks` |
+//! | `vllm:request_prefill_time_seconds_{sum,count}`, `vllm:request_prefill_kv_computed_tokens_sum`, `vllm:inter_token_latency_seconds_{sum,count}` | `counters` (running totals, summed over label sets) |
 //!
 //! A server with several data-parallel ranks labels each rank's series
 //! `engine="<rank>"`: [`parse_vllm_metrics`] given a rank reads that rank's
@@ -13,6 +14,8 @@
 //! other ranks'.
 //!
 //! Cost: O(text length). Malformed lines are ignored; a missing metric is `None`.
+
+use kvgate_protocol::pb;
 
 /// What one scrape found.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -27,6 +30,9 @@ pub struct EngineLoad {
     pub block_size: Option<u32>,
     /// KV blocks on the device.
     pub capacity_blocks: Option<u64>,
+    /// The request-timing histograms' totals; `None` when the text has no
+    /// prefill-time histogram (an older vLLM).
+    pub counters: Option<pb::EngineCounters>,
 }
 
 fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
@@ -48,6 +54,9 @@ fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
 pub fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> EngineLoad {
     let rank = rank.map(|r| r.to_string());
     let mut load = EngineLoad::default();
+    // Inter-token times count only beside the prefill histogram (they
+    // serve to read its clock).
+    let mut itl = (0.0, 0u64);
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -77,6 +86,13 @@ pub fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> EngineLoad {
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
                 load.kv_usage = Some((value as f32).clamp(0.0, 1.0));
             }
+            "vllm:request_prefill_time_seconds_sum" => counters(&mut load).prefill_seconds += value.max(0.0),
+            "vllm:request_prefill_time_seconds_count" => counters(&mut load).prefill_requests += whole(value),
+            "vllm:request_prefill_kv_computed_tokens_sum" => {
+                counters(&mut load).prefill_computed_tokens += whole(value);
+            }
+            "vllm:inter_token_latency_seconds_sum" => itl.0 += value.max(0.0),
+            "vllm:inter_token_latency_seconds_count" => itl.1 += whole(value),
             "vllm:cache_config_info" => {
                 load.block_size = label(labels, "block_size").and_then(|v| v.parse().ok()).or(load.block_size);
                 load.capacity_blocks =
@@ -85,7 +101,19 @@ pub fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> EngineLoad {
             _ => {}
         }
     }
+    if let Some(c) = load.counters.as_mut() {
+        (c.itl_seconds, c.itl_count) = itl;
+    }
     load
+}
+
+fn counters(load: &mut EngineLoad) -> &mut pb::EngineCounters {
+    load.counters.get_or_insert_with(pb::EngineCounters::default)
+}
+
+/// A count or token sum as a whole number (never negative).
+fn whole(v: f64) -> u64 {
+    v.max(0.0).round() as u64
 }
 
 #[cfg(test)]
@@ -111,7 +139,41 @@ vllm:num_requests_waiting{engine="1"} NaN
         assert_eq!(l.kv_usage, Some(0.25));
         assert_eq!(l.block_size, Some(32));
         assert_eq!(l.capacity_blocks, Some(128));
+        assert_eq!(l.counters, None);
         assert_eq!(parse_vllm_metrics("", None), EngineLoad::default());
+    }
+
+    /// The request-timing histograms of vLLM 0.32's exposition: their sums
+    /// and counts over label sets; inter-token times only beside the
+    /// prefill histogram.
+    #[test]
+    fn reads_the_request_timing_histograms() {
+        let text = r#"# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 3.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.75
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 4.0
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.25
+vllm:request_prefill_time_seconds_count{engine="1",model_name="m"} 1.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 5120.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="m"} 880.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 2.5
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 100.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} NaN
+"#;
+        let c = parse_vllm_metrics(text, None).counters;
+        let want = pb::EngineCounters {
+            prefill_seconds: 1.0,
+            prefill_requests: 5,
+            prefill_computed_tokens: 6000,
+            itl_seconds: 2.5,
+            itl_count: 100,
+        };
+        assert_eq!(c, Some(want));
+        let r1 = parse_vllm_metrics(text, Some(1)).counters;
+        assert_eq!(r1.map(|c| (c.prefill_requests, c.prefill_computed_tokens, c.itl_count)), Some((1, 880, 0)));
+        // Inter-token times alone are no counters.
+        let itl = "vllm:inter_token_latency_seconds_sum 2.5\nvllm:inter_token_latency_seconds_count 100\n";
+        assert_eq!(parse_vllm_metrics(itl, None).counters, None);
     }
 
     #[test]

@@ -353,6 +353,7 @@ impl Relay {
             data_parallel_rank: self.rank.unwrap_or(0),
             data_parallel_size: self.opts.data_parallel_size.max(1),
             role: self.opts.role as i32,
+            engine_counters: l.counters,
         };
         self.publisher.send(self.hb_subject.clone(), hb.encode_to_vec());
     }

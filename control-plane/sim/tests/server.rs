@@ -210,6 +210,13 @@ fn the_openai_sdk_streams_and_non_streams_against_it() {
     assert!(m.contains("num_gpu_blocks=\"4096\""), "{m}");
     // Five generations: two chats, one chat stream, two completions.
     assert_eq!(metric(&m, "vllm:time_to_first_token_seconds_count"), 5.0);
+    // Each finished request's prefill, as vLLM observes it at the end: its
+    // time from scheduling to first token, and the prompt tokens it
+    // computed (every prompt token but the cache hits).
+    assert_eq!(metric(&m, "vllm:request_prefill_time_seconds_count"), 5.0);
+    assert!(metric(&m, "vllm:request_prefill_time_seconds_sum") > 0.0, "{m}");
+    let computed = metric(&m, "vllm:request_prefill_kv_computed_tokens_sum");
+    assert_eq!(computed, metric(&m, "vllm:prompt_tokens_total") - hits, "{m}");
     assert_eq!(get(w.http, "/health").status, 200);
 }
 

@@ -533,6 +533,38 @@ pub struct WorkerHeartbeat {
     /// only whole requests and decode legs.
     #[prost(enumeration = "WorkerRole", tag = "19")]
     pub role: i32,
+    /// The engine's request timings so far, from its `/metrics` histograms;
+    /// absent when the engine exposes none of them. The control plane learns
+    /// each worker class's prefill compute from their growth between
+    /// heartbeats.
+    #[prost(message, optional, tag = "20")]
+    pub engine_counters: ::core::option::Option<EngineCounters>,
+}
+/// Running totals of vLLM's per-request histograms (each histogram's `_sum`
+/// and `_count`, summed over the worker's label sets), since the engine
+/// started: they only grow while it lives, and fall when it restarts.
+#[derive(Clone, Copy, PartialEq, ::prost::Message)]
+pub struct EngineCounters {
+    /// `vllm:request_prefill_time_seconds_sum`: from the step that first
+    /// scheduled a request to its first token (the prefill's compute, without
+    /// its wait in the queue), over finished requests, engine seconds.
+    #[prost(double, tag = "1")]
+    pub prefill_seconds: f64,
+    /// `vllm:request_prefill_time_seconds_count`: those requests.
+    #[prost(uint64, tag = "2")]
+    pub prefill_requests: u64,
+    /// `vllm:request_prefill_kv_computed_tokens_sum`: the prompt tokens those
+    /// requests computed (prompt less cached).
+    #[prost(uint64, tag = "3")]
+    pub prefill_computed_tokens: u64,
+    /// `vllm:inter_token_latency_seconds_sum`: engine seconds between output
+    /// tokens. Against the gateway's own inter-token times it relates the
+    /// engine's clock to the control plane's.
+    #[prost(double, tag = "4")]
+    pub itl_seconds: f64,
+    /// `vllm:inter_token_latency_seconds_count`.
+    #[prost(uint64, tag = "5")]
+    pub itl_count: u64,
 }
 /// Asks a relay for the full content of its mirror. Subject:
 /// `<prefix>.snap.<model>.<worker>`, sent with a reply inbox.

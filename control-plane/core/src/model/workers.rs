@@ -255,6 +255,9 @@ impl ModelState {
         };
         if self.tracker.measured(idx, m) {
             self.calibration.touch(idx, &self.tracker.load(idx), now_ms);
+            if let Some(totals) = hb.engine_counters.as_ref() {
+                self.calibration.engine_counters(idx, totals);
+            }
             if hb.capacity_blocks > 0 {
                 self.index.set_capacity(idx, usize::try_from(hb.capacity_blocks).ok());
             }

@@ -5,6 +5,7 @@
 //! |---|---|---|---|
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
 //! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄` | step base, per running request, KV fill, prefill tokens sharing the steps |
+//! | engine prefill | the engine's own mean prefill time over the requests that finished between two heartbeats (vLLM's histograms, engine clock) | `1, N̄` | per request, per computed token |
 //!
 //! `n` new prompt tokens (prompt − cached: as the router predicted when the
 //! first token is learned as it comes, as the engine reported when it is
@@ -29,6 +30,18 @@
 //! 5 % (`bench/results/calibration.json`, DECISIONS "Prefill rate from the
 //! decode steps too").
 
+//!
+//! Where the engine reports its prefill times (vLLM's
+//! `vllm:request_prefill_time_seconds` and
+//! `vllm:request_prefill_kv_computed_tokens`, forwarded by the relay), the
+//! third fit measures the rate directly: from the step that scheduled a
+//! request to its first token, compute only, per computed token (`N̄` the
+//! interval's mean). It is in the engine's clock, which a simulated fleet
+//! runs faster than its simulated time, so it is read through [`Clock`]:
+//! the engine's inter-token times against the gateway's for the same kind
+//! of interval. Once known, it is the prefill rate `kv` uses, linear (its
+//! least-squares slope already averages the growth over the prompts the
+//! class serves); the two indirect estimates stand in until then.
 //!
 //! The decode rate `kv` prices a running request with is what one more
 //! request adds to a step at the class's operating point: the per-request
@@ -130,6 +143,73 @@ impl Decode {
     }
 }
 
+/// What one worker's engine reported between two heartbeats: the
+/// requests that finished meanwhile, with their prefills as the engine
+/// timed them (its clock), and its inter-token times.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EnginePrefill {
+    /// Requests that finished.
+    pub requests: f64,
+    /// Their prefill times (scheduled to first token), summed, engine ms.
+    pub ms: f64,
+    /// Prompt tokens they computed (not cached).
+    pub computed_tokens: f64,
+    /// Time between output tokens, summed, engine ms.
+    pub itl_ms: f64,
+    /// Output-token intervals in `itl_ms`.
+    pub itl_count: f64,
+}
+
+impl EnginePrefill {
+    fn features(&self) -> [f64; 2] {
+        [1.0, self.computed_tokens / self.requests / K]
+    }
+}
+
+/// The engine's clock against the control plane's: the same kind of
+/// interval, the time between two output tokens, measured by the gateway
+/// (the decode observations, weighted by their tokens) and by the engine
+/// (its inter-token histogram). A real engine's ratio is about 1; a
+/// simulated one's is the simulator's speed-up, which the control plane is
+/// not told. Both sides change alike when the engine does, so the ratio
+/// needs only a long memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Clock {
+    /// Gateway (ms, intervals).
+    gateway: (f64, f64),
+    /// Engine (ms, intervals).
+    engine: (f64, f64),
+}
+
+impl Clock {
+    /// Intervals each side needs before the ratio is read.
+    const MIN: f64 = 1_000.0;
+    /// Above this many intervals a side's sums are halved: the memory is
+    /// long and bounded.
+    const KEEP: f64 = 1.0e6;
+
+    fn add(side: &mut (f64, f64), ms: f64, count: f64) {
+        if !(ms.is_finite() && count.is_finite() && ms >= 0.0 && count > 0.0) {
+            return;
+        }
+        side.0 += ms;
+        side.1 += count;
+        if side.1 > Self::KEEP {
+            side.0 /= 2.0;
+            side.1 /= 2.0;
+        }
+    }
+
+    /// Control-plane ms per engine ms, once both sides have enough.
+    fn ratio(&self) -> Option<f64> {
+        if self.gateway.1 < Self::MIN || self.engine.1 < Self::MIN {
+            return None;
+        }
+        let r = (self.gateway.0 / self.gateway.1) / (self.engine.0 / self.engine.1);
+        (r.is_finite() && r > 0.0).then_some(r)
+    }
+}
+
 /// A fit's coefficients with their standard errors, for metrics and the
 /// admin API.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -173,7 +253,11 @@ pub const FIRST_TOKEN_PARAMS: [&str; 6] = [
 pub const DECODE_PARAMS: [&str; 4] =
     ["step_base_ms", "decode_ms_per_seq", "step_ms_per_kv_fill", "step_prefill_ms_per_token"];
 
+/// Coefficient names of the engine-prefill fit (engine clock).
+pub const ENGINE_PREFILL_PARAMS: [&str; 2] = ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token"];
+
 /// Scales from a coefficient on scaled features back to the name's units.
+const ENGINE_PREFILL_SCALE: [f64; 2] = [1.0, 1.0 / K];
 const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
 const DECODE_SCALE: [f64; 4] = [1.0, 0.1, 1.0, 1.0 / K];
 
@@ -186,6 +270,9 @@ pub struct EngineFit {
     prior: Prior,
     first: Rls<6>,
     decode: Rls<4>,
+    /// The engine's own prefill times (engine clock).
+    engine: Rls<2>,
+    clock: Clock,
     /// Recent decode observations' mean KV fill and running requests
     /// (exponential averages): the operating point at which one more
     /// request's step cost is read from the decode fit.
@@ -246,10 +333,13 @@ impl EngineFit {
         let d = prior.decode_ms_per_seq * 10.0;
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
+        let engine = Rls::new([20.0, p], [500.0, 5.0 * p], 50.0);
         let mut fit = Self {
             prior,
             first,
             decode,
+            engine,
+            clock: Clock::default(),
             operating: Operating::default(),
             held: Held::default(),
             rates: Rates::default(),
@@ -272,6 +362,27 @@ impl EngineFit {
         let used = o.itl_ms > 0.0 && self.decode.observe(o.features(), o.itl_ms);
         if used {
             self.operating.observe(o);
+            self.hold();
+        }
+        used
+    }
+
+    /// A stream's decode as the gateway timed it: `ms` between its first
+    /// and last token over `intervals` tokens (the gateway's side of
+    /// [`Clock`]).
+    pub fn observe_gateway_itl(&mut self, ms: f64, intervals: f64) {
+        Clock::add(&mut self.clock.gateway, ms, intervals);
+    }
+
+    /// Learns from what a worker's engine reported between two heartbeats:
+    /// its inter-token times always (the engine's side of [`Clock`]), its
+    /// requests' prefill times when some finished. Returns whether a
+    /// prefill observation was used.
+    pub fn observe_engine(&mut self, o: &EnginePrefill) -> bool {
+        Clock::add(&mut self.clock.engine, o.itl_ms, o.itl_count);
+        let used =
+            o.requests >= 1.0 && o.computed_tokens >= 0.0 && self.engine.observe(o.features(), o.ms / o.requests);
+        if used {
             self.hold();
         }
         used
@@ -357,9 +468,16 @@ impl EngineFit {
         // after the engine changed).
         let from_first = (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then_some((ft[1], fse[1]));
         let from_steps = (known(dt[3], dse[3], dshare[3], ds, p_prior) && dt[3] > 0.0).then_some((dt[3], dse[3]));
-        let prefill = match (from_first, from_steps) {
-            (Some(a), Some(b)) => Some(by_precision(a, b)),
-            (a, b) => a.or(b),
+        // The engine's own measurement, in this clock, comes first.
+        let (et, ese, es) = (self.engine.theta(), self.engine.stderr(), self.engine.samples());
+        let from_engine = self.clock.ratio().and_then(|q| {
+            let ok = known(et[1], ese[1], self.engine.prior_share()[1], es, p_prior) && et[1] > 0.0;
+            ok.then_some((et[1] * q, ese[1] * q))
+        });
+        let prefill = match (from_engine, from_first, from_steps) {
+            (Some(e), _, _) => Some(e),
+            (None, Some(a), Some(b)) => Some(by_precision(a, b)),
+            (None, a, b) => a.or(b),
         };
         // A growth term's scale is the prefill rate's: on a workload whose
         // prompts fall in two groups (long and cold, short after a long
@@ -370,8 +488,12 @@ impl EngineFit {
         // one used (within two standard errors of the difference), and each
         // only when it is clearly above zero (three standard errors): one
         // within noise of zero, added to the steps' rate, is an error.
+        // The engine's rate is a straight line through its prompts: no
+        // growth on top of it.
         let agrees = match (from_first, prefill) {
-            (Some((f, fe)), Some((p, pe))) => (f - p).abs() <= 2.0 * (fe * fe + pe * pe).sqrt(),
+            (Some((f, fe)), Some((p, pe))) if from_engine.is_none() => {
+                (f - p).abs() <= 2.0 * (fe * fe + pe * pe).sqrt()
+            }
             _ => false,
         };
         let prefill = prefill.map(|(v, se)| (v / K, se / K));
@@ -457,6 +579,16 @@ impl EngineFit {
     /// The decode fit, in the names' units.
     pub fn decode(&self) -> Learned {
         learned(&self.decode, &DECODE_PARAMS, &DECODE_SCALE)
+    }
+
+    /// The engine-prefill fit, in the names' units (the engine's clock).
+    pub fn engine_prefill(&self) -> Learned {
+        learned(&self.engine, &ENGINE_PREFILL_PARAMS, &ENGINE_PREFILL_SCALE)
+    }
+
+    /// Control-plane ms per engine ms, once measured (see [`Clock`]).
+    pub fn clock_ratio(&self) -> Option<f64> {
+        self.clock.ratio()
     }
 }
 
@@ -761,6 +893,51 @@ mod tests {
         assert_eq!(fit.timing(), prior);
     }
 
+    /// An engine whose clock runs twice as slow as the gateway's (a
+    /// simulator at speed-up 2): it reports prefills of `2 × (30 + 0.08 n)`
+    /// engine ms for `n` computed tokens, in heartbeat intervals of a few
+    /// finished requests each, and inter-token times twice the gateway's.
+    /// The rate `kv` uses is the engine's, in the gateway's clock (0.08),
+    /// linear; the first tokens (which here say 0.3 ms per token, every
+    /// wait included) do not move it.
+    #[test]
+    fn the_engines_own_prefill_times_set_the_rate_in_the_gateways_clock() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(3);
+        let interval = |rng: &mut fastrand::Rng, itl_count: f64| {
+            let k = rng.u32(1..6);
+            let ns: Vec<f64> = (0..k).map(|_| if rng.bool() { 60.0 } else { f64::from(rng.u32(500..8000)) }).collect();
+            let ms = ns.iter().map(|n| 2.0 * (30.0 + 0.08 * n) + noise(rng, 2.0)).sum();
+            let computed_tokens = ns.iter().sum();
+            EnginePrefill { requests: f64::from(k), ms, computed_tokens, itl_ms: 2.0 * 40.0 * itl_count, itl_count }
+        };
+        for _ in 0..200 {
+            let n = f64::from(rng.u32(60..8000));
+            let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: 20.0 };
+            fit.observe_first_token(&FirstToken { ttft_ms: 50.0 + 0.3 * n + noise(&mut rng, 5.0), ..o });
+            fit.observe_engine(&interval(&mut rng, 0.0));
+        }
+        // No inter-token times yet: the engine's clock is unknown, its
+        // rate unused.
+        assert!(fit.clock_ratio().is_none());
+        assert!(near(fit.timing().prefill_ms_per_token, 0.3, 0.05), "{:?}", fit.timing());
+        for _ in 0..30 {
+            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
+            fit.observe_engine(&interval(&mut rng, 100.0));
+        }
+        let ratio = fit.clock_ratio().unwrap_or(0.0);
+        assert!(near(ratio, 0.5, 1e-9), "{ratio}");
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token, 0.08, 0.05), "{t:?}");
+        assert_eq!((t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx), (0.0, 0.0));
+        let e = fit.engine_prefill();
+        assert!(near(e.params[1].value, 0.16, 0.05), "{e:?}");
+        // Intervals without a finished request teach the clock only.
+        let before = fit.engine_prefill().samples;
+        assert!(!fit.observe_engine(&EnginePrefill { itl_ms: 800.0, itl_count: 10.0, ..EnginePrefill::default() }));
+        assert_eq!(fit.engine_prefill().samples, before);
+    }
+
     proptest! {
         #[test]
         fn predictions_are_finite_and_never_negative(
@@ -771,6 +948,8 @@ mod tests {
             for (y, n, c, r, f) in obs {
                 fit.observe_first_token(&FirstToken { ttft_ms: y, new_tokens: n, cached_tokens: c, ahead_tokens: n, running: r });
                 fit.observe_decode(&Decode { itl_ms: y / 100.0, running: r, kv_fill: f, prefill_tokens_per_step: c / 100.0 });
+                fit.observe_gateway_itl(y, n);
+                fit.observe_engine(&EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 });
             }
             let t = fit.timing();
             for v in [t.prefill_ms_per_token, t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx, t.decode_ms_per_seq] {

@@ -16,7 +16,7 @@
 //! | operation | cost |
 //! |---|---|
 //! | [`Calibration::routed`], [`Calibration::touch`] | O(1) |
-//! | [`Calibration::first_token`], [`Calibration::done`] | O(classes) (one fit update: 6² or 4² multiply-adds; every class's timing refreshed) |
+//! | [`Calibration::first_token`], [`Calibration::done`], [`Calibration::engine_counters`] | O(classes) (one fit update: 6², 4² or 2² multiply-adds; every class's timing refreshed) |
 //! | [`Calibration::expire`] | O(requests open) |
 //!
 //! Memory: one record per request in flight (dropped at its end or its
@@ -33,7 +33,7 @@ use kvgate_index::WorkerIdx;
 use kvgate_protocol::pb;
 use kvgate_scheduler::{EngineTiming, Load};
 
-pub use fit::{Decode, EngineFit, FirstToken, Learned, Prior, Reference};
+pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, Prior, Reference};
 
 /// Classes beyond this many share the class `other`.
 pub const MAX_CLASSES: usize = 32;
@@ -75,6 +75,8 @@ struct Activity {
     class: Arc<str>,
     hardware: (Option<u64>, Option<u32>),
     sums: Integrals,
+    /// Its engine's request-timing totals at the last heartbeat.
+    engine: Option<pb::EngineCounters>,
 }
 
 impl Integrals {
@@ -123,19 +125,23 @@ pub struct TimingCounters {
     /// First tokens learned from the routing's predicted prompt split
     /// whose usage then reported another (by more than a block).
     pub mispredicted: u64,
+    /// Heartbeat intervals whose engine-reported prefill times were
+    /// learned from.
+    pub engine_prefills: u64,
 }
 
 impl TimingCounters {
     /// Every counter with its `kind` label (destructured without `..`: a
     /// new counter does not compile until it is exported).
-    pub fn by_kind(&self) -> [(&'static str, u64); 5] {
-        let Self { first_tokens, decodes, queued, unusable, mispredicted } = *self;
+    pub fn by_kind(&self) -> [(&'static str, u64); 6] {
+        let Self { first_tokens, decodes, queued, unusable, mispredicted, engine_prefills } = *self;
         [
             ("first_token", first_tokens),
             ("decode", decodes),
             ("queued", queued),
             ("unusable", unusable),
             ("mispredicted", mispredicted),
+            ("engine_prefill", engine_prefills),
         ]
     }
 }
@@ -198,6 +204,7 @@ impl Calibration {
             class: Arc::from(""),
             hardware: (None, None),
             sums: Integrals { last_ms: now_ms, ..Integrals::default() },
+            engine: None,
         });
         // Named again only when the hardware it reports changes (no
         // allocation on every Pick).
@@ -285,6 +292,32 @@ impl Calibration {
         self.refresh_timings();
     }
 
+    /// A heartbeat of `worker` carried its engine's request-timing totals:
+    /// what grew since the last one is learned from (the requests that
+    /// finished meanwhile). Totals that fell (the engine restarted) start
+    /// over.
+    pub fn engine_counters(&mut self, worker: WorkerIdx, totals: &pb::EngineCounters) {
+        let Some(a) = self.activity.get_mut(&worker) else { return };
+        let Some(before) = a.engine.replace(*totals) else { return };
+        let grown = |now: f64, then: f64| (now >= then).then_some(now - then);
+        let delta = (|| {
+            let requests = grown(totals.prefill_requests as f64, before.prefill_requests as f64)?;
+            Some(EnginePrefill {
+                requests,
+                ms: grown(totals.prefill_seconds, before.prefill_seconds)? * 1000.0,
+                computed_tokens: grown(totals.prefill_computed_tokens as f64, before.prefill_computed_tokens as f64)?,
+                itl_ms: grown(totals.itl_seconds, before.itl_seconds)? * 1000.0,
+                itl_count: grown(totals.itl_count as f64, before.itl_count as f64)?,
+            })
+        })();
+        let Some(delta) = delta else { return };
+        let class = Arc::clone(&a.class);
+        if self.fit_mut(&class).is_some_and(|f| f.observe_engine(&delta)) {
+            self.counters.engine_prefills += 1;
+            self.refresh_timings();
+        }
+    }
+
     /// The class's fit, new at the prior when it has none (its name is
     /// copied only then).
     fn fit_mut(&mut self, class: &str) -> Option<&mut EngineFit> {
@@ -366,7 +399,12 @@ impl Calibration {
                     kv_fill: (now.fill_ms - from.fill_ms) / window,
                     prefill_tokens_per_step: (now.prefill_tokens - from.prefill_tokens) / f64::from(steps),
                 };
-                if self.fit_mut(&o.class).is_some_and(|f| f.observe_decode(&d)) {
+                let gateway_ms = (r.total_us - r.ttfb_us) as f64 / 1000.0;
+                let fit = self.fit_mut(&o.class);
+                if fit.is_some_and(|f| {
+                    f.observe_gateway_itl(gateway_ms, f64::from(steps));
+                    f.observe_decode(&d)
+                }) {
                     self.counters.decodes += 1;
                 }
             }
@@ -498,6 +536,36 @@ mod tests {
         assert!((t.decode_ms_per_seq - 1.5).abs() < 0.15, "{t:?}");
         let classes: Vec<&str> = cal.classes().map(|(k, _)| k).collect();
         assert_eq!(classes, ["blocks=1000,seqs=64"]);
+    }
+
+    /// Heartbeats carry the engine's running totals: each interval's growth
+    /// is one observation; totals that fall (the engine restarted) are
+    /// skipped, and the next interval counts from the new totals.
+    #[test]
+    fn engine_totals_are_learned_by_their_growth_between_heartbeats() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(0);
+        let totals = |requests: u64, seconds: f64, tokens: u64| pb::EngineCounters {
+            prefill_seconds: seconds,
+            prefill_requests: requests,
+            prefill_computed_tokens: tokens,
+            itl_seconds: requests as f64,
+            itl_count: requests * 10,
+        };
+        // Unknown worker (no heartbeat with its load yet): nothing kept.
+        cal.engine_counters(w, &totals(1, 0.1, 100));
+        cal.touch(w, &load(0, 0), 0);
+        cal.engine_counters(w, &totals(10, 1.0, 1000));
+        assert_eq!(cal.counters().engine_prefills, 0, "a first total is a baseline");
+        cal.engine_counters(w, &totals(15, 1.5, 1500));
+        cal.engine_counters(w, &totals(15, 1.5, 1500));
+        assert_eq!(cal.counters().engine_prefills, 1, "an interval without finished requests teaches no prefill");
+        cal.engine_counters(w, &totals(2, 0.2, 200));
+        assert_eq!(cal.counters().engine_prefills, 1, "a restart is skipped");
+        cal.engine_counters(w, &totals(4, 0.4, 400));
+        assert_eq!(cal.counters().engine_prefills, 2);
+        let fit = cal.classes().next().map(|(_, f)| f.engine_prefill());
+        assert_eq!(fit.map(|f| f.samples), Some(2));
     }
 
     /// Two classes of one model: the fast one sees cold prompts of every

@@ -18,8 +18,23 @@ use super::{Delta, ReplayBuffer, Shared, StreamFault, Submit, word_ids};
 use crate::engine::{Engine, Output, Step};
 use crate::pool::CacheEvent;
 
-/// A request in the engine: its channel, arrival and last token time.
-type Live = (mpsc::UnboundedSender<Delta>, Instant, Option<Instant>);
+/// A request in the engine.
+struct Live {
+    tx: mpsc::UnboundedSender<Delta>,
+    /// Arrival.
+    at: Instant,
+    /// Its last token.
+    last: Option<Instant>,
+    /// Prompt tokens.
+    prompt: usize,
+    /// Start of the first step that scheduled it (vLLM's `scheduled_ts`;
+    /// a preemption does not move it).
+    scheduled: Option<Instant>,
+    /// Simulated seconds from `scheduled` to its first token, and the
+    /// prompt tokens it computed (prompt less cached): observed when it
+    /// finishes, as vLLM observes its request histograms.
+    prefill: Option<(f64, usize)>,
+}
 
 /// The engine and what the task keeps around it.
 pub(super) struct EngineTask {
@@ -70,7 +85,7 @@ impl EngineTask {
                 self.admit(s);
             }
             // Abandoned requests (client gone) are aborted, as vLLM does.
-            let gone: Vec<u64> = self.live.iter().filter(|(_, (tx, _, _))| tx.is_closed()).map(|(id, _)| *id).collect();
+            let gone: Vec<u64> = self.live.iter().filter(|(_, l)| l.tx.is_closed()).map(|(id, _)| *id).collect();
             for id in gone {
                 self.engine.abort(id);
                 self.live.remove(&id);
@@ -105,7 +120,8 @@ impl EngineTask {
                 return;
             }
         }
-        self.live.insert(s.req.id, (s.tx, s.at, None));
+        let live = Live { tx: s.tx, at: s.at, last: None, prompt: s.req.prompt.len(), scheduled: None, prefill: None };
+        self.live.insert(s.req.id, live);
         if s.remote { self.engine.submit_transferred(s.req) } else { self.engine.submit(s.req) }
     }
 
@@ -135,29 +151,39 @@ impl EngineTask {
         // start of the step that just ended.
         let began = now.checked_sub(Duration::from_secs_f64(step.ms.max(0.0) / 1000.0 / speed)).unwrap_or(now);
         for id in &step.admitted {
-            if let Some((_, at, _)) = self.live.get(id) {
-                st.queue.observe(began.saturating_duration_since(*at).as_secs_f64() * speed);
+            if let Some(l) = self.live.get_mut(id)
+                && l.scheduled.is_none()
+            {
+                st.queue.observe(began.saturating_duration_since(l.at).as_secs_f64() * speed);
+                l.scheduled = Some(began);
             }
         }
         for out in &step.outputs {
             match *out {
                 Output::Token { id, index, cached_tokens, .. } => {
-                    if let Some((tx, at, last)) = self.live.get_mut(&id) {
+                    if let Some(l) = self.live.get_mut(&id) {
                         if index == 0 {
-                            st.ttft.observe(now.duration_since(*at).as_secs_f64() * speed);
-                        } else if let Some(l) = last {
-                            st.itl.observe(now.duration_since(*l).as_secs_f64() * speed);
+                            st.ttft.observe(now.duration_since(l.at).as_secs_f64() * speed);
+                            let scheduled = l.scheduled.unwrap_or(began);
+                            let prefill_s = now.duration_since(scheduled).as_secs_f64() * speed;
+                            l.prefill = Some((prefill_s, l.prompt.saturating_sub(cached_tokens)));
+                        } else if let Some(last) = l.last {
+                            st.itl.observe(now.duration_since(last).as_secs_f64() * speed);
                         }
-                        *last = Some(now);
+                        l.last = Some(now);
                         st.generation_tokens += 1;
-                        let _ = tx.send(Delta::Token { index, cached: cached_tokens });
+                        let _ = l.tx.send(Delta::Token { index, cached: cached_tokens });
                     }
                 }
                 Output::Finished { id } => {
-                    if let Some((tx, _, _)) = self.live.remove(&id) {
+                    if let Some(l) = self.live.remove(&id) {
                         rank.inflight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
                         st.success += 1;
-                        let _ = tx.send(Delta::Done);
+                        if let Some((seconds, computed)) = l.prefill {
+                            st.prefill.observe(seconds);
+                            st.prefill_computed.observe(computed as f64);
+                        }
+                        let _ = l.tx.send(Delta::Done);
                     }
                 }
             }

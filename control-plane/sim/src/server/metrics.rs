@@ -26,6 +26,15 @@ const TTFT_BUCKETS: &[f64] =
 const ITL_BUCKETS: &[f64] =
     &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 const QUEUE_BUCKETS: &[f64] = &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0];
+/// vLLM's request latency buckets (`vllm:request_prefill_time_seconds`).
+const REQUEST_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+];
+/// vLLM's request token buckets (1, 2, 5 times powers of ten).
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0, 100000.0,
+];
 
 impl Hist {
     fn new(bounds: &'static [f64]) -> Self {
@@ -69,6 +78,10 @@ pub(super) struct Stats {
     pub(super) ttft: Hist,
     pub(super) itl: Hist,
     pub(super) queue: Hist,
+    /// Scheduled to first token, per finished request.
+    pub(super) prefill: Hist,
+    /// Prompt tokens computed (not cached), per finished request.
+    pub(super) prefill_computed: Hist,
     pub(super) steps: u64,
     pub(super) events_published: u64,
     pub(super) cached_blocks: usize,
@@ -89,6 +102,8 @@ impl Stats {
             ttft: Hist::new(TTFT_BUCKETS),
             itl: Hist::new(ITL_BUCKETS),
             queue: Hist::new(QUEUE_BUCKETS),
+            prefill: Hist::new(REQUEST_BUCKETS),
+            prefill_computed: Hist::new(TOKEN_BUCKETS),
             steps: 0,
             events_published: 0,
             cached_blocks: 0,
@@ -162,10 +177,18 @@ pub(super) async fn metrics(State(sh): State<Arc<Shared>>) -> impl IntoResponse 
             o.engine.block_size, o.engine.num_blocks
         );
     }
-    let hists: [(&str, &str, HistOf); 3] = [
+    let hists: [(&str, &str, HistOf); 5] = [
         ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", |st| &st.ttft),
         ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", |st| &st.itl),
         ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", |st| &st.queue),
+        ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", |st| {
+            &st.prefill
+        }),
+        (
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            |st| &st.prefill_computed,
+        ),
     ];
     for (name, help, h) in hists {
         let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} histogram");
