@@ -217,8 +217,12 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
         s.counter("kvgate_engine_timing_observations", help, l(&[("kind", kind)]), n);
     }
     for (class, fit) in c.classes() {
-        let fits =
-            [("first_token", fit.first_token()), ("decode", fit.decode()), ("engine_prefill", fit.engine_prefill())];
+        let fits = [
+            ("first_token", fit.first_token()),
+            ("decode", fit.decode()),
+            ("engine_prefill", fit.engine_prefill()),
+            ("engine_matched", fit.engine_matched()),
+        ];
         for (name, learned) in fits {
             let samples = l(&[("class", class), ("fit", name)]);
             let help = "Observations each fit ignored for non-finite values.";

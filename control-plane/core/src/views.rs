@@ -68,6 +68,7 @@ impl App {
                         "first_token": fit.first_token(),
                         "decode": fit.decode(),
                         "engine_prefill": fit.engine_prefill(),
+                        "engine_matched": fit.engine_matched(),
                         "clock_ratio": fit.clock_ratio(),
                         "used": used,
                     });

@@ -6,6 +6,7 @@
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
 //! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄` | step base, per running request, KV fill, prefill tokens sharing the steps |
 //! | engine prefill | the engine's own mean prefill time over the requests that finished between two heartbeats (vLLM's histograms, engine clock) | `1, N̄` | per request, per computed token |
+//! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees) | `1, N̄, N²̄` | per request, per computed token, its growth with the prompt |
 //!
 //! `n` new prompt tokens (prompt − cached: as the router predicted when the
 //! first token is learned as it comes, as the engine reported when it is
@@ -36,12 +37,21 @@
 //! `vllm:request_prefill_kv_computed_tokens`, forwarded by the relay), the
 //! third fit measures the rate directly: from the step that scheduled a
 //! request to its first token, compute only, per computed token (`N̄` the
-//! interval's mean). It is in the engine's clock, which a simulated fleet
-//! runs faster than its simulated time, so it is read through [`Clock`]:
-//! the engine's inter-token times against the gateway's for the same kind
-//! of interval. Once known, it is the prefill rate `kv` uses, linear (its
-//! least-squares slope already averages the growth over the prompts the
-//! class serves); the two indirect estimates stand in until then.
+//! interval's mean). The histograms give sums only, so the interval's mean
+//! square of computed tokens, which a prefill cost that grows with the
+//! prompt needs, comes from the gateway's own reports: where the requests
+//! it saw end on the worker since the last matched interval add up to the
+//! engine's computed tokens, they are the same requests, and a second fit
+//! learns with their squares too. A straight line through a convex cost
+//! moves with the mix of prompts (on `dynamo-mocker` its slope went from
+//! 0.0163 to 0.0179 ms per token as conversations went from their cold
+//! starters to follow-ups); the matched fit does not. Both are in the
+//! engine's clock, which a simulated fleet runs faster than its simulated
+//! time, so they are read through [`Clock`]: the engine's inter-token
+//! times against the gateway's for the same kind of interval. Once known,
+//! the matched fit is the prefill price `kv` uses (its rate and growth),
+//! else the straight line; the two indirect estimates stand in until
+//! then.
 //!
 //! The decode rate `kv` prices a running request with is what one more
 //! request adds to a step at the class's operating point: the per-request
@@ -164,6 +174,12 @@ impl EnginePrefill {
     fn features(&self) -> [f64; 2] {
         [1.0, self.computed_tokens / self.requests / K]
     }
+
+    /// With `squared_tokens`, the sum of the requests' computed tokens
+    /// squared.
+    fn matched_features(&self, squared_tokens: f64) -> [f64; 3] {
+        [1.0, self.computed_tokens / self.requests / K, squared_tokens / self.requests / (K * K)]
+    }
 }
 
 /// The engine's clock against the control plane's: the same kind of
@@ -256,8 +272,13 @@ pub const DECODE_PARAMS: [&str; 4] =
 /// Coefficient names of the engine-prefill fit (engine clock).
 pub const ENGINE_PREFILL_PARAMS: [&str; 2] = ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token"];
 
+/// Coefficient names of the matched engine-prefill fit (engine clock).
+pub const ENGINE_MATCHED_PARAMS: [&str; 3] =
+    ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token", "engine_prefill_ms_per_token_per_ktok"];
+
 /// Scales from a coefficient on scaled features back to the name's units.
 const ENGINE_PREFILL_SCALE: [f64; 2] = [1.0, 1.0 / K];
+const ENGINE_MATCHED_SCALE: [f64; 3] = [1.0, 1.0 / K, 1.0 / K];
 const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
 const DECODE_SCALE: [f64; 4] = [1.0, 0.1, 1.0, 1.0 / K];
 
@@ -272,6 +293,8 @@ pub struct EngineFit {
     decode: Rls<4>,
     /// The engine's own prefill times (engine clock).
     engine: Rls<2>,
+    /// The same where the gateway matched the requests (with their squares).
+    matched: Rls<3>,
     clock: Clock,
     /// Recent decode observations' mean KV fill and running requests
     /// (exponential averages): the operating point at which one more
@@ -334,11 +357,13 @@ impl EngineFit {
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
         let engine = Rls::new([20.0, p], [500.0, 5.0 * p], 50.0);
+        let matched = Rls::new([20.0, p, 0.0], [500.0, 5.0 * p, 2.0 * p], 50.0);
         let mut fit = Self {
             prior,
             first,
             decode,
             engine,
+            matched,
             clock: Clock::default(),
             operating: Operating::default(),
             held: Held::default(),
@@ -382,6 +407,19 @@ impl EngineFit {
         Clock::add(&mut self.clock.engine, o.itl_ms, o.itl_count);
         let used =
             o.requests >= 1.0 && o.computed_tokens >= 0.0 && self.engine.observe(o.features(), o.ms / o.requests);
+        if used {
+            self.hold();
+        }
+        used
+    }
+
+    /// Learns from an engine interval whose requests the gateway saw end:
+    /// `squared_tokens` is the sum of their computed tokens squared.
+    pub fn observe_engine_matched(&mut self, o: &EnginePrefill, squared_tokens: f64) -> bool {
+        let used = o.requests >= 1.0
+            && o.computed_tokens >= 0.0
+            && squared_tokens >= 0.0
+            && self.matched.observe(o.matched_features(squared_tokens), o.ms / o.requests);
         if used {
             self.hold();
         }
@@ -468,12 +506,23 @@ impl EngineFit {
         // after the engine changed).
         let from_first = (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then_some((ft[1], fse[1]));
         let from_steps = (known(dt[3], dse[3], dshare[3], ds, p_prior) && dt[3] > 0.0).then_some((dt[3], dse[3]));
-        // The engine's own measurement, in this clock, comes first.
+        // The engine's own measurement, in this clock, comes first: the
+        // matched fit's rate and growth, else the straight line's rate.
+        let q = self.clock.ratio();
+        let (mt, mse, ms) = (self.matched.theta(), self.matched.stderr(), self.matched.samples());
+        let mshare = self.matched.prior_share();
+        let from_matched = q.filter(|_| known(mt[1], mse[1], mshare[1], ms, p_prior) && mt[1] > 0.0);
         let (et, ese, es) = (self.engine.theta(), self.engine.stderr(), self.engine.samples());
-        let from_engine = self.clock.ratio().and_then(|q| {
-            let ok = known(et[1], ese[1], self.engine.prior_share()[1], es, p_prior) && et[1] > 0.0;
-            ok.then_some((et[1] * q, ese[1] * q))
-        });
+        let from_line = q.filter(|_| known(et[1], ese[1], self.engine.prior_share()[1], es, p_prior) && et[1] > 0.0);
+        let from_engine = match (from_matched, from_line) {
+            (Some(q), _) => Some((mt[1] * q, mse[1] * q)),
+            (None, Some(q)) => Some((et[1] * q, ese[1] * q)),
+            (None, None) => None,
+        };
+        // Its growth with the prompt, when clearly above zero.
+        let matched_growth = from_matched
+            .filter(|_| mt[2] > 3.0 * mse[2] && known(mt[2], mse[2], mshare[2], ms, p_prior))
+            .map_or(0.0, |q| mt[2] * q / K);
         let prefill = match (from_engine, from_first, from_steps) {
             (Some(e), _, _) => Some(e),
             (None, Some(a), Some(b)) => Some(by_precision(a, b)),
@@ -488,8 +537,8 @@ impl EngineFit {
         // one used (within two standard errors of the difference), and each
         // only when it is clearly above zero (three standard errors): one
         // within noise of zero, added to the steps' rate, is an error.
-        // The engine's rate is a straight line through its prompts: no
-        // growth on top of it.
+        // The engine's own rate comes with its own growth (none for the
+        // straight line): the first token's is not added to it.
         let agrees = match (from_first, prefill) {
             (Some((f, fe)), Some((p, pe))) if from_engine.is_none() => {
                 (f - p).abs() <= 2.0 * (fe * fe + pe * pe).sqrt()
@@ -512,7 +561,7 @@ impl EngineFit {
             prefill,
             decode: known(dv, dve, self.decode.prior_share_at(&marginal), ds, d_prior)
                 .then(|| (dv.max(0.0) / 10.0, dve / 10.0)),
-            growth: (growth(2), growth(3)),
+            growth: if from_engine.is_some() { (matched_growth, 0.0) } else { (growth(2), growth(3)) },
         }
     }
 
@@ -584,6 +633,12 @@ impl EngineFit {
     /// The engine-prefill fit, in the names' units (the engine's clock).
     pub fn engine_prefill(&self) -> Learned {
         learned(&self.engine, &ENGINE_PREFILL_PARAMS, &ENGINE_PREFILL_SCALE)
+    }
+
+    /// The matched engine-prefill fit, in the names' units (the engine's
+    /// clock).
+    pub fn engine_matched(&self) -> Learned {
+        learned(&self.matched, &ENGINE_MATCHED_PARAMS, &ENGINE_MATCHED_SCALE)
     }
 
     /// Control-plane ms per engine ms, once measured (see [`Clock`]).
@@ -938,6 +993,44 @@ mod tests {
         assert_eq!(fit.engine_prefill().samples, before);
     }
 
+    /// A prefill cost that grows with the prompt (`30 + 0.01 n + 1e-6 n²`
+    /// ms in the gateway's clock, twice that in the engine's): the
+    /// straight line's slope depends on the mix of prompts, the matched
+    /// intervals (with their squares) give the rate and its growth.
+    #[test]
+    fn matched_engine_intervals_learn_how_prefill_grows_with_the_prompt() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(8);
+        for _ in 0..30 {
+            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
+            fit.observe_engine(&EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
+        }
+        for _ in 0..300 {
+            let k = rng.u32(1..6);
+            let ns: Vec<f64> =
+                (0..k).map(|_| if rng.bool() { 60.0 } else { f64::from(rng.u32(500..16_000)) }).collect();
+            let ms = ns.iter().map(|n| 2.0 * (30.0 + 0.01 * n + 1e-6 * n * n) + noise(&mut rng, 1.0)).sum();
+            let o = EnginePrefill {
+                requests: f64::from(k),
+                ms,
+                computed_tokens: ns.iter().sum(),
+                ..EnginePrefill::default()
+            };
+            fit.observe_engine(&o);
+            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum());
+        }
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token, 0.01, 0.05), "{t:?}");
+        assert!(near(t.prefill_ms_per_token_per_ktok, 0.001, 0.1), "{t:?}");
+        assert_eq!(t.prefill_ms_per_token_per_kctx, 0.0);
+        // The straight line alone would price a 16K prompt's extra cost
+        // wrong at one end or the other; the learned price is right at both.
+        let cost = |n: f64| t.prefill_ms_per_token_at(n, 0.0) * n;
+        for n in [500.0, 4_000.0, 16_000.0] {
+            assert!(near(cost(n), 0.01 * n + 1e-6 * n * n, 0.05), "{n}: {}", cost(n));
+        }
+    }
+
     proptest! {
         #[test]
         fn predictions_are_finite_and_never_negative(
@@ -949,7 +1042,9 @@ mod tests {
                 fit.observe_first_token(&FirstToken { ttft_ms: y, new_tokens: n, cached_tokens: c, ahead_tokens: n, running: r });
                 fit.observe_decode(&Decode { itl_ms: y / 100.0, running: r, kv_fill: f, prefill_tokens_per_step: c / 100.0 });
                 fit.observe_gateway_itl(y, n);
-                fit.observe_engine(&EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 });
+                let o = EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 };
+                fit.observe_engine(&o);
+                fit.observe_engine_matched(&o, n * c);
             }
             let t = fit.timing();
             for v in [t.prefill_ms_per_token, t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx, t.decode_ms_per_seq] {

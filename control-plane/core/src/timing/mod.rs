@@ -26,7 +26,7 @@
 pub mod fit;
 pub mod rls;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use kvgate_index::WorkerIdx;
@@ -77,7 +77,22 @@ struct Activity {
     sums: Integrals,
     /// Its engine's request-timing totals at the last heartbeat.
     engine: Option<pb::EngineCounters>,
+    /// Computed prompt tokens of the requests the gateway saw end on it,
+    /// in the order their reports came, not yet matched to an engine
+    /// interval.
+    ended: VecDeque<f64>,
+    /// Engine intervals not yet matched, summed, and the heartbeats they
+    /// have waited.
+    owed: Option<(EnginePrefill, u32)>,
 }
+
+/// Requests kept per worker for matching engine intervals.
+const MAX_ENDED: usize = 1024;
+
+/// Heartbeats an engine interval waits for the reports of its requests
+/// before it is given up (some of them did not come through this
+/// gateway).
+const MAX_OWED: u32 = 3;
 
 impl Integrals {
     fn advance(&mut self, now_ms: u64) {
@@ -128,13 +143,28 @@ pub struct TimingCounters {
     /// Heartbeat intervals whose engine-reported prefill times were
     /// learned from.
     pub engine_prefills: u64,
+    /// Engine intervals matched to the requests the gateway saw end
+    /// (learned with their squares).
+    pub engine_matched: u64,
+    /// Engine intervals that could not be matched (requests that did not
+    /// come through this gateway, reports out of order).
+    pub engine_unmatched: u64,
 }
 
 impl TimingCounters {
     /// Every counter with its `kind` label (destructured without `..`: a
     /// new counter does not compile until it is exported).
-    pub fn by_kind(&self) -> [(&'static str, u64); 6] {
-        let Self { first_tokens, decodes, queued, unusable, mispredicted, engine_prefills } = *self;
+    pub fn by_kind(&self) -> [(&'static str, u64); 8] {
+        let Self {
+            first_tokens,
+            decodes,
+            queued,
+            unusable,
+            mispredicted,
+            engine_prefills,
+            engine_matched,
+            engine_unmatched,
+        } = *self;
         [
             ("first_token", first_tokens),
             ("decode", decodes),
@@ -142,6 +172,8 @@ impl TimingCounters {
             ("unusable", unusable),
             ("mispredicted", mispredicted),
             ("engine_prefill", engine_prefills),
+            ("engine_matched", engine_matched),
+            ("engine_unmatched", engine_unmatched),
         ]
     }
 }
@@ -205,6 +237,8 @@ impl Calibration {
             hardware: (None, None),
             sums: Integrals { last_ms: now_ms, ..Integrals::default() },
             engine: None,
+            ended: VecDeque::new(),
+            owed: None,
         });
         // Named again only when the hardware it reports changes (no
         // allocation on every Pick).
@@ -294,11 +328,15 @@ impl Calibration {
 
     /// A heartbeat of `worker` carried its engine's request-timing totals:
     /// what grew since the last one is learned from (the requests that
-    /// finished meanwhile). Totals that fell (the engine restarted) start
-    /// over.
+    /// finished meanwhile), and, once the requests the gateway saw end
+    /// there add up to the same computed tokens, learned again with their
+    /// squares. Totals that fell (the engine restarted) start over.
     pub fn engine_counters(&mut self, worker: WorkerIdx, totals: &pb::EngineCounters) {
         let Some(a) = self.activity.get_mut(&worker) else { return };
-        let Some(before) = a.engine.replace(*totals) else { return };
+        let Some(before) = a.engine.replace(*totals) else {
+            a.ended.clear();
+            return;
+        };
         let grown = |now: f64, then: f64| (now >= then).then_some(now - then);
         let delta = (|| {
             let requests = grown(totals.prefill_requests as f64, before.prefill_requests as f64)?;
@@ -310,12 +348,57 @@ impl Calibration {
                 itl_count: grown(totals.itl_count as f64, before.itl_count as f64)?,
             })
         })();
-        let Some(delta) = delta else { return };
+        let Some(delta) = delta else {
+            (a.ended, a.owed) = (VecDeque::new(), None);
+            return;
+        };
+        let matched = Self::match_ended(a, &delta);
         let class = Arc::clone(&a.class);
-        if self.fit_mut(&class).is_some_and(|f| f.observe_engine(&delta)) {
-            self.counters.engine_prefills += 1;
+        let Some(fit) = self.fit_mut(&class) else { return };
+        let line = fit.observe_engine(&delta);
+        let (shape, unmatched) = match matched {
+            Some(Some((o, squared))) => (fit.observe_engine_matched(&o, squared), false),
+            Some(None) => (false, true),
+            None => (false, false),
+        };
+        let c = &mut self.counters;
+        c.engine_prefills += u64::from(line);
+        c.engine_matched += u64::from(shape);
+        c.engine_unmatched += u64::from(unmatched);
+        if line || shape {
             self.refresh_timings();
         }
+    }
+
+    /// The engine intervals owed so far, `delta` added, against the
+    /// requests the gateway saw end on the worker, in order: `None` while
+    /// they wait for reports, `Some(None)` when given up, else the summed
+    /// intervals with their requests' computed tokens squared, summed.
+    fn match_ended(a: &mut Activity, delta: &EnginePrefill) -> Option<Option<(EnginePrefill, f64)>> {
+        let (mut owed, waited) = a.owed.take().unwrap_or_default();
+        owed.requests += delta.requests;
+        owed.ms += delta.ms;
+        owed.computed_tokens += delta.computed_tokens;
+        let k = owed.requests as usize;
+        if k == 0 {
+            return None;
+        }
+        if a.ended.len() < k {
+            if waited + 1 > MAX_OWED {
+                a.ended.clear();
+                return Some(None);
+            }
+            a.owed = Some((owed, waited + 1));
+            return None;
+        }
+        let (sum, squared) = a.ended.drain(..k).fold((0.0, 0.0), |(s, q), n| (s + n, q + n * n));
+        if (sum - owed.computed_tokens).abs() > 0.5 {
+            // Misaligned (a request of this interval reported late, or one
+            // the engine counted that never came through here): start over.
+            a.ended.clear();
+            return Some(None);
+        }
+        Some(Some((owed, squared)))
     }
 
     /// The class's fit, new at the prior when it has none (its name is
@@ -357,6 +440,12 @@ impl Calibration {
             }
         };
         let new_tokens = f64::from(prompt.saturating_sub(cached));
+        if let Some(a) = self.activity.get_mut(&o.worker) {
+            if a.ended.len() == MAX_ENDED {
+                a.ended.pop_front();
+            }
+            a.ended.push_back(new_tokens);
+        }
         if o.saturated {
             self.counters.queued += 1;
         } else if o.learned_first {
@@ -566,6 +655,65 @@ mod tests {
         assert_eq!(cal.counters().engine_prefills, 2);
         let fit = cal.classes().next().map(|(_, f)| f.engine_prefill());
         assert_eq!(fit.map(|f| f.samples), Some(2));
+    }
+
+    /// The requests the gateway saw end on a worker are matched to the
+    /// engine's intervals by count and computed tokens: an interval whose
+    /// requests all reported is learned with their squares; one reported
+    /// late waits for them; one with a request the gateway never saw is
+    /// given up after a few heartbeats.
+    #[test]
+    fn engine_intervals_are_matched_to_the_requests_the_gateway_saw_end() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(0);
+        let (mut requests, mut tokens) = (0u64, 0u64);
+        let mut heartbeat = |cal: &mut Calibration, finished: &[u32]| {
+            requests += finished.len() as u64;
+            tokens += finished.iter().map(|n| u64::from(*n)).sum::<u64>();
+            let totals = pb::EngineCounters {
+                prefill_seconds: requests as f64 * 0.1,
+                prefill_requests: requests,
+                prefill_computed_tokens: tokens,
+                itl_seconds: 0.0,
+                itl_count: 0,
+            };
+            cal.engine_counters(w, &totals);
+        };
+        let mut n = 0;
+        let mut end = |cal: &mut Calibration, prompt: u32, cached: u32| {
+            n += 1;
+            let id = format!("r{n}");
+            cal.routed(&id, w, &load(0, 0), (u64::from((prompt - cached) / 16), 0), 0);
+            cal.done(&report(&id, 50, 500, prompt, cached, 10), 1);
+        };
+        cal.touch(w, &load(0, 0), 0);
+        heartbeat(&mut cal, &[]);
+        // Two requests end and are reported, then the engine counts them.
+        end(&mut cal, 1000, 200);
+        end(&mut cal, 3000, 0);
+        heartbeat(&mut cal, &[800, 3000]);
+        assert_eq!((cal.counters().engine_matched, cal.counters().engine_unmatched), (1, 0));
+        // The engine counts one the gateway reports only after the
+        // heartbeat: matched at the next one.
+        heartbeat(&mut cal, &[500]);
+        end(&mut cal, 500, 0);
+        heartbeat(&mut cal, &[]);
+        assert_eq!((cal.counters().engine_matched, cal.counters().engine_unmatched), (2, 0));
+        // One that never came through here: given up after MAX_OWED more.
+        heartbeat(&mut cal, &[700]);
+        for _ in 0..MAX_OWED {
+            heartbeat(&mut cal, &[]);
+        }
+        assert_eq!((cal.counters().engine_matched, cal.counters().engine_unmatched), (2, 1));
+        // A report whose tokens disagree with the engine's: not matched.
+        end(&mut cal, 900, 0);
+        heartbeat(&mut cal, &[901]);
+        assert_eq!((cal.counters().engine_matched, cal.counters().engine_unmatched), (2, 2));
+        end(&mut cal, 400, 0);
+        heartbeat(&mut cal, &[400]);
+        assert_eq!((cal.counters().engine_matched, cal.counters().engine_unmatched), (3, 2));
+        let fit = cal.classes().next().map(|(_, f)| f.engine_matched().samples);
+        assert_eq!(fit, Some(3));
     }
 
     /// Two classes of one model: the fast one sees cold prompts of every
