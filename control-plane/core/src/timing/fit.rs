@@ -6,7 +6,7 @@
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
 //! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄` | step base, per running request, KV fill, prefill tokens sharing the steps |
 //! | engine prefill | the engine's own mean prefill time over the requests that finished between two heartbeats (vLLM's histograms, engine clock) | `1, N̄` | per request, per computed token |
-//! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees) | `1, N̄, N²̄, Ā` | per request, per computed token, its growth with the prompt, per token of other requests' prefill the worker did meanwhile |
+//! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees) | `1, N̄, N²̄` | per request, per computed token, its growth with the prompt |
 //!
 //! `n` new prompt tokens (prompt − cached: as the router predicted when the
 //! first token is learned as it comes, as the engine reported when it is
@@ -42,12 +42,7 @@
 //! prompt needs, comes from the gateway's own reports: where the requests
 //! it saw end on the worker since the last matched interval add up to the
 //! engine's computed tokens, they are the same requests, and a second fit
-//! learns with their squares too, and with the prefill of other requests
-//! that the worker did while each waited for its first token (`a` above:
-//! a request scheduled in a burst of cold prompts shares its steps with
-//! theirs, and the engine's prefill time includes that; on the
-//! calibration's start, 90 cold conversations at once, the fit without it
-//! read 2–5× the preset's rate for half a phase). A straight line through a convex cost
+//! learns with their squares too. A straight line through a convex cost
 //! moves with the mix of prompts (on `dynamo-mocker` its slope went from
 //! 0.0163 to 0.0179 ms per token as conversations went from their cold
 //! starters to follow-ups); the matched fit does not. Both are in the
@@ -180,22 +175,11 @@ impl EnginePrefill {
         [1.0, self.computed_tokens / self.requests / K]
     }
 
-    /// With the sums of the requests' computed tokens squared and of the
-    /// prefill tokens the worker did for others while each waited.
-    fn matched_features(&self, m: &Matched) -> [f64; 4] {
-        let k = self.requests;
-        [1.0, self.computed_tokens / k / K, m.squared_tokens / k / (K * K), m.ahead_tokens / k / K]
+    /// With `squared_tokens`, the sum of the requests' computed tokens
+    /// squared.
+    fn matched_features(&self, squared_tokens: f64) -> [f64; 3] {
+        [1.0, self.computed_tokens / self.requests / K, squared_tokens / self.requests / (K * K)]
     }
-}
-
-/// What the gateway knows of the requests of an engine interval it matched.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Matched {
-    /// Their computed tokens, squared, summed.
-    pub squared_tokens: f64,
-    /// Prefill tokens of other requests the worker did while each waited
-    /// for its first token (see the module header's `a`), summed.
-    pub ahead_tokens: f64,
 }
 
 /// The engine's clock against the control plane's: the same kind of
@@ -289,16 +273,12 @@ pub const DECODE_PARAMS: [&str; 4] =
 pub const ENGINE_PREFILL_PARAMS: [&str; 2] = ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token"];
 
 /// Coefficient names of the matched engine-prefill fit (engine clock).
-pub const ENGINE_MATCHED_PARAMS: [&str; 4] = [
-    "engine_prefill_ms_per_request",
-    "engine_prefill_ms_per_token",
-    "engine_prefill_ms_per_token_per_ktok",
-    "engine_prefill_ms_per_token_ahead",
-];
+pub const ENGINE_MATCHED_PARAMS: [&str; 3] =
+    ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token", "engine_prefill_ms_per_token_per_ktok"];
 
 /// Scales from a coefficient on scaled features back to the name's units.
 const ENGINE_PREFILL_SCALE: [f64; 2] = [1.0, 1.0 / K];
-const ENGINE_MATCHED_SCALE: [f64; 4] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K];
+const ENGINE_MATCHED_SCALE: [f64; 3] = [1.0, 1.0 / K, 1.0 / K];
 const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
 const DECODE_SCALE: [f64; 4] = [1.0, 0.1, 1.0, 1.0 / K];
 
@@ -313,8 +293,8 @@ pub struct EngineFit {
     decode: Rls<4>,
     /// The engine's own prefill times (engine clock).
     engine: Rls<2>,
-    /// The same where the gateway matched the requests.
-    matched: Rls<4>,
+    /// The same where the gateway matched the requests (with their squares).
+    matched: Rls<3>,
     clock: Clock,
     /// Recent decode observations' mean KV fill and running requests
     /// (exponential averages): the operating point at which one more
@@ -377,7 +357,7 @@ impl EngineFit {
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
         let engine = Rls::new([20.0, p], [500.0, 5.0 * p], 50.0);
-        let matched = Rls::new([20.0, p, 0.0, p], [500.0, 5.0 * p, 2.0 * p, 5.0 * p], 50.0);
+        let matched = Rls::new([20.0, p, 0.0], [500.0, 5.0 * p, 2.0 * p], 50.0);
         let mut fit = Self {
             prior,
             first,
@@ -433,13 +413,13 @@ impl EngineFit {
         used
     }
 
-    /// Learns from an engine interval whose requests the gateway saw end.
-    pub fn observe_engine_matched(&mut self, o: &EnginePrefill, m: &Matched) -> bool {
+    /// Learns from an engine interval whose requests the gateway saw end:
+    /// `squared_tokens` is the sum of their computed tokens squared.
+    pub fn observe_engine_matched(&mut self, o: &EnginePrefill, squared_tokens: f64) -> bool {
         let used = o.requests >= 1.0
             && o.computed_tokens >= 0.0
-            && m.squared_tokens >= 0.0
-            && m.ahead_tokens >= 0.0
-            && self.matched.observe(o.matched_features(m), o.ms / o.requests);
+            && squared_tokens >= 0.0
+            && self.matched.observe(o.matched_features(squared_tokens), o.ms / o.requests);
         if used {
             self.hold();
         }
@@ -1014,11 +994,9 @@ mod tests {
     }
 
     /// A prefill cost that grows with the prompt (`30 + 0.01 n + 1e-6 n²`
-    /// ms in the gateway's clock, twice that in the engine's), each
-    /// request's measured time also carrying the others' prefill that
-    /// shared its steps: the straight line's slope depends on the mix of
-    /// prompts, the matched intervals (with their squares and the prefill
-    /// ahead) give the rate and its growth.
+    /// ms in the gateway's clock, twice that in the engine's): the
+    /// straight line's slope depends on the mix of prompts, the matched
+    /// intervals (with their squares) give the rate and its growth.
     #[test]
     fn matched_engine_intervals_learn_how_prefill_grows_with_the_prompt() {
         let mut fit = EngineFit::new(PRIOR);
@@ -1031,14 +1009,7 @@ mod tests {
             let k = rng.u32(1..6);
             let ns: Vec<f64> =
                 (0..k).map(|_| if rng.bool() { 60.0 } else { f64::from(rng.u32(500..16_000)) }).collect();
-            // Each shares its steps with others' prefill: 0.004 ms per
-            // token of it, in the gateway's clock.
-            let ahead: Vec<f64> = (0..k).map(|_| f64::from(rng.u32(0..20_000))).collect();
-            let ms = ns
-                .iter()
-                .zip(&ahead)
-                .map(|(n, a)| 2.0 * (30.0 + 0.01 * n + 1e-6 * n * n + 0.004 * a) + noise(&mut rng, 1.0))
-                .sum();
+            let ms = ns.iter().map(|n| 2.0 * (30.0 + 0.01 * n + 1e-6 * n * n) + noise(&mut rng, 1.0)).sum();
             let o = EnginePrefill {
                 requests: f64::from(k),
                 ms,
@@ -1046,8 +1017,7 @@ mod tests {
                 ..EnginePrefill::default()
             };
             fit.observe_engine(&o);
-            let m = Matched { squared_tokens: ns.iter().map(|n| n * n).sum(), ahead_tokens: ahead.iter().sum() };
-            fit.observe_engine_matched(&o, &m);
+            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum());
         }
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token, 0.01, 0.05), "{t:?}");
@@ -1074,7 +1044,7 @@ mod tests {
                 fit.observe_gateway_itl(y, n);
                 let o = EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 };
                 fit.observe_engine(&o);
-                fit.observe_engine_matched(&o, &Matched { squared_tokens: n * c, ahead_tokens: c });
+                fit.observe_engine_matched(&o, n * c);
             }
             let t = fit.timing();
             for v in [t.prefill_ms_per_token, t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx, t.decode_ms_per_seq] {

@@ -33,7 +33,7 @@ use kvgate_index::WorkerIdx;
 use kvgate_protocol::pb;
 use kvgate_scheduler::{EngineTiming, Load};
 
-pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, Matched, Prior, Reference};
+pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, Prior, Reference};
 
 /// Classes beyond this many share the class `other`.
 pub const MAX_CLASSES: usize = 32;
@@ -77,11 +77,10 @@ struct Activity {
     sums: Integrals,
     /// Its engine's request-timing totals at the last heartbeat.
     engine: Option<pb::EngineCounters>,
-    /// The requests the gateway saw end on it, in the order their reports
-    /// came, not yet matched to an engine interval: their computed prompt
-    /// tokens, and the prefill tokens of others the worker did while each
-    /// waited for its first token.
-    ended: VecDeque<(f64, f64)>,
+    /// Computed prompt tokens of the requests the gateway saw end on it,
+    /// in the order their reports came, not yet matched to an engine
+    /// interval.
+    ended: VecDeque<f64>,
     /// Engine intervals not yet matched, summed, and the heartbeats they
     /// have waited.
     owed: Option<(EnginePrefill, u32)>,
@@ -358,7 +357,7 @@ impl Calibration {
         let Some(fit) = self.fit_mut(&class) else { return };
         let line = fit.observe_engine(&delta);
         let (shape, unmatched) = match matched {
-            Some(Some((o, m))) => (fit.observe_engine_matched(&o, &m), false),
+            Some(Some((o, squared))) => (fit.observe_engine_matched(&o, squared), false),
             Some(None) => (false, true),
             None => (false, false),
         };
@@ -374,8 +373,8 @@ impl Calibration {
     /// The engine intervals owed so far, `delta` added, against the
     /// requests the gateway saw end on the worker, in order: `None` while
     /// they wait for reports, `Some(None)` when given up, else the summed
-    /// intervals with what the gateway knows of their requests.
-    fn match_ended(a: &mut Activity, delta: &EnginePrefill) -> Option<Option<(EnginePrefill, Matched)>> {
+    /// intervals with their requests' computed tokens squared, summed.
+    fn match_ended(a: &mut Activity, delta: &EnginePrefill) -> Option<Option<(EnginePrefill, f64)>> {
         let (mut owed, waited) = a.owed.take().unwrap_or_default();
         owed.requests += delta.requests;
         owed.ms += delta.ms;
@@ -392,15 +391,14 @@ impl Calibration {
             a.owed = Some((owed, waited + 1));
             return None;
         }
-        let (sum, squared, ahead) =
-            a.ended.drain(..k).fold((0.0, 0.0, 0.0), |(s, q, w), (n, ahead)| (s + n, q + n * n, w + ahead));
+        let (sum, squared) = a.ended.drain(..k).fold((0.0, 0.0), |(s, q), n| (s + n, q + n * n));
         if (sum - owed.computed_tokens).abs() > 0.5 {
             // Misaligned (a request of this interval reported late, or one
             // the engine counted that never came through here): start over.
             a.ended.clear();
             return Some(None);
         }
-        Some(Some((owed, Matched { squared_tokens: squared, ahead_tokens: ahead })))
+        Some(Some((owed, squared)))
     }
 
     /// The class's fit, new at the prior when it has none (its name is
@@ -446,7 +444,7 @@ impl Calibration {
             if a.ended.len() == MAX_ENDED {
                 a.ended.pop_front();
             }
-            a.ended.push_back((new_tokens, ahead_tokens));
+            a.ended.push_back(new_tokens);
         }
         if o.saturated {
             self.counters.queued += 1;
