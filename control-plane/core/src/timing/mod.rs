@@ -20,8 +20,9 @@
 //! | [`Calibration::expire`] | O(requests open) |
 //!
 //! Memory: one record per request in flight (dropped at its end or its
-//! expiry), one activity record per worker, one fit per class (at most
-//! [`MAX_CLASSES`]).
+//! expiry), one activity record per worker (with up to `MAX_ENDED`
+//! ended requests' token counts where its engine reports its totals), one
+//! fit per class (at most [`MAX_CLASSES`]).
 
 pub mod fit;
 pub mod rls;
@@ -440,7 +441,8 @@ impl Calibration {
             }
         };
         let new_tokens = f64::from(prompt.saturating_sub(cached));
-        if let Some(a) = self.activity.get_mut(&o.worker) {
+        // Kept for matching only where the engine reports its totals.
+        if let Some(a) = self.activity.get_mut(&o.worker).filter(|a| a.engine.is_some()) {
             if a.ended.len() == MAX_ENDED {
                 a.ended.pop_front();
             }
@@ -489,13 +491,11 @@ impl Calibration {
                     prefill_tokens_per_step: (now.prefill_tokens - from.prefill_tokens) / f64::from(steps),
                 };
                 let gateway_ms = (r.total_us - r.ttfb_us) as f64 / 1000.0;
-                let fit = self.fit_mut(&o.class);
-                if fit.is_some_and(|f| {
+                let used = self.fit_mut(&o.class).map(|f| {
                     f.observe_gateway_itl(gateway_ms, f64::from(steps));
                     f.observe_decode(&d)
-                }) {
-                    self.counters.decodes += 1;
-                }
+                });
+                self.counters.decodes += u64::from(used == Some(true));
             }
             _ => self.counters.unusable += 1,
         }
