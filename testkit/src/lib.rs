@@ -89,14 +89,17 @@ pub fn scratch_dir(name: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// A port that was free a moment ago on 127.0.0.1.
+/// A port that was free a moment ago on 127.0.0.1, and that no earlier call
+/// in this process handed out.
 ///
 /// It is drawn at random from 10,000 up to the start of the kernel's
 /// ephemeral range (`ip_local_port_range`) when that leaves at least 4,096
 /// ports: no outgoing connection of any process can then take it before the
 /// process it is meant for binds it, as one can with `bind(0)`, which picks
-/// from the very range outgoing connections use. Prefer port 0 where the
-/// process reports what it bound (as [`Envoy::start`] does).
+/// from the very range outgoing connections use. A port is free until its
+/// process binds it, so the ports handed out are remembered: two calls
+/// before either binds (one stack's workers) never get the same one. Prefer
+/// port 0 where the process reports what it bound (as [`Envoy::start`] does).
 pub fn free_port() -> Result<u16> {
     static PICKS: AtomicU64 = AtomicU64::new(0);
     const FLOOR: u16 = 10_000;
@@ -106,12 +109,35 @@ pub fn free_port() -> Result<u16> {
         for _ in 0..64 {
             let n = PICKS.fetch_add(1, Ordering::Relaxed);
             let port = FLOOR + u16::try_from(keys.hash_one(n) % span)?;
-            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            if claim(port, 1) {
                 return Ok(port);
             }
         }
     }
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    for _ in 0..64 {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        if claim(port, 1) {
+            return Ok(port);
+        }
+    }
+    bail!("no free port on 127.0.0.1 that this process has not handed out")
+}
+
+/// Claims ports `first .. first + n` for this process when each is free on
+/// 127.0.0.1 and none was handed out before.
+fn claim(first: u16, n: u16) -> bool {
+    static HANDED: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let Some(end) = first.checked_add(n) else {
+        return false;
+    };
+    let mut handed = HANDED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let free = |q: u16| !handed.contains(&q) && TcpListener::bind(("127.0.0.1", q)).is_ok();
+    if !(first..end).all(free) {
+        return false;
+    }
+    handed.extend(first..end);
+    true
 }
 
 /// The low end of the kernel's ephemeral port range, when readable.
@@ -131,8 +157,7 @@ pub fn port_pair() -> Result<u16> {
 pub fn port_run(n: u16) -> Result<u16> {
     for _ in 0..50 {
         let p = free_port()?;
-        let free = |q: u16| TcpListener::bind(("127.0.0.1", q)).is_ok();
-        if p.checked_add(n).is_some() && (1..n).all(|i| free(p + i)) {
+        if n <= 1 || p.checked_add(1).is_some_and(|q| claim(q, n - 1)) {
             return Ok(p);
         }
     }
@@ -781,6 +806,22 @@ mod tests {
         assert_eq!(render_template("x${A}y", &vars).unwrap(), "x1y");
         assert!(render_template("${B}", &vars).is_err());
         assert!(render_template("${A", &vars).is_err());
+    }
+
+    /// Ports handed out before their processes bind them are never handed
+    /// out again, alone or in a run (a bench stack asks for ~40 at once; a
+    /// repeat crashed a sweep when two simulated workers got one port).
+    #[test]
+    fn ports_handed_out_are_never_handed_out_again() {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let p = free_port().unwrap();
+            assert!(seen.insert(p), "port {p} handed out twice");
+            let run = port_run(3).unwrap();
+            for q in run..run + 3 {
+                assert!(seen.insert(q), "port {q} handed out twice");
+            }
+        }
     }
 
     /// What a signal handler relies on: every process started and not yet
