@@ -158,7 +158,7 @@ struct ReqArgs {
 /// The flags every sweep shares (`doks` and the request workloads).
 #[derive(clap::Args)]
 struct SweepArgs {
-    /// Modes: kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, kv_end_reports, approx, least_load, round_robin
+    /// Modes: kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_fading_load, kv_overload, kv_end_reports, approx, least_load, round_robin
     /// (kvgate), sglang_cache_aware (peer). Default: round_robin, kv,
     /// approx, least_load, sglang_cache_aware (with --quick: round_robin,
     /// kv, sglang_cache_aware).
@@ -352,6 +352,7 @@ impl Sweep {
                 "disagg_settings": fleet.disagg_settings,
                 "kv_true_constants": fleet.true_constants().unwrap_or_default(),
                 "kv_no_speculation": stack::NO_SPECULATION,
+                "kv_fading_load": [stack::FADING_LOAD],
                 "kv_tier_blind": [stack::TIER_BLIND],
                 "kv_overload": stack::OVERLOAD,
                 "kv_end_reports": "the filter's reports.first_token = false (the end of each request only)",
@@ -815,10 +816,13 @@ fn kv_lines(settings: &[String]) -> Result<Vec<String>> {
         .map(|kv| {
             let Some((k, v)) = kv.split_once('=') else { bail!("--kv {kv:?}: expected name=value") };
             let (k, v) = (k.trim(), v.trim());
-            // Numbers as numbers, anything else as a TOML string; the
+            // Numbers as numbers, true and false as booleans, anything else as a TOML string; the
             // control plane validates names and values when it reads them.
             if let Ok(x) = v.parse::<f64>() {
                 return Ok(format!("{k} = {x:?}"));
+            }
+            if let Ok(b) = v.parse::<bool>() {
+                return Ok(format!("{k} = {b}"));
             }
             Ok(format!("{k} = {v:?}"))
         })

@@ -161,6 +161,9 @@ impl FleetSpec {
 /// The `[models.kv]` lines of the `kv_no_speculation` mode.
 pub const NO_SPECULATION: [&str; 2] = ["inflight_hit_weight = 0", "inflight_wait_weight = 0"];
 
+/// The `[models.kv]` line of the `kv_fading_load` mode.
+pub const FADING_LOAD: &str = "fading_load = true";
+
 /// The `[models.kv]` line of the `kv_tier_blind` mode.
 pub const TIER_BLIND: &str = "host_hit_weight = 0";
 
@@ -188,6 +191,10 @@ pub enum Frontend {
     /// Envoy with the kvgate filter; the control plane in `kv` mode blind to
     /// host-memory blocks (`host_hit_weight = 0`).
     KvTierBlind,
+    /// Envoy with the kvgate filter; the control plane in `kv` mode pricing
+    /// decode by the load it lives with as differences fade
+    /// ([`FADING_LOAD`]).
+    KvFadingLoad,
     /// Envoy with the kvgate filter (callout timeout above the hold); the
     /// control plane in `kv` mode with overload protection on ([`OVERLOAD`]).
     KvOverload,
@@ -229,6 +236,7 @@ impl Frontend {
             Frontend::KvTrueConstants => "kv_true_constants".into(),
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::KvTierBlind => "kv_tier_blind".into(),
+            Frontend::KvFadingLoad => "kv_fading_load".into(),
             Frontend::KvOverload => "kv_overload".into(),
             Frontend::KvEndReports => "kv_end_reports".into(),
             Frontend::Pd { prefill, decode, conditional, filter_legs, overflow } => format!(
@@ -252,6 +260,7 @@ impl Frontend {
             "kv_true_constants" => Frontend::KvTrueConstants,
             "kv_no_speculation" => Frontend::KvNoSpeculation,
             "kv_tier_blind" => Frontend::KvTierBlind,
+            "kv_fading_load" => Frontend::KvFadingLoad,
             "kv_overload" => Frontend::KvOverload,
             "kv_end_reports" => Frontend::KvEndReports,
             "dynamo" => Frontend::Dynamo("kv".into()),
@@ -278,7 +287,7 @@ impl Frontend {
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_overload, kv_end_reports, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d[_overflow] or conditional_both, with _filter for the filter's own legs)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_fading_load, kv_overload, kv_end_reports, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d[_overflow] or conditional_both, with _filter for the filter's own legs)"
                 ),
             },
         })
@@ -476,6 +485,11 @@ impl Stack {
             Frontend::KvTierBlind => {
                 let mut told = fleet.clone();
                 told.kv_settings.push(TIER_BLIND.to_owned());
+                stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
+            }
+            Frontend::KvFadingLoad => {
+                let mut told = fleet.clone();
+                told.kv_settings.push(FADING_LOAD.to_owned());
                 stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
             Frontend::KvEndReports => {

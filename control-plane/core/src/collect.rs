@@ -117,6 +117,7 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
     }
     counter_rows(s, st.counters(), &l);
     timing_rows(s, st.calibration(), &l);
+    fading_rows(s, st.persistence(), &l);
     for (tier, t) in [("device", kvgate_index::Tier::Device), ("host", kvgate_index::Tier::Host)] {
         let n = st.index().distinct_blocks(t) as u64;
         s.gauge("kvgate_index_blocks", "Distinct blocks in the index, by tier.", l(&[("tier", tier)]), n);
@@ -249,6 +250,32 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
         for (param, v) in fit.timing().params() {
             let help = "Engine timing the kv policy uses for the class (learned, or the prior until trusted).";
             s.gauge_f64("kvgate_engine_timing_used", help, l(&[("class", class), ("param", param)]), v);
+        }
+    }
+}
+
+/// How fast load differences fade (`fading_load`), once measured.
+fn fading_rows(s: &mut Sheet, p: &kvgate_scheduler::LoadPersistence, l: LabelsOf<'_>) {
+    let rows = [
+        (
+            "kvgate_load_fade_life_ms",
+            "Mean request life (routing to last token), ms, as the fading-load measure uses it.",
+            p.life_ms(),
+        ),
+        (
+            "kvgate_load_fade_decay_ms",
+            "Decay time of a worker's difference in running requests from the fleet's mean, ms.",
+            p.decay_ms(),
+        ),
+        (
+            "kvgate_load_fade_factor",
+            "Share of a load difference a request's decode lives with on average (1: all of it).",
+            p.factor(),
+        ),
+    ];
+    for (name, help, v) in rows {
+        if let Some(v) = v {
+            s.gauge_f64(name, help, l(&[]), v);
         }
     }
 }

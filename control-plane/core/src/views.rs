@@ -85,6 +85,11 @@ impl App {
                     "observations": counters,
                     "open_requests": c.open_requests(),
                     "classes": classes,
+                    "fading_load": {
+                        "life_ms": st.persistence().life_ms(),
+                        "decay_ms": st.persistence().decay_ms(),
+                        "factor": st.persistence().factor(),
+                    },
                 }),
             );
         }

@@ -169,6 +169,7 @@ fn routing(c: &mut Criterion) {
                             inflight_computing_blocks: share(w).computing,
                             load: f.tracker.load(*w),
                             timing: None,
+                            decode_running: None,
                             excluded: false,
                         })
                         .collect();

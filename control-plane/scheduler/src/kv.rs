@@ -42,7 +42,7 @@
 //! stall of others   own_ms × running_w              every running request waits for that prefill
 //! joining           T × block_ms × computing_w      its first token waits for shared blocks still being computed
 //! pending           block_ms × pending_w            it waits for the prefill queued before it
-//! decode            d·O × (2·running_w + 1)         it decodes among running_w, and slows each of them
+//! decode            d·O × (2·running'_w + 1)        it decodes among running'_w, and slows each of them
 //! waiting           block_ms × queue_penalty × (f(ρ_w) + queued_w)
 //!                   ρ_w = max((running_w + 1) / (max_running + 1), (active_w + added_w) / capacity_w)
 //! cost_w = (overlap_weight × own_ms × (T + running_w) + joining + pending_weight × pending
@@ -55,6 +55,11 @@
 //! tie threshold and the temperature do not depend on the scale of the
 //! learned times. With the configured timing (or none) this is the cost in
 //! prefill-block equivalents of earlier versions.
+//!
+//! `running'_w` is `running_w`, or with `fading_load` on and measured,
+//! the running requests the decode lives with on average while the
+//! fleet's later decisions even a difference out
+//! ([`crate::persistence`], [`Candidate::decode_running`]).
 //!
 //! `f(ρ) = ρ / (1 − ρ)` is the mean wait of an M/M/1 queue, continued along
 //! its tangent above ρ = 0.9, so a worker near its batch limit or its KV
@@ -365,7 +370,7 @@ impl KvPolicy {
                 let ms = k.overlap_weight * own_ms * (k.ttft_weight + running)
                     + k.ttft_weight * wait_ms
                     + k.pending_weight * pending * block_ms
-                    + k.decode_weight * decode_ms * (2.0 * running + 1.0)
+                    + k.decode_weight * decode_ms * (2.0 * c.decode_running.unwrap_or(running) + 1.0)
                     + (slots + queue) * block_ms;
                 ms / unit_ms
             }

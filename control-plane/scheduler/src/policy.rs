@@ -74,6 +74,10 @@ pub struct Candidate {
     /// How fast its engine is, as the control plane learned it for the
     /// worker's class; `None` = the policy's configured priors.
     pub timing: Option<EngineTiming>,
+    /// The running requests a request's decode there lives with on
+    /// average, when the control plane measured how fast load differences
+    /// fade ([`crate::LoadPersistence`]); `None` = its running requests now.
+    pub decode_running: Option<f64>,
     /// Not to be chosen (unhealthy, draining, heartbeats stale).
     pub excluded: bool,
 }

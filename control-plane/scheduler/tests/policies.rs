@@ -21,6 +21,7 @@ fn cand(w: u32, overlap: u32, load: Load) -> Candidate {
         inflight_computing_blocks: 0,
         load,
         timing: None,
+        decode_running: None,
         excluded: false,
     }
 }
@@ -202,6 +203,37 @@ fn time_units_price_each_worker_at_its_own_speed() {
     // 100 new blocks after 32K cached tokens: 0.1 + 0.32 ms per token.
     let ratio = kv.cost(&request(1_100), &growing) / kv.cost(&request(1_100), &flat);
     assert!(ratio > 2.0, "context growth makes the same miss dearer: {ratio}");
+}
+
+/// With a measured fading load, the decode term prices the running
+/// requests the decode lives with (`decode_running`), not those of now:
+/// each one more costs `decode_ms_per_seq × O × 2` (in prefill blocks at
+/// the configured rate), and the rest of the cost is unchanged. A
+/// follow-up holding its history on a worker running six more than its
+/// peer stays there once that difference is known to fade.
+#[test]
+fn a_fading_load_difference_costs_less_decode() {
+    let k = KvConfig::default();
+    let kv = KvPolicy::new(k);
+    let busy = Load { inflight: 25, active_blocks: 500, ..Load::default() };
+    let now = cand(0, 150, busy);
+    let lives = |r: f64| Candidate { decode_running: Some(r), ..now };
+    let per_seq = k.decode_ms_per_seq * 800.0 * 2.0 / (k.prefill_ms_per_token * 32.0);
+    let d = kv.cost(&request(200), &lives(20.0)) - kv.cost(&request(200), &lives(21.0));
+    assert!((d + per_seq).abs() < 1e-6, "{d} against {per_seq}");
+    assert_eq!(kv.cost(&request(200), &lives(25.0)), kv.cost(&request(200), &now));
+
+    // 30 of 40 blocks cached on a worker running 26, none on one running
+    // 20: as lasting, six more running cost 0.5 ms × 800 × 2 × 6 = 4,800
+    // ms against a miss of 30 blocks (5,120 − 1,472 ms of prefill and
+    // stall).
+    let (more, fewer) = (Load { inflight: 26, ..busy }, Load { inflight: 20, active_blocks: 400, ..Load::default() });
+    let (hit, miss) = (cand(0, 30, more), cand(1, 0, fewer));
+    let mut rng = fastrand::Rng::with_seed(5);
+    let mut chosen = |cands: &[Candidate]| cands[kv.clone().pick(&request(40), cands, &mut rng).unwrap().chosen].worker;
+    assert_eq!(chosen(&[hit, miss]), WorkerIdx(1), "priced as lasting, six more running outweigh the hit");
+    let faded = [Candidate { decode_running: Some(23.0), ..hit }, Candidate { decode_running: Some(23.0), ..miss }];
+    assert_eq!(chosen(&faded), WorkerIdx(0), "a difference that fades does not");
 }
 
 #[test]
@@ -442,7 +474,7 @@ proptest! {
     ) {
         let cands: Vec<Candidate> = cands.into_iter().enumerate().map(|(i, (o, extra, load, excluded))| Candidate {
             worker: WorkerIdx(i as u32), overlap_blocks: o, overlap_any_tier_blocks: o + extra,
-            inflight_overlap_blocks: extra, inflight_computing_blocks: extra / 2, load, timing: None, excluded,
+            inflight_overlap_blocks: extra, inflight_computing_blocks: extra / 2, load, timing: None, decode_running: None, excluded,
         }).collect();
         let any_eligible = cands.iter().any(|c| !c.excluded);
         let keys = [1u64, 2, 3, 4];

@@ -66,6 +66,10 @@ pub struct ModelConfig {
     /// Whether `kv` uses the engine timing learned online (else the
     /// configured constants).
     pub learn_timing: bool,
+    /// Whether `kv` prices a request's decode by the load it lives with
+    /// while later decisions even differences out (measured), rather than
+    /// the load now.
+    pub fading_load: bool,
     /// Output tokens assumed when a request has no `max_tokens`.
     pub default_output_tokens: u32,
     /// Workers routed to without relays (id, `ip:port`): never expire.
@@ -103,6 +107,8 @@ pub struct ModelState {
     index: Index,
     tracker: LoadTracker,
     calibration: Calibration,
+    /// How fast load differences between its workers fade (`fading_load`).
+    persistence: kvgate_scheduler::LoadPersistence,
     policy: Box<dyn Policy>,
     mode: Mode,
     workers: HashMap<String, Worker>,
@@ -154,6 +160,7 @@ impl ModelState {
         let mut this = Self {
             index: Index::new(IndexConfig::new(config.block_size)),
             tracker: LoadTracker::new(),
+            persistence: kvgate_scheduler::LoadPersistence::new(),
             calibration: Calibration::new(
                 Prior {
                     prefill_ms_per_token: config.kv.prefill_ms_per_token,
@@ -204,6 +211,12 @@ impl ModelState {
     /// The engine timing learned so far.
     pub fn calibration(&self) -> &Calibration {
         &self.calibration
+    }
+
+    /// How fast load differences between its workers fade (measured only
+    /// with `fading_load`).
+    pub fn persistence(&self) -> &kvgate_scheduler::LoadPersistence {
+        &self.persistence
     }
 
     /// Counters.
@@ -415,6 +428,9 @@ impl ModelState {
                 self.calibration.done(r, now_ms);
             }
             let _ = self.tracker.done(&r.request_id);
+            if self.config.fading_load {
+                self.persistence.ended(r.total_us as f64 / 1000.0);
+            }
             if let Some(idx) = self.workers.get(&r.worker_id).map(|w| w.idx) {
                 self.calibration.touch(idx, &self.tracker.load(idx), now_ms);
             }

@@ -422,6 +422,7 @@ impl ModelState {
                 inflight_computing_blocks: inflight.computing,
                 load: self.tracker.load(w.idx),
                 timing: self.calibration.timing(w.idx),
+                decode_running: None,
                 excluded,
             };
             if let Some(slot) = slots.get_mut(w.rank as usize) {
@@ -430,6 +431,8 @@ impl ModelState {
         }
         let (mut cands, mut ranks, mut prefill, mut both, mut prefill_allowed) =
             (Vec::with_capacity(slots.len()), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let fading = self.config.fading_load && self.mode == Mode::Kv;
+        let mut decoding: Vec<(WorkerIdx, f64)> = Vec::new();
         for (rank, (cand, role, outside)) in slots.into_iter().enumerate().filter_map(|(r, s)| Some((r, s?))) {
             match role {
                 pb::WorkerRole::Prefill => {
@@ -442,10 +445,31 @@ impl ModelState {
                 pb::WorkerRole::Both if self.config.disaggregation.prefill_on_both => both.push(cands.len()),
                 _ => {}
             }
+            if fading && role != pb::WorkerRole::Prefill {
+                decoding.push((cand.worker, f64::from(cand.load.effective_requests())));
+            }
             cands.push(cand);
             ranks.push(rank as u32);
         }
+        if fading {
+            self.fade_load(&mut cands, &decoding, now_ms);
+        }
         Candidates { cands, order: self.order.clone(), ranks, prefill, both, prefill_allowed, prefill_registered }
+    }
+
+    /// With `fading_load`: samples the running requests of the workers
+    /// that decode (not prefill-only) and gives each candidate the running
+    /// requests its decode lives with on average
+    /// ([`kvgate_scheduler::persistence`]).
+    fn fade_load(&mut self, cands: &mut [Candidate], decoding: &[(WorkerIdx, f64)], now_ms: u64) {
+        if decoding.len() < 2 {
+            return;
+        }
+        self.persistence.sample(now_ms, decoding);
+        let mean = decoding.iter().map(|(_, r)| r).sum::<f64>() / decoding.len() as f64;
+        for c in cands {
+            c.decode_running = self.persistence.decode_running(c.worker, f64::from(c.load.effective_requests()), mean);
+        }
     }
 
     /// Sorts the registered workers' ids into `order` and gives each its rank.

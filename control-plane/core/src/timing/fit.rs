@@ -171,6 +171,37 @@ pub struct EnginePrefill {
 }
 
 impl EnginePrefill {
+    /// What the engine reported between the totals `then` and `now` (each
+    /// only grows); `None` when one fell (the engine restarted).
+    pub fn between(
+        now: &kvgate_protocol::pb::EngineCounters,
+        then: &kvgate_protocol::pb::EngineCounters,
+    ) -> Option<Self> {
+        let grown = |now: f64, then: f64| (now >= then).then_some(now - then);
+        Some(Self {
+            requests: grown(now.prefill_requests as f64, then.prefill_requests as f64)?,
+            ms: grown(now.prefill_seconds, then.prefill_seconds)? * 1000.0,
+            computed_tokens: grown(now.prefill_computed_tokens as f64, then.prefill_computed_tokens as f64)?,
+            itl_ms: grown(now.itl_seconds, then.itl_seconds)? * 1000.0,
+            itl_count: grown(now.itl_count as f64, then.itl_count as f64)?,
+        })
+    }
+
+    /// Two consecutive intervals as one.
+    pub fn add(&mut self, o: &Self) {
+        self.requests += o.requests;
+        self.ms += o.ms;
+        self.computed_tokens += o.computed_tokens;
+        self.itl_ms += o.itl_ms;
+        self.itl_count += o.itl_count;
+    }
+
+    /// Whether some requests finished in it, with a meaningful count of
+    /// computed tokens.
+    fn has_prefills(&self) -> bool {
+        self.requests >= 1.0 && self.computed_tokens >= 0.0
+    }
+
     fn features(&self) -> [f64; 2] {
         [1.0, self.computed_tokens / self.requests / K]
     }
@@ -376,10 +407,7 @@ impl EngineFit {
     /// Learns from a first token.
     pub fn observe_first_token(&mut self, o: &FirstToken) -> bool {
         let used = o.new_tokens >= 0.0 && self.first.observe(o.features(), o.ttft_ms);
-        if used {
-            self.hold();
-        }
-        used
+        self.updated_if(used)
     }
 
     /// Learns from a stream's decode.
@@ -387,7 +415,15 @@ impl EngineFit {
         let used = o.itl_ms > 0.0 && self.decode.observe(o.features(), o.itl_ms);
         if used {
             self.operating.observe(o);
-            self.hold();
+        }
+        self.updated_if(used)
+    }
+
+    /// After an observation: when it was `used`, the rates are updated
+    /// ([`EngineFit::update_rates`]). Returns `used`.
+    fn updated_if(&mut self, used: bool) -> bool {
+        if used {
+            self.update_rates();
         }
         used
     }
@@ -405,32 +441,25 @@ impl EngineFit {
     /// prefill observation was used.
     pub fn observe_engine(&mut self, o: &EnginePrefill) -> bool {
         Clock::add(&mut self.clock.engine, o.itl_ms, o.itl_count);
-        let used =
-            o.requests >= 1.0 && o.computed_tokens >= 0.0 && self.engine.observe(o.features(), o.ms / o.requests);
-        if used {
-            self.hold();
-        }
-        used
+        let used = o.has_prefills() && self.engine.observe(o.features(), o.ms / o.requests);
+        self.updated_if(used)
     }
 
     /// Learns from an engine interval whose requests the gateway saw end:
     /// `squared_tokens` is the sum of their computed tokens squared.
     pub fn observe_engine_matched(&mut self, o: &EnginePrefill, squared_tokens: f64) -> bool {
-        let used = o.requests >= 1.0
-            && o.computed_tokens >= 0.0
+        let used = o.has_prefills()
             && squared_tokens >= 0.0
             && self.matched.observe(o.matched_features(squared_tokens), o.ms / o.requests);
-        if used {
-            self.hold();
-        }
-        used
+        self.updated_if(used)
     }
 
-    /// Keeps the rates that are known now, to stand in while a fit is not
+    /// Recomputes the rates known now ([`EngineFit::rates_now`], read by
+    /// every Pick's timing) and holds each, to stand in while a fit is not
     /// sure of them (after a change it detected, most of what it learned
     /// is forgotten on purpose; the rate it had is still a better guess
     /// than the configured prior, which may be on another clock).
-    fn hold(&mut self) {
+    fn update_rates(&mut self) {
         self.rates = self.rates_now();
         let r = self.rates;
         if let Some((p, _)) = r.prefill {
@@ -487,13 +516,6 @@ impl EngineFit {
     /// prior, so that a rate that is truly about zero can be learned). The
     /// prefill rate must be positive; the decode rate is at least 0.
     fn rates_now(&self) -> Rates {
-        let (ft, fse, fs) = (self.first.theta(), self.first.stderr(), self.first.samples());
-        let (dt, dse, ds) = (self.decode.theta(), self.decode.stderr(), self.decode.samples());
-        let (fshare, dshare) = (self.first.prior_share(), self.decode.prior_share());
-        // In scaled units: the prior in the fit's own units.
-        let known = |v: f64, se: f64, share: f64, samples: u64, prior: f64| {
-            samples >= MIN_SAMPLES && v.is_finite() && share < 0.1 && se < 0.5 * v.abs().max(0.1 * prior)
-        };
         let p_prior = self.prior.prefill_ms_per_token * K;
         let d_prior = self.prior.decode_ms_per_seq * 10.0;
         // The prefill rate, measured twice: from first tokens (whole
@@ -504,25 +526,18 @@ impl EngineFit {
         // down better weighs more (the steps' during a burst of cold
         // prompts, the first token's while the steps' fit is still moving
         // after the engine changed).
-        let from_first = (known(ft[1], fse[1], fshare[1], fs, p_prior) && ft[1] > 0.0).then_some((ft[1], fse[1]));
-        let from_steps = (known(dt[3], dse[3], dshare[3], ds, p_prior) && dt[3] > 0.0).then_some((dt[3], dse[3]));
+        let from_first = known_positive(&self.first, 1, p_prior);
+        let from_steps = known_positive(&self.decode, 3, p_prior);
         // The engine's own measurement, in this clock, comes first: the
         // matched fit's rate and growth, else the straight line's rate.
         let q = self.clock.ratio();
-        let (mt, mse, ms) = (self.matched.theta(), self.matched.stderr(), self.matched.samples());
-        let mshare = self.matched.prior_share();
-        let from_matched = q.filter(|_| known(mt[1], mse[1], mshare[1], ms, p_prior) && mt[1] > 0.0);
-        let (et, ese, es) = (self.engine.theta(), self.engine.stderr(), self.engine.samples());
-        let from_line = q.filter(|_| known(et[1], ese[1], self.engine.prior_share()[1], es, p_prior) && et[1] > 0.0);
-        let from_engine = match (from_matched, from_line) {
-            (Some(q), _) => Some((mt[1] * q, mse[1] * q)),
-            (None, Some(q)) => Some((et[1] * q, ese[1] * q)),
-            (None, None) => None,
-        };
+        let from_matched = q.zip(known_positive(&self.matched, 1, p_prior));
+        let from_line = q.zip(known_positive(&self.engine, 1, p_prior));
+        let from_engine = from_matched.or(from_line).map(|(q, (v, se))| (v * q, se * q));
         // Its growth with the prompt, when clearly above zero.
         let matched_growth = from_matched
-            .filter(|_| mt[2] > 3.0 * mse[2] && known(mt[2], mse[2], mshare[2], ms, p_prior))
-            .map_or(0.0, |q| mt[2] * q / K);
+            .and_then(|(q, _)| Some(q * clearly_positive(&self.matched, 2, p_prior)?))
+            .map_or(0.0, |g| g / K);
         let prefill = match (from_engine, from_first, from_steps) {
             (Some(e), _, _) => Some(e),
             (None, Some(a), Some(b)) => Some(by_precision(a, b)),
@@ -546,10 +561,7 @@ impl EngineFit {
             _ => false,
         };
         let prefill = prefill.map(|(v, se)| (v / K, se / K));
-        let growth = |i: usize| {
-            let clear = ft[i] > 3.0 * fse[i];
-            if agrees && clear && known(ft[i], fse[i], fshare[i], fs, p_prior) { ft[i] / K } else { 0.0 }
-        };
+        let growth = |i: usize| clearly_positive(&self.first, i, p_prior).filter(|_| agrees).map_or(0.0, |g| g / K);
         // What one more running request adds to a step: its own share of
         // the per-request term and of the KV-fill term, at the fill per
         // request the worker has been running at. The two terms are nearly
@@ -559,7 +571,7 @@ impl EngineFit {
         let (dv, dve) = (self.decode.predict(&marginal), self.decode.predict_stderr(&marginal));
         Rates {
             prefill,
-            decode: known(dv, dve, self.decode.prior_share_at(&marginal), ds, d_prior)
+            decode: known(dv, dve, self.decode.prior_share_at(&marginal), self.decode.samples(), d_prior)
                 .then(|| (dv.max(0.0) / 10.0, dve / 10.0)),
             growth: if from_engine.is_some() { (matched_growth, 0.0) } else { (growth(2), growth(3)) },
         }
@@ -656,6 +668,27 @@ fn learned<const N: usize>(f: &Rls<N>, names: &[&'static str; N], scale: &[f64; 
         changes: f.changes(),
         params: (0..N).map(|i| Param { name: names[i], value: t[i] * scale[i], stderr: se[i] * scale[i] }).collect(),
     }
+}
+
+/// Whether an estimate is known: enough samples, finite, the prior's share
+/// in it below a tenth, and its standard error below half its size (sizes
+/// below a tenth of the prior, in the fit's units, count as a tenth).
+fn known(v: f64, se: f64, share: f64, samples: u64, prior: f64) -> bool {
+    samples >= MIN_SAMPLES && v.is_finite() && share < 0.1 && se < 0.5 * v.abs().max(0.1 * prior)
+}
+
+/// Coefficient `i` of `fit` with its standard error, when known and above
+/// zero.
+fn known_positive<const N: usize>(fit: &Rls<N>, i: usize, prior: f64) -> Option<(f64, f64)> {
+    let (v, se) = (*fit.theta().get(i)?, *fit.stderr().get(i)?);
+    let share = *fit.prior_share().get(i)?;
+    (v > 0.0 && known(v, se, share, fit.samples(), prior)).then_some((v, se))
+}
+
+/// Coefficient `i` of `fit` when known and clearly above zero (three
+/// standard errors).
+fn clearly_positive<const N: usize>(fit: &Rls<N>, i: usize, prior: f64) -> Option<f64> {
+    known_positive(fit, i, prior).filter(|(v, se)| *v > 3.0 * se).map(|(v, _)| v)
 }
 
 /// Two estimates of one quantity, (value, standard error), averaged by

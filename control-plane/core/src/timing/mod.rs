@@ -338,18 +338,7 @@ impl Calibration {
             a.ended.clear();
             return;
         };
-        let grown = |now: f64, then: f64| (now >= then).then_some(now - then);
-        let delta = (|| {
-            let requests = grown(totals.prefill_requests as f64, before.prefill_requests as f64)?;
-            Some(EnginePrefill {
-                requests,
-                ms: grown(totals.prefill_seconds, before.prefill_seconds)? * 1000.0,
-                computed_tokens: grown(totals.prefill_computed_tokens as f64, before.prefill_computed_tokens as f64)?,
-                itl_ms: grown(totals.itl_seconds, before.itl_seconds)? * 1000.0,
-                itl_count: grown(totals.itl_count as f64, before.itl_count as f64)?,
-            })
-        })();
-        let Some(delta) = delta else {
+        let Some(delta) = EnginePrefill::between(totals, &before) else {
             (a.ended, a.owed) = (VecDeque::new(), None);
             return;
         };
@@ -377,9 +366,7 @@ impl Calibration {
     /// intervals with their requests' computed tokens squared, summed.
     fn match_ended(a: &mut Activity, delta: &EnginePrefill) -> Option<Option<(EnginePrefill, f64)>> {
         let (mut owed, waited) = a.owed.take().unwrap_or_default();
-        owed.requests += delta.requests;
-        owed.ms += delta.ms;
-        owed.computed_tokens += delta.computed_tokens;
+        owed.add(delta);
         let k = owed.requests as usize;
         if k == 0 {
             return None;
@@ -432,73 +419,67 @@ impl Calibration {
         // not yet reported and misses those that came after it.
         let ahead_tokens = match o.first {
             Some(f) => (f.prefilled_tokens - o.start.prefilled_tokens).max(0.0),
-            None => {
-                // Its prefill ended before its end report, unreported.
-                if let Some(a) = self.activity.get_mut(&o.worker) {
-                    a.sums.prefilled_tokens += o.new_tokens;
-                }
-                o.ahead_tokens
-            }
+            None => o.ahead_tokens,
         };
         let new_tokens = f64::from(prompt.saturating_sub(cached));
-        // Kept for matching only where the engine reports its totals.
-        if let Some(a) = self.activity.get_mut(&o.worker).filter(|a| a.engine.is_some()) {
-            if a.ended.len() == MAX_ENDED {
-                a.ended.pop_front();
-            }
-            a.ended.push_back(new_tokens);
-        }
-        if o.saturated {
-            self.counters.queued += 1;
-        } else if o.learned_first {
-            // Learned at the first token from the prediction; the usage
-            // says whether that was the split the engine ran.
-            if (new_tokens - o.new_tokens).abs() > self.block_size {
-                self.counters.mispredicted += 1;
-            }
-        } else {
-            let ft = FirstToken {
-                ttft_ms: r.ttfb_us as f64 / 1000.0,
-                new_tokens,
-                cached_tokens: f64::from(cached.min(prompt)),
-                ahead_tokens,
-                running: o.running,
-            };
-            if self.fit_mut(&o.class).is_some_and(|f| f.observe_first_token(&ft)) {
-                self.counters.first_tokens += 1;
-            }
-        }
-        let steps = r.output_tokens.unwrap_or(0).saturating_sub(1);
         let now = self.activity.get_mut(&o.worker).map(|a| {
+            if o.first.is_none() {
+                // Its prefill ended before its end report, unreported.
+                a.sums.prefilled_tokens += o.new_tokens;
+            }
+            // Kept for matching only where the engine reports its totals.
+            if a.engine.is_some() {
+                if a.ended.len() == MAX_ENDED {
+                    a.ended.pop_front();
+                }
+                a.ended.push_back(new_tokens);
+            }
             a.sums.advance(now_ms);
             a.sums
         });
+        let first = (!o.saturated && !o.learned_first).then(|| FirstToken {
+            ttft_ms: r.ttfb_us as f64 / 1000.0,
+            new_tokens,
+            cached_tokens: f64::from(cached.min(prompt)),
+            ahead_tokens,
+            running: o.running,
+        });
+        if o.saturated {
+            self.counters.queued += 1;
+        } else if o.learned_first && (new_tokens - o.new_tokens).abs() > self.block_size {
+            // Learned at the first token from the prediction; the usage
+            // says whether that was the split the engine ran.
+            self.counters.mispredicted += 1;
+        }
         // The decode window: from a first-token report when there was one
         // before the end, else from the routing (without one, e.g. with the
         // filter's `reports.first_token` off; decode is most of a stream's
         // life).
+        let steps = r.output_tokens.unwrap_or(0).saturating_sub(1);
+        let decode_ms = (r.total_us - r.ttfb_us) as f64 / 1000.0;
         let from = match o.first {
             Some(f) if now.is_some_and(|n| f.last_ms < n.last_ms) => f,
             _ => o.start,
         };
-        match now {
-            Some(now) if r.stream && steps > 0 && now.last_ms > from.last_ms => {
-                let window = (now.last_ms - from.last_ms) as f64;
-                let d = Decode {
-                    itl_ms: (r.total_us - r.ttfb_us) as f64 / 1000.0 / f64::from(steps),
-                    running: (now.running_ms - from.running_ms) / window,
-                    kv_fill: (now.fill_ms - from.fill_ms) / window,
-                    prefill_tokens_per_step: (now.prefill_tokens - from.prefill_tokens) / f64::from(steps),
-                };
-                let gateway_ms = (r.total_us - r.ttfb_us) as f64 / 1000.0;
-                let used = self.fit_mut(&o.class).map(|f| {
-                    f.observe_gateway_itl(gateway_ms, f64::from(steps));
-                    f.observe_decode(&d)
-                });
-                self.counters.decodes += u64::from(used == Some(true));
+        let decode = now.filter(|now| r.stream && steps > 0 && now.last_ms > from.last_ms).map(|now| {
+            let window = (now.last_ms - from.last_ms) as f64;
+            Decode {
+                itl_ms: decode_ms / f64::from(steps),
+                running: (now.running_ms - from.running_ms) / window,
+                kv_fill: (now.fill_ms - from.fill_ms) / window,
+                prefill_tokens_per_step: (now.prefill_tokens - from.prefill_tokens) / f64::from(steps),
             }
-            _ => self.counters.unusable += 1,
+        });
+        if let Some(fit) = self.fit_mut(&o.class) {
+            let first_used = first.is_some_and(|ft| fit.observe_first_token(&ft));
+            let decode_used = decode.is_some_and(|d| {
+                fit.observe_gateway_itl(decode_ms, f64::from(steps));
+                fit.observe_decode(&d)
+            });
+            self.counters.first_tokens += u64::from(first_used);
+            self.counters.decodes += u64::from(decode_used);
         }
+        self.counters.unusable += u64::from(decode.is_none());
         self.refresh_timings();
     }
 

@@ -15,6 +15,7 @@ pub fn config(mode: Mode) -> ModelConfig {
         mode,
         kv: KvConfig::default(),
         learn_timing: true,
+        fading_load: false,
         default_output_tokens: 16,
         static_workers: Vec::new(),
         heartbeat_timeout_ms: 1000,
