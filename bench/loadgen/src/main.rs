@@ -158,7 +158,7 @@ struct ReqArgs {
 /// The flags every sweep shares (`doks` and the request workloads).
 #[derive(clap::Args)]
 struct SweepArgs {
-    /// Modes: kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_fading_load, kv_overload, kv_end_reports, approx, least_load, round_robin
+    /// Modes: kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_lasting_load, kv_overload, kv_end_reports, approx, least_load, round_robin
     /// (kvgate), sglang_cache_aware (peer). Default: round_robin, kv,
     /// approx, least_load, sglang_cache_aware (with --quick: round_robin,
     /// kv, sglang_cache_aware).
@@ -352,7 +352,7 @@ impl Sweep {
                 "disagg_settings": fleet.disagg_settings,
                 "kv_true_constants": fleet.true_constants().unwrap_or_default(),
                 "kv_no_speculation": stack::NO_SPECULATION,
-                "kv_fading_load": [stack::FADING_LOAD],
+                "kv_lasting_load": [stack::LASTING_LOAD],
                 "kv_tier_blind": [stack::TIER_BLIND],
                 "kv_overload": stack::OVERLOAD,
                 "kv_end_reports": "the filter's reports.first_token = false (the end of each request only)",

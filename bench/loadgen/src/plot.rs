@@ -87,7 +87,7 @@ pub fn colour(mode: &str) -> &'static str {
         "dynamo_round_robin" => "#bcbd22",
         "kv_true_constants" => "#e377c2",
         "kv_no_speculation" => "#ff9896",
-        "kv_fading_load" => "#ffbb78",
+        "kv_lasting_load" => "#ffbb78",
         "kv_tier_blind" => "#c49c94",
         "kv_overload" => "#9467bd",
         "kv_end_reports" => "#98df8a",

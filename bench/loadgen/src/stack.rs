@@ -161,8 +161,8 @@ impl FleetSpec {
 /// The `[models.kv]` lines of the `kv_no_speculation` mode.
 pub const NO_SPECULATION: [&str; 2] = ["inflight_hit_weight = 0", "inflight_wait_weight = 0"];
 
-/// The `[models.kv]` line of the `kv_fading_load` mode.
-pub const FADING_LOAD: &str = "fading_load = true";
+/// The `[models.kv]` line of the `kv_lasting_load` mode.
+pub const LASTING_LOAD: &str = "fading_load = false";
 
 /// The `[models.kv]` line of the `kv_tier_blind` mode.
 pub const TIER_BLIND: &str = "host_hit_weight = 0";
@@ -192,9 +192,9 @@ pub enum Frontend {
     /// host-memory blocks (`host_hit_weight = 0`).
     KvTierBlind,
     /// Envoy with the kvgate filter; the control plane in `kv` mode pricing
-    /// decode by the load it lives with as differences fade
-    /// ([`FADING_LOAD`]).
-    KvFadingLoad,
+    /// decode by the running requests now, as if a load difference lasted
+    /// ([`LASTING_LOAD`]; before `fading_load`).
+    KvLastingLoad,
     /// Envoy with the kvgate filter (callout timeout above the hold); the
     /// control plane in `kv` mode with overload protection on ([`OVERLOAD`]).
     KvOverload,
@@ -236,7 +236,7 @@ impl Frontend {
             Frontend::KvTrueConstants => "kv_true_constants".into(),
             Frontend::KvNoSpeculation => "kv_no_speculation".into(),
             Frontend::KvTierBlind => "kv_tier_blind".into(),
-            Frontend::KvFadingLoad => "kv_fading_load".into(),
+            Frontend::KvLastingLoad => "kv_lasting_load".into(),
             Frontend::KvOverload => "kv_overload".into(),
             Frontend::KvEndReports => "kv_end_reports".into(),
             Frontend::Pd { prefill, decode, conditional, filter_legs, overflow } => format!(
@@ -260,7 +260,7 @@ impl Frontend {
             "kv_true_constants" => Frontend::KvTrueConstants,
             "kv_no_speculation" => Frontend::KvNoSpeculation,
             "kv_tier_blind" => Frontend::KvTierBlind,
-            "kv_fading_load" => Frontend::KvFadingLoad,
+            "kv_lasting_load" => Frontend::KvLastingLoad,
             "kv_overload" => Frontend::KvOverload,
             "kv_end_reports" => Frontend::KvEndReports,
             "dynamo" => Frontend::Dynamo("kv".into()),
@@ -287,7 +287,7 @@ impl Frontend {
             _ => match s.strip_prefix("sglang_") {
                 Some(p @ ("cache_aware" | "round_robin" | "power_of_two" | "random")) => Frontend::Sglang(p.into()),
                 _ => bail!(
-                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_fading_load, kv_overload, kv_end_reports, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d[_overflow] or conditional_both, with _filter for the filter's own legs)"
+                    "unknown mode {s:?} (expected kv, kv_true_constants, kv_no_speculation, kv_tier_blind, kv_lasting_load, kv_overload, kv_end_reports, approx, least_load, round_robin, random, sglang_cache_aware, dynamo, dynamo_round_robin, disaggregated_<P>p<D>d, conditional_<P>p<D>d[_overflow] or conditional_both, with _filter for the filter's own legs)"
                 ),
             },
         })
@@ -487,9 +487,9 @@ impl Stack {
                 told.kv_settings.push(TIER_BLIND.to_owned());
                 stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
-            Frontend::KvFadingLoad => {
+            Frontend::KvLastingLoad => {
                 let mut told = fleet.clone();
-                told.kv_settings.push(FADING_LOAD.to_owned());
+                told.kv_settings.push(LASTING_LOAD.to_owned());
                 stack.start_kvgate(&told, "kv", &tk, &zmq, no_roles)?
             }
             Frontend::KvEndReports => {

@@ -56,7 +56,8 @@
 //! learned times. With the configured timing (or none) this is the cost in
 //! prefill-block equivalents of earlier versions.
 //!
-//! `running'_w` is `running_w`, or with `fading_load` on and measured,
+//! `running'_w` is `running_w`, or with the control plane's `fading_load`
+//! (its default) once measured,
 //! the running requests the decode lives with on average while the
 //! fleet's later decisions even a difference out
 //! ([`crate::persistence`], [`Candidate::decode_running`]).

@@ -42,7 +42,7 @@
 //! [models.kv]                           # optional weights (kvgate_scheduler::KvConfig)
 //! unit = "time"                         # time | blocks (Dynamo's cost)
 //! learn_timing = true                  # learn the engine's timing online (below: priors)
-//! fading_load = false                   # price decode by the load it lives with (measured)
+//! fading_load = true                    # price decode by the load it lives with (measured)
 //! prefill_ms_per_token = 0.1            # prior: engine prefill time per token
 //! decode_ms_per_seq = 0.5               # prior: decode step time per running request
 //! overlap_weight = 1.0
@@ -87,7 +87,7 @@ pub struct RawKv {
     /// `prefill_ms_per_token` and `decode_ms_per_seq` as given.
     pub learn_timing: Option<bool>,
     /// Price a request's decode by the load it lives with on average while
-    /// later decisions even differences out, as measured (default false).
+    /// later decisions even differences out, as measured (default true).
     pub fading_load: Option<bool>,
     /// See [`KvConfig::ttft_weight`].
     pub ttft_weight: Option<f64>,

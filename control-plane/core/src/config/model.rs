@@ -52,7 +52,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
             mode,
             kv,
             learn_timing: m.kv.as_ref().and_then(|k| k.learn_timing).unwrap_or(true),
-            fading_load: m.kv.as_ref().and_then(|k| k.fading_load).unwrap_or(false),
+            fading_load: m.kv.as_ref().and_then(|k| k.fading_load).unwrap_or(true),
             default_output_tokens: m.default_output_tokens.unwrap_or(256),
             static_workers,
             heartbeat_timeout_ms: m.heartbeat_timeout_ms.unwrap_or(0),

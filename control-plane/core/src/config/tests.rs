@@ -51,9 +51,12 @@ fn toml_file_parses_and_rejects_unknown_fields() {
     let b = Config::validate(RawConfig::from_toml(blocks, "config.toml").unwrap()).unwrap();
     assert_eq!(b.models[0].routing.kv.unit, CostUnit::Blocks);
     assert!(b.models[0].routing.learn_timing, "learning is the default");
-    let pinned = blocks.replace("unit = \"blocks\"", "learn_timing = false\nprefill_ms_per_token = 0.2");
+    assert!(b.models[0].routing.fading_load, "so is pricing decode by the load it lives with");
+    let pinned =
+        blocks.replace("unit = \"blocks\"", "learn_timing = false\nfading_load = false\nprefill_ms_per_token = 0.2");
     let p = Config::validate(RawConfig::from_toml(&pinned, "config.toml").unwrap()).unwrap();
     assert!(!p.models[0].routing.learn_timing);
+    assert!(!p.models[0].routing.fading_load);
     assert_eq!(p.models[0].routing.kv.prefill_ms_per_token, 0.2);
     let bad = blocks.replace("\"blocks\"", "\"tokens\"");
     let e = Config::validate(RawConfig::from_toml(&bad, "config.toml").unwrap()).unwrap_err();
