@@ -158,16 +158,19 @@ impl LoadPersistence {
         h.is_finite().then_some(h.clamp(0.0, 1.0))
     }
 
-    /// The running requests a decode on `worker` (running `running` now,
-    /// the candidates' mean `mean`) lives with on average: its lasting
-    /// offset in full, the rest of its difference from the mean by
-    /// [`LoadPersistence::factor`]; `None` until measured.
-    pub fn decode_running(&self, worker: WorkerIdx, running: f64, mean: f64) -> Option<f64> {
+    /// Once measured, what gives the running requests a decode on a worker
+    /// (`worker`, `running` now; `mean` the candidates') lives with on
+    /// average: its lasting offset in full, the rest of its difference from
+    /// the mean by [`LoadPersistence::factor`] (computed once per decision,
+    /// not per candidate).
+    pub fn decode_running(&self, mean: f64) -> Option<impl Fn(WorkerIdx, f64) -> f64 + '_> {
         let h = self.factor()?;
-        let offset = self.last.binary_search_by_key(&worker, |l| l.worker).ok().and_then(|i| self.last.get(i));
-        let offset = offset.map_or(0.0, |l| l.offset);
-        let r = mean + offset + h * (running - mean - offset);
-        r.is_finite().then_some(r.max(0.0))
+        Some(move |worker: WorkerIdx, running: f64| {
+            let at = self.last.binary_search_by_key(&worker, |l| l.worker).ok().and_then(|i| self.last.get(i));
+            let offset = at.map_or(0.0, |l| l.offset);
+            let r = mean + offset + h * (running - mean - offset);
+            if r.is_finite() { r.max(0.0) } else { running }
+        })
     }
 }
 

@@ -467,8 +467,9 @@ impl ModelState {
         }
         self.persistence.sample(now_ms, decoding);
         let mean = decoding.iter().map(|(_, r)| r).sum::<f64>() / decoding.len() as f64;
+        let Some(lives_with) = self.persistence.decode_running(mean) else { return };
         for c in cands {
-            c.decode_running = self.persistence.decode_running(c.worker, f64::from(c.load.effective_requests()), mean);
+            c.decode_running = Some(lives_with(c.worker, f64::from(c.load.effective_requests())));
         }
     }
 
