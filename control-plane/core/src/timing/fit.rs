@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
 //! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄` | step base, per running request, KV fill, prefill tokens sharing the steps |
-//! | engine prefill | the engine's own mean prefill time over the requests that finished between two heartbeats (vLLM's histograms, engine clock) | `1, N̄` | per request, per computed token |
+//! | engine prefill | the engine's own mean prefill time over the requests that finished between two heartbeats (vLLM's histograms, engine clock), once matched as below or given up; not where they shared their steps with more prefill than their own | `1, N̄` | per request, per computed token |
 //! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees) | `1, N̄, N²̄` | per request, per computed token, its growth with the prompt |
 //!
 //! `n` new prompt tokens (prompt − cached: as the router predicted when the
@@ -435,12 +435,16 @@ impl EngineFit {
         Clock::add(&mut self.clock.gateway, ms, intervals);
     }
 
-    /// Learns from what a worker's engine reported between two heartbeats:
-    /// its inter-token times always (the engine's side of [`Clock`]), its
-    /// requests' prefill times when some finished. Returns whether a
-    /// prefill observation was used.
-    pub fn observe_engine(&mut self, o: &EnginePrefill) -> bool {
+    /// The engine's inter-token times between two heartbeats (its side of
+    /// [`Clock`]).
+    pub fn observe_engine_itl(&mut self, o: &EnginePrefill) {
         Clock::add(&mut self.clock.engine, o.itl_ms, o.itl_count);
+    }
+
+    /// Learns from the prefill times of the requests that finished in an
+    /// engine interval (a straight line in their mean computed tokens).
+    /// Returns whether the observation was used.
+    pub fn observe_engine(&mut self, o: &EnginePrefill) -> bool {
         let used = o.has_prefills() && self.engine.observe(o.features(), o.ms / o.requests);
         self.updated_if(used)
     }
@@ -709,6 +713,13 @@ fn finite_nonneg(v: f64) -> f64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// An engine interval as a heartbeat brings it: its inter-token times,
+    /// then its prefills.
+    fn engine(fit: &mut EngineFit, o: &EnginePrefill) -> bool {
+        fit.observe_engine_itl(o);
+        fit.observe_engine(o)
+    }
 
     const PRIOR: Prior = Prior { prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.5 };
 
@@ -1003,7 +1014,7 @@ mod tests {
             let n = f64::from(rng.u32(60..8000));
             let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: 20.0 };
             fit.observe_first_token(&FirstToken { ttft_ms: 50.0 + 0.3 * n + noise(&mut rng, 5.0), ..o });
-            fit.observe_engine(&interval(&mut rng, 0.0));
+            engine(&mut fit, &interval(&mut rng, 0.0));
         }
         // No inter-token times yet: the engine's clock is unknown, its
         // rate unused.
@@ -1011,7 +1022,7 @@ mod tests {
         assert!(near(fit.timing().prefill_ms_per_token, 0.3, 0.05), "{:?}", fit.timing());
         for _ in 0..30 {
             fit.observe_gateway_itl(40.0 * 100.0, 100.0);
-            fit.observe_engine(&interval(&mut rng, 100.0));
+            engine(&mut fit, &interval(&mut rng, 100.0));
         }
         let ratio = fit.clock_ratio().unwrap_or(0.0);
         assert!(near(ratio, 0.5, 1e-9), "{ratio}");
@@ -1022,7 +1033,7 @@ mod tests {
         assert!(near(e.params[1].value, 0.16, 0.05), "{e:?}");
         // Intervals without a finished request teach the clock only.
         let before = fit.engine_prefill().samples;
-        assert!(!fit.observe_engine(&EnginePrefill { itl_ms: 800.0, itl_count: 10.0, ..EnginePrefill::default() }));
+        assert!(!engine(&mut fit, &EnginePrefill { itl_ms: 800.0, itl_count: 10.0, ..EnginePrefill::default() }));
         assert_eq!(fit.engine_prefill().samples, before);
     }
 
@@ -1036,7 +1047,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(8);
         for _ in 0..30 {
             fit.observe_gateway_itl(40.0 * 100.0, 100.0);
-            fit.observe_engine(&EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
+            engine(&mut fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
         }
         for _ in 0..300 {
             let k = rng.u32(1..6);
@@ -1049,7 +1060,7 @@ mod tests {
                 computed_tokens: ns.iter().sum(),
                 ..EnginePrefill::default()
             };
-            fit.observe_engine(&o);
+            engine(&mut fit, &o);
             fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum());
         }
         let t = fit.timing();
@@ -1076,7 +1087,7 @@ mod tests {
                 fit.observe_decode(&Decode { itl_ms: y / 100.0, running: r, kv_fill: f, prefill_tokens_per_step: c / 100.0 });
                 fit.observe_gateway_itl(y, n);
                 let o = EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 };
-                fit.observe_engine(&o);
+                engine(&mut fit, &o);
                 fit.observe_engine_matched(&o, n * c);
             }
             let t = fit.timing();

@@ -78,17 +78,49 @@ struct Activity {
     sums: Integrals,
     /// Its engine's request-timing totals at the last heartbeat.
     engine: Option<pb::EngineCounters>,
-    /// Computed prompt tokens of the requests the gateway saw end on it,
-    /// in the order their reports came, not yet matched to an engine
-    /// interval.
-    ended: VecDeque<f64>,
+    /// The requests the gateway saw end on it, in the order their reports
+    /// came, not yet matched to an engine interval.
+    ended: VecDeque<Ended>,
     /// Engine intervals not yet matched, summed, and the heartbeats they
     /// have waited.
     owed: Option<(EnginePrefill, u32)>,
 }
 
+/// A request the gateway saw end, as an engine interval is matched to it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Ended {
+    /// Its computed (uncached) prompt tokens.
+    computed: f64,
+    /// Other requests' prompt tokens the worker prefilled while it waited
+    /// for its first token, and those still to prefill beside it when it
+    /// came: what may have shared its steps.
+    shared: f64,
+}
+
+/// What became of a worker's engine intervals at a heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Resolved {
+    /// None finished, or their requests' reports have not all come yet.
+    Waiting,
+    /// Given up: some of their requests did not come through this gateway
+    /// (or reported out of order). What the engine said, summed.
+    Unmatched(EnginePrefill),
+    /// The requests the gateway saw end: the intervals summed, their
+    /// requests' computed tokens squared and summed, and whether they
+    /// shared their steps with more prefill than their own
+    /// ([`SHARED_MAX`]).
+    Matched { engine: EnginePrefill, squared: f64, crowded: bool },
+}
+
 /// Requests kept per worker for matching engine intervals.
 const MAX_ENDED: usize = 1024;
+
+/// An engine interval whose requests waited, together, for more of other
+/// requests' prefill than this many times their own is not learned from:
+/// the engine times a prefill from the step that first scheduled it to its
+/// first token, so prompts that shared their steps (a burst of cold
+/// prompts) each count the others' chunks as their own.
+const SHARED_MAX: f64 = 1.0;
 
 /// Heartbeats an engine interval waits for the reports of its requests
 /// before it is given up (some of them did not come through this
@@ -150,12 +182,16 @@ pub struct TimingCounters {
     /// Engine intervals that could not be matched (requests that did not
     /// come through this gateway, reports out of order).
     pub engine_unmatched: u64,
+    /// Engine intervals not learned from because their requests shared
+    /// their prefill steps with more prefill than their own
+    /// ([`SHARED_MAX`]).
+    pub engine_shared: u64,
 }
 
 impl TimingCounters {
     /// Every counter with its `kind` label (destructured without `..`: a
     /// new counter does not compile until it is exported).
-    pub fn by_kind(&self) -> [(&'static str, u64); 8] {
+    pub fn by_kind(&self) -> [(&'static str, u64); 9] {
         let Self {
             first_tokens,
             decodes,
@@ -165,6 +201,7 @@ impl TimingCounters {
             engine_prefills,
             engine_matched,
             engine_unmatched,
+            engine_shared,
         } = *self;
         [
             ("first_token", first_tokens),
@@ -175,6 +212,7 @@ impl TimingCounters {
             ("engine_prefill", engine_prefills),
             ("engine_matched", engine_matched),
             ("engine_unmatched", engine_unmatched),
+            ("engine_shared", engine_shared),
         ]
     }
 }
@@ -328,10 +366,13 @@ impl Calibration {
     }
 
     /// A heartbeat of `worker` carried its engine's request-timing totals:
-    /// what grew since the last one is learned from (the requests that
-    /// finished meanwhile), and, once the requests the gateway saw end
-    /// there add up to the same computed tokens, learned again with their
-    /// squares. Totals that fell (the engine restarted) start over.
+    /// what grew since the last one (the requests that finished meanwhile)
+    /// is learned from once the requests the gateway saw end there add up
+    /// to the same computed tokens (then with their squares too), unless
+    /// they shared their prefill steps with more prefill than their own; or
+    /// as a straight line alone once their reports are given up (they did
+    /// not come through this gateway). Totals that fell (the engine
+    /// restarted) start over.
     pub fn engine_counters(&mut self, worker: WorkerIdx, totals: &pb::EngineCounters) {
         let Some(a) = self.activity.get_mut(&worker) else { return };
         let Some(before) = a.engine.replace(*totals) else {
@@ -342,51 +383,55 @@ impl Calibration {
             (a.ended, a.owed) = (VecDeque::new(), None);
             return;
         };
-        let matched = Self::match_ended(a, &delta);
+        let resolved = Self::match_ended(a, &delta);
         let class = Arc::clone(&a.class);
         let Some(fit) = self.fit_mut(&class) else { return };
-        let line = fit.observe_engine(&delta);
-        let (shape, unmatched) = match matched {
-            Some(Some((o, squared))) => (fit.observe_engine_matched(&o, squared), false),
-            Some(None) => (false, true),
-            None => (false, false),
+        fit.observe_engine_itl(&delta);
+        let (line, shape) = match resolved {
+            Resolved::Waiting | Resolved::Matched { crowded: true, .. } => (false, false),
+            Resolved::Unmatched(o) => (fit.observe_engine(&o), false),
+            Resolved::Matched { engine, squared, crowded: false } => {
+                (fit.observe_engine(&engine), fit.observe_engine_matched(&engine, squared))
+            }
         };
         let c = &mut self.counters;
         c.engine_prefills += u64::from(line);
         c.engine_matched += u64::from(shape);
-        c.engine_unmatched += u64::from(unmatched);
+        c.engine_unmatched += u64::from(matches!(resolved, Resolved::Unmatched(_)));
+        c.engine_shared += u64::from(matches!(resolved, Resolved::Matched { crowded: true, .. }));
         if line || shape {
             self.refresh_timings();
         }
     }
 
     /// The engine intervals owed so far, `delta` added, against the
-    /// requests the gateway saw end on the worker, in order: `None` while
-    /// they wait for reports, `Some(None)` when given up, else the summed
-    /// intervals with their requests' computed tokens squared, summed.
-    fn match_ended(a: &mut Activity, delta: &EnginePrefill) -> Option<Option<(EnginePrefill, f64)>> {
+    /// requests the gateway saw end on the worker, in order.
+    fn match_ended(a: &mut Activity, delta: &EnginePrefill) -> Resolved {
         let (mut owed, waited) = a.owed.take().unwrap_or_default();
         owed.add(delta);
         let k = owed.requests as usize;
         if k == 0 {
-            return None;
+            return Resolved::Waiting;
         }
         if a.ended.len() < k {
             if waited + 1 > MAX_OWED {
                 a.ended.clear();
-                return Some(None);
+                return Resolved::Unmatched(owed);
             }
             a.owed = Some((owed, waited + 1));
-            return None;
+            return Resolved::Waiting;
         }
-        let (sum, squared) = a.ended.drain(..k).fold((0.0, 0.0), |(s, q), n| (s + n, q + n * n));
+        let (sum, squared, shared) = a
+            .ended
+            .drain(..k)
+            .fold((0.0, 0.0, 0.0), |(s, q, o), e| (s + e.computed, q + e.computed * e.computed, o + e.shared));
         if (sum - owed.computed_tokens).abs() > 0.5 {
             // Misaligned (a request of this interval reported late, or one
             // the engine counted that never came through here): start over.
             a.ended.clear();
-            return Some(None);
+            return Resolved::Unmatched(owed);
         }
-        Some(Some((owed, squared)))
+        Resolved::Matched { engine: owed, squared, crowded: shared > SHARED_MAX * sum }
     }
 
     /// The class's fit, new at the prior when it has none (its name is
@@ -421,6 +466,13 @@ impl Calibration {
             Some(f) => (f.prefilled_tokens - o.start.prefilled_tokens).max(0.0),
             None => o.ahead_tokens,
         };
+        // The prefill its engine-timed prefill may have shared steps with:
+        // what was done while it waited, and what was still in flight
+        // beside it when its first token came.
+        let shared_tokens = match o.first {
+            Some(f) => ahead_tokens + (f.prefill_tokens - f.prefilled_tokens - o.new_tokens).max(0.0),
+            None => o.ahead_tokens,
+        };
         let new_tokens = f64::from(prompt.saturating_sub(cached));
         let now = self.activity.get_mut(&o.worker).map(|a| {
             if o.first.is_none() {
@@ -432,7 +484,7 @@ impl Calibration {
                 if a.ended.len() == MAX_ENDED {
                     a.ended.pop_front();
                 }
-                a.ended.push_back(new_tokens);
+                a.ended.push_back(Ended { computed: new_tokens, shared: shared_tokens });
             }
             a.sums.advance(now_ms);
             a.sums
@@ -609,8 +661,10 @@ mod tests {
     }
 
     /// Heartbeats carry the engine's running totals: each interval's growth
-    /// is one observation; totals that fall (the engine restarted) are
-    /// skipped, and the next interval counts from the new totals.
+    /// is one observation, learned as a straight line once its requests'
+    /// reports are given up (none came through this gateway); totals that
+    /// fall (the engine restarted) are skipped, and the next interval
+    /// counts from the new totals.
     #[test]
     fn engine_totals_are_learned_by_their_growth_between_heartbeats() {
         let mut cal = Calibration::new(PRIOR, true, 16);
@@ -622,17 +676,24 @@ mod tests {
             itl_seconds: requests as f64,
             itl_count: requests * 10,
         };
+        let given_up = |cal: &mut Calibration, t: &pb::EngineCounters| {
+            for _ in 0..=MAX_OWED {
+                cal.engine_counters(w, t);
+            }
+        };
         // Unknown worker (no heartbeat with its load yet): nothing kept.
         cal.engine_counters(w, &totals(1, 0.1, 100));
         cal.touch(w, &load(0, 0), 0);
         cal.engine_counters(w, &totals(10, 1.0, 1000));
         assert_eq!(cal.counters().engine_prefills, 0, "a first total is a baseline");
-        cal.engine_counters(w, &totals(15, 1.5, 1500));
-        cal.engine_counters(w, &totals(15, 1.5, 1500));
+        given_up(&mut cal, &totals(15, 1.5, 1500));
+        let c = cal.counters();
+        assert_eq!((c.engine_prefills, c.engine_unmatched), (1, 1), "learned once given up, not before");
+        given_up(&mut cal, &totals(15, 1.5, 1500));
         assert_eq!(cal.counters().engine_prefills, 1, "an interval without finished requests teaches no prefill");
         cal.engine_counters(w, &totals(2, 0.2, 200));
         assert_eq!(cal.counters().engine_prefills, 1, "a restart is skipped");
-        cal.engine_counters(w, &totals(4, 0.4, 400));
+        given_up(&mut cal, &totals(4, 0.4, 400));
         assert_eq!(cal.counters().engine_prefills, 2);
         let fit = cal.classes().next().map(|(_, f)| f.engine_prefill());
         assert_eq!(fit.map(|f| f.samples), Some(2));
@@ -695,6 +756,49 @@ mod tests {
         assert_eq!((cal.counters().engine_matched, cal.counters().engine_unmatched), (3, 2));
         let fit = cal.classes().next().map(|(_, f)| f.engine_matched().samples);
         assert_eq!(fit, Some(3));
+    }
+
+    /// The engine times a prefill from the step that first scheduled it:
+    /// prompts that shared their steps (a burst of cold prompts) each count
+    /// the others' chunks as their own. An interval whose requests waited
+    /// for more of other requests' prefill than their own teaches neither
+    /// engine fit; one of a prompt that ran alone teaches both.
+    #[test]
+    fn prefills_that_shared_their_steps_teach_no_engine_rate() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(0);
+        let totals = |requests: u64, tokens: u64| pb::EngineCounters {
+            prefill_seconds: requests as f64 * 0.5,
+            prefill_requests: requests,
+            prefill_computed_tokens: tokens,
+            itl_seconds: 0.0,
+            itl_count: 0,
+        };
+        cal.touch(w, &load(0, 0), 0);
+        cal.engine_counters(w, &totals(0, 0));
+        // Five 1,600-token prompts routed together; each one's first token
+        // comes after those ahead of it (0 + 1 + 2 + 3 + 4 prompts' worth
+        // waited for, against 5 of their own).
+        let ids: Vec<String> = (0..5).map(|i| format!("burst{i}")).collect();
+        for id in &ids {
+            cal.routed(id, w, &load(0, 0), (100, 0), 0);
+        }
+        for (i, id) in (1..).zip(&ids) {
+            cal.first_token(id, i * 100_000, i * 100);
+        }
+        for id in &ids {
+            cal.done(&report(id, 100, 2000, 1600, 0, 10), 1000);
+        }
+        cal.engine_counters(w, &totals(5, 8000));
+        let c = cal.counters();
+        assert_eq!((c.engine_prefills, c.engine_matched, c.engine_shared), (0, 0, 1));
+        // One prompt alone.
+        cal.routed("alone", w, &load(0, 0), (100, 0), 2000);
+        cal.first_token("alone", 100_000, 2100);
+        cal.done(&report("alone", 100, 2000, 1600, 0, 10), 3000);
+        cal.engine_counters(w, &totals(6, 9600));
+        let c = cal.counters();
+        assert_eq!((c.engine_prefills, c.engine_matched, c.engine_shared), (1, 1, 1));
     }
 
     /// Two classes of one model: the fast one sees cold prompts of every
