@@ -469,10 +469,8 @@ impl Calibration {
         // The prefill its engine-timed prefill may have shared steps with:
         // what was done while it waited, and what was still in flight
         // beside it when its first token came.
-        let shared_tokens = match o.first {
-            Some(f) => ahead_tokens + (f.prefill_tokens - f.prefilled_tokens - o.new_tokens).max(0.0),
-            None => o.ahead_tokens,
-        };
+        let shared_tokens =
+            ahead_tokens + o.first.map_or(0.0, |f| (f.prefill_tokens - f.prefilled_tokens - o.new_tokens).max(0.0));
         let new_tokens = f64::from(prompt.saturating_sub(cached));
         let now = self.activity.get_mut(&o.worker).map(|a| {
             if o.first.is_none() {
