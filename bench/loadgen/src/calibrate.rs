@@ -221,7 +221,7 @@ fn grid(records: &[runner::Record]) -> Vec<(usize, usize)> {
 }
 
 /// Errors of one snapshot against its truth.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Errors {
     /// Against the TTFT the clients measured (not in [`Errors::within`]:
     /// it includes waits for the step in progress and for prefill budget
@@ -235,6 +235,9 @@ struct Errors {
     /// The first-token fit's own prefill terms (reported, not in
     /// [`Errors::within`]).
     prefill_fit: Option<f64>,
+    /// Which fit the prefill rate `kv` used came from (the admin API's
+    /// `prefill_from`).
+    prefill_from: Option<String>,
 }
 
 impl Errors {
@@ -243,7 +246,7 @@ impl Errors {
     }
 
     fn json(&self) -> Value {
-        json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill, "prefill_fit": self.prefill_fit})
+        json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill, "prefill_fit": self.prefill_fit, "prefill_from": self.prefill_from})
     }
 }
 
@@ -253,7 +256,7 @@ const PREFILL_SPAN: usize = 500;
 
 fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating, speedup: f64) -> Errors {
     let rel = |got: f64, want: f64| if want > 0.0 { (got - want).abs() / want } else { f64::INFINITY };
-    let mut e = Errors::default();
+    let mut e = Errors { prefill_from: class["prefill_from"].as_str().map(str::to_owned), ..Errors::default() };
     for &(r, f) in &op.points {
         e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f)));
     }

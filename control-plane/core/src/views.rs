@@ -71,6 +71,7 @@ impl App {
                         "engine_matched": fit.engine_matched(),
                         "clock_ratio": fit.clock_ratio(),
                         "used": used,
+                        "prefill_from": fit.prefill_from(),
                     });
                     (class.to_owned(), v)
                 })

@@ -111,6 +111,8 @@ struct Rates {
     /// The prefill rate's growth per 1,000 tokens of chunk and of cached
     /// context, ms per token; 0 where not known.
     growth: (f64, f64),
+    /// Which fit the prefill rate comes from ([`EngineFit::prefill_from`]).
+    prefill_from: &'static str,
 }
 
 /// One first-token observation.
@@ -335,6 +337,9 @@ pub struct EngineFit {
     /// (exponential averages): the operating point at which one more
     /// request's step cost is read from the decode fit.
     operating: Operating,
+    /// The matched intervals' computed tokens per request: the range of
+    /// prompts along which the matched fit's rate is read.
+    prompts: Prompts,
     /// The rates as last known, held while a fit is not sure of them.
     held: Held,
     /// [`EngineFit::rates_now`] after the last observation (they change
@@ -373,6 +378,40 @@ impl Operating {
     }
 }
 
+/// Exponential averages of the matched intervals' mean computed tokens
+/// per request and mean square: the spread of the prompts the engine
+/// prefilled, along which the matched fit is read.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Prompts {
+    mean: f64,
+    square: f64,
+    weight: f64,
+}
+
+impl Prompts {
+    /// As [`Operating::ALPHA`].
+    const ALPHA: f64 = 0.01;
+
+    fn observe(&mut self, mean: f64, square: f64) {
+        if !(mean.is_finite() && square.is_finite() && mean >= 0.0 && square >= 0.0) {
+            return;
+        }
+        self.weight += 1.0;
+        let a = (1.0 / self.weight).max(Self::ALPHA);
+        self.mean += a * (mean - self.mean);
+        self.square += a * (square - self.square);
+    }
+
+    /// A short and a long prompt of the range: one standard deviation
+    /// either side of the mean (not below 0), tokens; `None` before a
+    /// spread of at least a block is seen.
+    fn range(&self) -> Option<(f64, f64)> {
+        let sd = (self.square - self.mean * self.mean).max(0.0).sqrt();
+        let (lo, hi) = ((self.mean - sd).max(0.0), self.mean + sd);
+        (self.weight >= 1.0 && hi - lo >= 16.0).then_some((lo, hi))
+    }
+}
+
 /// The last known rates (ms per token, ms per request) and their ratio
 /// when both were known at once.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -401,6 +440,7 @@ impl EngineFit {
             matched,
             clock: Clock::default(),
             operating: Operating::default(),
+            prompts: Prompts::default(),
             held: Held::default(),
             rates: Rates::default(),
         };
@@ -459,6 +499,9 @@ impl EngineFit {
         let used = o.has_prefills()
             && squared_tokens >= 0.0
             && self.matched.observe(o.matched_features(squared_tokens), o.ms / o.requests);
+        if used {
+            self.prompts.observe(o.computed_tokens / o.requests, squared_tokens / o.requests);
+        }
         self.updated_if(used)
     }
 
@@ -545,17 +588,17 @@ impl EngineFit {
         // priced prefill 28 % high for the 150 requests between the two
         // (2b9ef7f); the indirect estimates stand in meanwhile.
         let q = self.clock.ratio();
-        let from_matched = q.zip(known_positive(&self.matched, 1, p_prior));
+        let from_matched = q.zip(self.matched_along(p_prior));
         let from_line = q.zip(known_positive(&self.engine, 1, p_prior)).filter(|_| self.matched.samples() == 0);
-        let from_engine = from_matched.or(from_line).map(|(q, (v, se))| (v * q, se * q));
-        // Its growth with the prompt, when clearly above zero.
-        let matched_growth = from_matched
-            .and_then(|(q, _)| Some(q * clearly_positive(&self.matched, 2, p_prior)?))
-            .map_or(0.0, |g| g / K);
-        let prefill = match (from_engine, from_first, from_steps) {
-            (Some(e), _, _) => Some(e),
-            (None, Some(a), Some(b)) => Some(by_precision(a, b)),
-            (None, a, b) => a.or(b),
+        let from_engine =
+            from_matched.map(|(q, (v, se, _))| (v * q, se * q)).or(from_line.map(|(q, (v, se))| (v * q, se * q)));
+        let matched_growth = from_matched.map_or(0.0, |(q, (_, _, g))| q * g / K);
+        let (prefill, prefill_from) = match (from_engine, from_first, from_steps) {
+            (Some(e), _, _) => (Some(e), if from_matched.is_some() { "engine_matched" } else { "engine_prefill" }),
+            (None, Some(a), Some(b)) => (Some(by_precision(a, b)), "first_token+decode"),
+            (None, Some(a), None) => (Some(a), "first_token"),
+            (None, None, Some(b)) => (Some(b), "decode"),
+            (None, None, None) => (None, "none"),
         };
         // A growth term's scale is the prefill rate's: on a workload whose
         // prompts fall in two groups (long and cold, short after a long
@@ -588,7 +631,30 @@ impl EngineFit {
             decode: known(dv, dve, self.decode.prior_share_at(&marginal), self.decode.samples(), d_prior)
                 .then(|| (dv.max(0.0) / 10.0, dve / 10.0)),
             growth: if from_engine.is_some() { (matched_growth, 0.0) } else { (growth(2), growth(3)) },
+            prefill_from,
         }
+    }
+
+    /// The matched fit's prefill rate, read along the prompts it saw: the
+    /// mean rate from a short to a long prompt of their range
+    /// ([`Prompts::range`]) is known (as [`known`], for that combination
+    /// of its terms) well before each term is, because the rate and the
+    /// growth are nearly collinear on one workload's prompts (on
+    /// `vllm-v1` and `dynamo-mocker` the terms were each known only after
+    /// 420–510 requests, 52f7e45). Returns (rate, its standard error,
+    /// growth per 1,000 tokens), in the fit's units: the fit's own rate
+    /// and growth where both are positive, else the range's mean rate
+    /// with no growth.
+    fn matched_along(&self, prior: f64) -> Option<(f64, f64, f64)> {
+        let (lo, hi) = self.prompts.range()?;
+        let (lo, hi) = (lo / K, hi / K);
+        let (f, d) = (&self.matched, [0.0, hi - lo, hi * hi - lo * lo]);
+        let (v, se) = (f.predict(&d) / (hi - lo), f.predict_stderr(&d) / (hi - lo));
+        if !(v > 0.0 && known(v, se, f.prior_share_at(&d), f.samples(), prior)) {
+            return None;
+        }
+        let t = f.theta();
+        Some(if t[1] > 0.0 && t[2] >= 0.0 { (t[1], se, t[2]) } else { (v, se, 0.0) })
     }
 
     /// What the `kv` policy uses, alone: [`EngineFit::timing_with`] without
@@ -644,6 +710,15 @@ impl EngineFit {
             prefill_ms_per_token_per_kctx: per_kctx,
             decode_ms_per_seq: decode,
         }
+    }
+
+    /// Which fit the prefill rate `kv` uses comes from: `engine_matched`,
+    /// `engine_prefill` (the straight line), `first_token+decode` (the two
+    /// indirect estimates averaged by precision), `first_token`, `decode`,
+    /// or `none` (no fit knows it: the last known rate, a ratio to the
+    /// decode rate, or the prior stands in; see [`EngineFit::timing_with`]).
+    pub fn prefill_from(&self) -> &'static str {
+        self.rates.prefill_from
     }
 
     /// The first-token fit, in the names' units.
@@ -1120,6 +1195,34 @@ mod tests {
         for n in [500.0, 4_000.0, 16_000.0] {
             assert!(near(cost(n), 0.01 * n + 1e-6 * n * n, 0.05), "{n}: {}", cost(n));
         }
+    }
+
+    /// Intervals of many requests from one mix of prompts: their mean
+    /// computed tokens and mean square move together, so the matched fit's
+    /// rate and growth are each still unsure when the cost across the
+    /// prompts' range is already pinned down. That cost is priced then.
+    #[test]
+    fn the_matched_fit_is_read_along_the_prompts_it_saw() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(11);
+        for _ in 0..30 {
+            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
+            engine(&mut fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
+        }
+        let truth = |n: f64| 0.01 * n + 1e-6 * n * n;
+        for _ in 0..30 {
+            let ns: Vec<f64> = (0..10).map(|_| f64::from(rng.u32(2_000..6_000))).collect();
+            let ms = ns.iter().map(|n| 2.0 * (30.0 + truth(*n)) + noise(&mut rng, 2.0)).sum();
+            let o = EnginePrefill { requests: 10.0, ms, computed_tokens: ns.iter().sum(), ..EnginePrefill::default() };
+            engine(&mut fit, &o);
+            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum());
+        }
+        let p_prior = PRIOR.prefill_ms_per_token * K;
+        assert!(known_positive(&fit.matched, 1, p_prior).is_none(), "{:?}", fit.engine_matched());
+        let t = fit.timing();
+        let cost = |n: f64| t.prefill_ms_per_token_at(n, 0.0) * n;
+        let (lo, hi) = (2_500.0, 5_500.0);
+        assert!(near(cost(hi) - cost(lo), truth(hi) - truth(lo), 0.1), "{t:?}");
     }
 
     proptest! {
