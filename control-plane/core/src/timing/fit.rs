@@ -340,6 +340,11 @@ pub struct EngineFit {
     /// The matched intervals' computed tokens per request: the range of
     /// prompts along which the matched fit's rate is read.
     prompts: Prompts,
+    /// The first-token observations' new tokens, the same way.
+    first_prompts: Prompts,
+    /// How well each indirect prefill estimate predicted the matched
+    /// engine intervals: the first token's, the decode steps'.
+    scored: (Scored, Scored),
     /// The rates as last known, held while a fit is not sure of them.
     held: Held,
     /// [`EngineFit::rates_now`] after the last observation (they change
@@ -378,9 +383,9 @@ impl Operating {
     }
 }
 
-/// Exponential averages of the matched intervals' mean computed tokens
-/// per request and mean square: the spread of the prompts the engine
-/// prefilled, along which the matched fit is read.
+/// Exponential averages of prompts' tokens and their squares (the matched
+/// intervals' means per request; the first tokens' new tokens): the spread
+/// of the prompts a fit saw, along which its rate is read ([`along`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Prompts {
     mean: f64,
@@ -409,6 +414,42 @@ impl Prompts {
         let sd = (self.square - self.mean * self.mean).max(0.0).sqrt();
         let (lo, hi) = ((self.mean - sd).max(0.0), self.mean + sd);
         (self.weight >= 1.0 && hi - lo >= 16.0).then_some((lo, hi))
+    }
+}
+
+/// Exponential mean and mean square of one estimate's misses on the
+/// matched engine intervals (engine time in the gateway's clock, less the
+/// estimate's prefill for the interval's prompts). Neither indirect
+/// estimate has the engine's fixed time per request, so their constant
+/// miss is left out: what is scored is how the misses vary, which an
+/// estimate whose rate is off makes grow with the spread of the prompts.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Scored {
+    mean: f64,
+    square: f64,
+    weight: f64,
+}
+
+impl Scored {
+    /// Weight of a new miss once warm: about the last fifty count.
+    const ALPHA: f64 = 0.02;
+    /// Misses before the variance is used.
+    const MIN: f64 = 10.0;
+
+    fn observe(&mut self, miss: f64) {
+        if !miss.is_finite() {
+            return;
+        }
+        self.weight += 1.0;
+        let a = (1.0 / self.weight).max(Self::ALPHA);
+        self.mean += a * (miss - self.mean);
+        self.square += a * (miss * miss - self.square);
+    }
+
+    /// Variance of the misses, once enough are in and it is positive.
+    fn variance(&self) -> Option<f64> {
+        let v = self.square - self.mean * self.mean;
+        (self.weight >= Self::MIN && v.is_finite() && v > 0.0).then_some(v)
     }
 }
 
@@ -441,6 +482,8 @@ impl EngineFit {
             clock: Clock::default(),
             operating: Operating::default(),
             prompts: Prompts::default(),
+            first_prompts: Prompts::default(),
+            scored: (Scored::default(), Scored::default()),
             held: Held::default(),
             rates: Rates::default(),
         };
@@ -451,6 +494,9 @@ impl EngineFit {
     /// Learns from a first token.
     pub fn observe_first_token(&mut self, o: &FirstToken) -> bool {
         let used = o.new_tokens >= 0.0 && self.first.observe(o.features(), o.ttft_ms);
+        if used {
+            self.first_prompts.observe(o.new_tokens, o.new_tokens * o.new_tokens);
+        }
         self.updated_if(used)
     }
 
@@ -501,8 +547,26 @@ impl EngineFit {
             && self.matched.observe(o.matched_features(squared_tokens), o.ms / o.requests);
         if used {
             self.prompts.observe(o.computed_tokens / o.requests, squared_tokens / o.requests);
+            self.score(o, squared_tokens);
         }
         self.updated_if(used)
+    }
+
+    /// Scores the two indirect prefill estimates on a matched interval
+    /// (see [`Scored`]): each, where known, as it prices the interval's
+    /// prompts (the first token's with its growth with the chunk, read
+    /// along its prompts).
+    fn score(&mut self, o: &EnginePrefill, squared_tokens: f64) {
+        let Some(q) = self.clock.ratio() else { return };
+        let p_prior = self.prior.prefill_ms_per_token * K;
+        let [_, n, n2] = o.matched_features(squared_tokens);
+        let took = o.ms / o.requests * q;
+        if let Some(f) = along(&self.first, self.first_prompts.range(), p_prior) {
+            self.scored.0.observe(took - f.rate * n - f.growth * n2);
+        }
+        if let Some((rate, _)) = known_positive(&self.decode, 3, p_prior) {
+            self.scored.1.observe(took - rate * n);
+        }
     }
 
     /// Recomputes the rates known now ([`EngineFit::rates_now`], read by
@@ -577,7 +641,8 @@ impl EngineFit {
         // down better weighs more (the steps' during a burst of cold
         // prompts, the first token's while the steps' fit is still moving
         // after the engine changed).
-        let from_first = known_positive(&self.first, 1, p_prior);
+        let first = along(&self.first, self.first_prompts.range(), p_prior);
+        let from_first = first.map(|f| (f.mean, f.se));
         let from_steps = known_positive(&self.decode, 3, p_prior);
         // The engine's own measurement, in this clock, comes first: the
         // matched fit's rate and growth, else the straight line's rate, but
@@ -588,37 +653,45 @@ impl EngineFit {
         // priced prefill 28 % high for the 150 requests between the two
         // (2b9ef7f); the indirect estimates stand in meanwhile.
         let q = self.clock.ratio();
-        let from_matched = q.zip(self.matched_along(p_prior));
+        let from_matched = q.zip(along(&self.matched, self.prompts.range(), p_prior));
         let from_line = q.zip(known_positive(&self.engine, 1, p_prior)).filter(|_| self.matched.samples() == 0);
         let from_engine =
-            from_matched.map(|(q, (v, se, _))| (v * q, se * q)).or(from_line.map(|(q, (v, se))| (v * q, se * q)));
-        let matched_growth = from_matched.map_or(0.0, |(q, (_, _, g))| q * g / K);
-        let (prefill, prefill_from) = match (from_engine, from_first, from_steps) {
+            from_matched.map(|(q, m)| (m.rate * q, m.se * q)).or(from_line.map(|(q, (v, se))| (v * q, se * q)));
+        // The indirect estimates' mean rates over the prompts, as one.
+        let (mean, prefill_from) = match (from_engine, from_first, from_steps) {
             (Some(e), _, _) => (Some(e), if from_matched.is_some() { "engine_matched" } else { "engine_prefill" }),
-            (None, Some(a), Some(b)) => (Some(by_precision(a, b)), "first_token+decode"),
+            (None, Some(a), Some(b)) => (Some(self.weigh(a, b)), "first_token+decode"),
             (None, Some(a), None) => (Some(a), "first_token"),
             (None, None, Some(b)) => (Some(b), "decode"),
             (None, None, None) => (None, "none"),
         };
-        // A growth term's scale is the prefill rate's: on a workload whose
-        // prompts fall in two groups (long and cold, short after a long
-        // cached prefix) the linear rate, the growth with the chunk and the
-        // growth with the context are nearly collinear, and each alone can
-        // wander far from zero with a large standard error. They are the
-        // first-token fit's shape, used only while its rate agrees with the
-        // one used (within two standard errors of the difference), and each
-        // only when it is clearly above zero (three standard errors): one
-        // within noise of zero, added to the steps' rate, is an error.
-        // The engine's own rate comes with its own growth (none for the
+        // The growth terms are the first-token fit's shape, used only while
+        // its mean rate agrees with the one used (within two standard
+        // errors of the difference): its rate can carry waits that grow
+        // with the prompt, and its growth then belongs to that bias. The
+        // growth with the chunk is read with its rate along the prompts
+        // ([`along`]) and kept beside the mean used by moving the rate by
+        // their difference; the growth with the context only when clearly
+        // above zero (three standard errors): on a workload whose prompts
+        // fall in two groups (long and cold, short after a long cached
+        // prefix) it is nearly collinear with the others and wanders. The
+        // engine's own rate comes with its own growth (none for the
         // straight line): the first token's is not added to it.
-        let agrees = match (from_first, prefill) {
-            (Some((f, fe)), Some((p, pe))) if from_engine.is_none() => {
-                (f - p).abs() <= 2.0 * (fe * fe + pe * pe).sqrt()
+        let agrees = match (first, mean) {
+            (Some(f), Some((p, pe))) if from_engine.is_none() => {
+                (f.mean - p).abs() <= 2.0 * (f.se * f.se + pe * pe).sqrt()
             }
             _ => false,
         };
+        let (prefill, chunk_growth) = match (from_matched, first, mean) {
+            (Some((q, m)), _, _) => (mean, q * m.growth),
+            (None, Some(f), Some((p, pe))) if agrees && f.rate + p - f.mean > 0.0 => {
+                (Some((f.rate + p - f.mean, pe)), f.growth)
+            }
+            _ => (mean, 0.0),
+        };
         let prefill = prefill.map(|(v, se)| (v / K, se / K));
-        let growth = |i: usize| clearly_positive(&self.first, i, p_prior).filter(|_| agrees).map_or(0.0, |g| g / K);
+        let context_growth = clearly_positive(&self.first, 3, p_prior).filter(|_| agrees).map_or(0.0, |g| g / K);
         // What one more running request adds to a step: its own share of
         // the per-request term and of the KV-fill term, at the fill per
         // request the worker has been running at. The two terms are nearly
@@ -630,31 +703,25 @@ impl EngineFit {
             prefill,
             decode: known(dv, dve, self.decode.prior_share_at(&marginal), self.decode.samples(), d_prior)
                 .then(|| (dv.max(0.0) / 10.0, dve / 10.0)),
-            growth: if from_engine.is_some() { (matched_growth, 0.0) } else { (growth(2), growth(3)) },
+            growth: (chunk_growth / K, context_growth),
             prefill_from,
         }
     }
 
-    /// The matched fit's prefill rate, read along the prompts it saw: the
-    /// mean rate from a short to a long prompt of their range
-    /// ([`Prompts::range`]) is known (as [`known`], for that combination
-    /// of its terms) well before each term is, because the rate and the
-    /// growth are nearly collinear on one workload's prompts (on
-    /// `vllm-v1` and `dynamo-mocker` the terms were each known only after
-    /// 420–510 requests, 52f7e45). Returns (rate, its standard error,
-    /// growth per 1,000 tokens), in the fit's units: the fit's own rate
-    /// and growth where both are positive, else the range's mean rate
-    /// with no growth.
-    fn matched_along(&self, prior: f64) -> Option<(f64, f64, f64)> {
-        let (lo, hi) = self.prompts.range()?;
-        let (lo, hi) = (lo / K, hi / K);
-        let (f, d) = (&self.matched, [0.0, hi - lo, hi * hi - lo * lo]);
-        let (v, se) = (f.predict(&d) / (hi - lo), f.predict_stderr(&d) / (hi - lo));
-        if !(v > 0.0 && known(v, se, f.prior_share_at(&d), f.samples(), prior)) {
-            return None;
-        }
-        let t = f.theta();
-        Some(if t[1] > 0.0 && t[2] >= 0.0 { (t[1], se, t[2]) } else { (v, se, 0.0) })
+    /// The first token's and the decode steps' prefill rates, (value,
+    /// standard error) each, as one: weighed by how well each predicted
+    /// the engine's matched intervals (the inverse variance of its misses,
+    /// [`Scored`]) once both were scored on enough of them, else by their
+    /// precision. Their standard errors say how sure each fit is of its own
+    /// model, not whether the model is the engine's: on `vllm-v1` the
+    /// decode steps' rate was the more precise and 15–20 % off for 150
+    /// requests while the first token's was within 7 % (dff640f).
+    fn weigh(&self, a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
+        let (Some(va), Some(vb)) = (self.scored.0.variance(), self.scored.1.variance()) else {
+            return by_precision(a, b);
+        };
+        let (wa, wb) = (vb / (va + vb), va / (va + vb));
+        (wa * a.0 + wb * b.0, (wa * wa * a.1 * a.1 + wb * wb * b.1 * b.1).sqrt())
     }
 
     /// What the `kv` policy uses, alone: [`EngineFit::timing_with`] without
@@ -780,6 +847,51 @@ fn clearly_positive<const N: usize>(fit: &Rls<N>, i: usize, prior: f64) -> Optio
     known_positive(fit, i, prior).filter(|(v, se)| *v > 3.0 * se).map(|(v, _)| v)
 }
 
+/// A prefill rate that grows with the chunk (coefficients 1 and 2 of a
+/// fit whose features are `n` and `n²` in thousands of tokens), read along
+/// the prompts it saw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Along {
+    /// Mean rate from a short to a long prompt of the range, and its
+    /// standard error.
+    mean: f64,
+    se: f64,
+    /// The rate and its growth to price with: the fit's own where both
+    /// are positive, else the mean with no growth.
+    rate: f64,
+    growth: f64,
+}
+
+/// `fit`'s prefill rate read along `range` (tokens, [`Prompts::range`]),
+/// when known (as [`known`], for that combination of its terms; with no
+/// range, the rate alone as [`known_positive`]). On one workload's prompts
+/// the rate and its growth are nearly collinear: the mean rate over the
+/// range is known well before each term is (on `vllm-v1` and
+/// `dynamo-mocker` the matched fit's terms were each known only after
+/// 420–510 requests, 52f7e45; the first token's growth was dropped for
+/// being within three standard errors of zero, and the rate priced alone
+/// was 16–22 % off, dff640f).
+fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, prior: f64) -> Option<Along> {
+    let Some((lo, hi)) = range else {
+        return known_positive(fit, 1, prior).map(|(v, se)| Along { mean: v, se, rate: v, growth: 0.0 });
+    };
+    let (lo, hi) = (lo / K, hi / K);
+    let mut d = [0.0; N];
+    *d.get_mut(1)? = hi - lo;
+    *d.get_mut(2)? = hi * hi - lo * lo;
+    let (v, se) = (fit.predict(&d) / (hi - lo), fit.predict_stderr(&d) / (hi - lo));
+    if !(v > 0.0 && known(v, se, fit.prior_share_at(&d), fit.samples(), prior)) {
+        return None;
+    }
+    let t = fit.theta();
+    let (rate, growth) = (*t.get(1)?, *t.get(2)?);
+    Some(if rate > 0.0 && growth >= 0.0 {
+        Along { mean: v, se, rate, growth }
+    } else {
+        Along { mean: v, se, rate: v, growth: 0.0 }
+    })
+}
+
 /// Two estimates of one quantity, (value, standard error), averaged by
 /// precision; the first when a standard error is not positive.
 fn by_precision(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
@@ -883,6 +995,46 @@ mod tests {
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token, 0.06, 0.1), "{t:?}");
         assert_eq!(t.prefill_ms_per_token_per_ktok, 0.0, "{t:?}");
+    }
+
+    /// The decode steps' rate is the more precise but a quarter high (0.075
+    /// ms a token against the engine's 0.06), the first token's is right
+    /// and noisier. Averaged by precision the steps' wins; once the two
+    /// have been scored on a dozen of the engine's matched intervals
+    /// (fewer than the matched fit needs to be used itself), the one that
+    /// predicted them does.
+    #[test]
+    fn the_indirect_estimates_are_weighed_by_how_well_they_predicted_the_engine() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(12);
+        for _ in 0..400 {
+            let (n, running) = (rng.f64() * 8000.0, rng.f64() * 40.0);
+            let ttft = 30.0 + 0.06 * n + 0.3 * running + noise(&mut rng, 40.0);
+            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
+            assert!(fit.observe_first_token(&o));
+            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 400.0 };
+            let itl = 8.0 + 0.3 * running + 0.075 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
+            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
+        }
+        for _ in 0..30 {
+            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
+            engine(&mut fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
+        }
+        let by_precision = fit.timing().prefill_ms_per_token;
+        assert!(near(by_precision, 0.075, 0.05), "{by_precision}");
+        for _ in 0..12 {
+            let n = f64::from(rng.u32(500..8000));
+            let o = EnginePrefill {
+                requests: 1.0,
+                ms: 2.0 * (20.0 + 0.06 * n) + noise(&mut rng, 2.0),
+                computed_tokens: n,
+                ..EnginePrefill::default()
+            };
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n));
+        }
+        assert_eq!(fit.prefill_from(), "first_token+decode");
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token, 0.06, 0.05), "{t:?}");
     }
 
     /// Attention that grows with context: each new token costs
