@@ -67,3 +67,22 @@ fn nothing_is_measured_without_the_setting() {
     assert_eq!(st.persistence().factor(), None);
     assert_eq!(st.persistence().life_ms(), None);
 }
+
+#[test]
+fn failed_answers_are_not_counted_as_lives() {
+    let mut st = closed_loop(true, 500);
+    let life = st.persistence().life_ms().expect("lives measured");
+    for i in 0..200 {
+        let report = pb::CompletionReport {
+            request_id: format!("refused{i}"),
+            model: "m".into(),
+            worker_id: "w0".into(),
+            status_code: 503,
+            ttfb_us: 1,
+            total_us: 1_000,
+            ..Default::default()
+        };
+        st.on_report(&report, 1_000_000);
+    }
+    assert_eq!(st.persistence().life_ms(), Some(life));
+}

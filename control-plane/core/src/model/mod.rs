@@ -428,7 +428,10 @@ impl ModelState {
                 self.calibration.done(r, now_ms);
             }
             let _ = self.tracker.done(&r.request_id);
-            if self.config.fading_load {
+            // A failed answer's time is not a served request's life (a
+            // refusal ends in microseconds): the fade is measured against
+            // lives as the calibration learns them.
+            if self.config.fading_load && (200..300).contains(&r.status_code) {
                 self.persistence.ended(r.total_us as f64 / 1000.0);
             }
             if let Some(idx) = self.workers.get(&r.worker_id).map(|w| w.idx) {

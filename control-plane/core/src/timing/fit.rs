@@ -118,7 +118,34 @@ struct Rates {
     /// context, ms per token; 0 where not known.
     growth: (f64, f64),
     /// Which fit the prefill rate comes from ([`EngineFit::prefill_from`]).
-    prefill_from: &'static str,
+    prefill_from: PrefillFrom,
+    /// The two indirect prefill estimates as known (fit units): the first
+    /// token's read along its prompts, the decode steps' rate with its
+    /// standard error. Each matched engine interval scores them
+    /// ([`EngineFit::score`]).
+    first: Option<Along>,
+    steps: Option<(f64, f64)>,
+}
+
+/// Where the prefill rate `kv` uses comes from ([`EngineFit::prefill_from`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillFrom {
+    /// The matched engine fit, with its growth with the prompt.
+    EngineMatched,
+    /// The engine's straight line (its intervals are never matched).
+    EnginePrefill,
+    /// The two indirect estimates, weighed ([`EngineFit::timing`]).
+    #[serde(rename = "first_token+decode")]
+    FirstTokenAndDecode,
+    /// The first-token fit alone.
+    FirstToken,
+    /// The decode steps' fit alone.
+    Decode,
+    /// No fit knows it: the last known rate, a ratio to the decode rate,
+    /// or the prior stands in ([`EngineFit::timing_with`]).
+    #[default]
+    None,
 }
 
 /// One first-token observation.
@@ -359,103 +386,124 @@ pub struct EngineFit {
     rates: Rates,
 }
 
-/// Exponential averages of the decode observations' KV fill and running
-/// requests.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Operating {
-    fill: f64,
-    running: f64,
+/// Exponential averages of `N` quantities: plain means while fewer than
+/// `1 / alpha` observations are in, then each new one weighs `alpha`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Averages<const N: usize> {
+    of: [f64; N],
     weight: f64,
+    alpha: f64,
+}
+
+impl<const N: usize> Averages<N> {
+    const fn new(alpha: f64) -> Self {
+        Self { of: [0.0; N], weight: 0.0, alpha }
+    }
+
+    /// Adds one observation; one with a non-finite value is skipped.
+    fn observe(&mut self, x: [f64; N]) {
+        if !x.iter().all(|v| v.is_finite()) {
+            return;
+        }
+        self.weight += 1.0;
+        let a = (1.0 / self.weight).max(self.alpha);
+        for (m, v) in self.of.iter_mut().zip(x) {
+            *m += a * (v - *m);
+        }
+    }
+}
+
+impl Averages<2> {
+    /// The first quantity's variance, where the second is its square.
+    fn variance(&self) -> f64 {
+        let [mean, square] = self.of;
+        square - mean * mean
+    }
+}
+
+/// The decode observations' KV fill and running requests, averaged (about
+/// the last hundred count).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Operating(Averages<2>);
+
+impl Default for Operating {
+    fn default() -> Self {
+        Self(Averages::new(0.01))
+    }
 }
 
 impl Operating {
-    /// Weight of a new observation once warm: about the last hundred count.
-    const ALPHA: f64 = 0.01;
-
     fn observe(&mut self, o: &Decode) {
-        if !(o.kv_fill.is_finite() && o.running.is_finite()) {
-            return;
+        if o.kv_fill.is_finite() && o.running.is_finite() {
+            self.0.observe([o.kv_fill.clamp(0.0, 1.0), o.running.max(0.0)]);
         }
-        // Plain means while few observations are in, then forgetting.
-        self.weight += 1.0;
-        let a = (1.0 / self.weight).max(Self::ALPHA);
-        self.fill += a * (o.kv_fill.clamp(0.0, 1.0) - self.fill);
-        self.running += a * (o.running.max(0.0) - self.running);
     }
 
     /// KV fill one running request adds, on average.
     fn fill_per_request(&self) -> f64 {
-        if self.running >= 1.0 { self.fill / self.running } else { 0.0 }
+        let [fill, running] = self.0.of;
+        if running >= 1.0 { fill / running } else { 0.0 }
     }
 }
 
-/// Exponential averages of prompts' tokens and their squares (the matched
-/// intervals' means per request; the first tokens' new tokens): the spread
-/// of the prompts a fit saw, along which its rate is read ([`along`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Prompts {
-    mean: f64,
-    square: f64,
-    weight: f64,
+/// Prompts' tokens and their squares, averaged as [`Operating`] (the
+/// matched intervals' means per request; the first tokens' new tokens):
+/// the spread of the prompts a fit saw, along which its rate is read
+/// ([`along`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Prompts(Averages<2>);
+
+impl Default for Prompts {
+    fn default() -> Self {
+        Self(Averages::new(0.01))
+    }
 }
 
 impl Prompts {
-    /// As [`Operating::ALPHA`].
-    const ALPHA: f64 = 0.01;
-
     fn observe(&mut self, mean: f64, square: f64) {
-        if !(mean.is_finite() && square.is_finite() && mean >= 0.0 && square >= 0.0) {
-            return;
+        if mean >= 0.0 && square >= 0.0 {
+            self.0.observe([mean, square]);
         }
-        self.weight += 1.0;
-        let a = (1.0 / self.weight).max(Self::ALPHA);
-        self.mean += a * (mean - self.mean);
-        self.square += a * (square - self.square);
     }
 
     /// A short and a long prompt of the range: one standard deviation
     /// either side of the mean (not below 0), tokens; `None` before a
     /// spread of at least a block is seen.
     fn range(&self) -> Option<(f64, f64)> {
-        let sd = (self.square - self.mean * self.mean).max(0.0).sqrt();
-        let (lo, hi) = ((self.mean - sd).max(0.0), self.mean + sd);
-        (self.weight >= 1.0 && hi - lo >= 16.0).then_some((lo, hi))
+        let (mean, sd) = (self.0.of[0], self.0.variance().max(0.0).sqrt());
+        let (lo, hi) = ((mean - sd).max(0.0), mean + sd);
+        (self.0.weight >= 1.0 && hi - lo >= 16.0).then_some((lo, hi))
     }
 }
 
-/// Exponential mean and mean square of one estimate's misses on the
-/// matched engine intervals (engine time in the gateway's clock, less the
-/// estimate's prefill for the interval's prompts). Neither indirect
-/// estimate has the engine's fixed time per request, so their constant
-/// miss is left out: what is scored is how the misses vary, which an
-/// estimate whose rate is off makes grow with the spread of the prompts.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Scored {
-    mean: f64,
-    square: f64,
-    weight: f64,
+/// One estimate's misses on the matched engine intervals (engine time in
+/// the gateway's clock, less the estimate's prefill for the interval's
+/// prompts) and their squares, averaged (about the last fifty count).
+/// Neither indirect estimate has the engine's fixed time per request, so
+/// their constant miss is left out: what is scored is how the misses vary,
+/// which an estimate whose rate is off makes grow with the spread of the
+/// prompts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Scored(Averages<2>);
+
+impl Default for Scored {
+    fn default() -> Self {
+        Self(Averages::new(0.02))
+    }
 }
 
 impl Scored {
-    /// Weight of a new miss once warm: about the last fifty count.
-    const ALPHA: f64 = 0.02;
     /// Misses before the variance is used.
     const MIN: f64 = 10.0;
 
     fn observe(&mut self, miss: f64) {
-        if !miss.is_finite() {
-            return;
-        }
-        self.weight += 1.0;
-        let a = (1.0 / self.weight).max(Self::ALPHA);
-        self.mean += a * (miss - self.mean);
-        self.square += a * (miss * miss - self.square);
+        self.0.observe([miss, miss * miss]);
     }
 
     /// Variance of the misses, once enough are in and it is positive.
     fn variance(&self) -> Option<f64> {
-        let v = self.square - self.mean * self.mean;
-        (self.weight >= Self::MIN && v.is_finite() && v > 0.0).then_some(v)
+        let v = self.0.variance();
+        (self.0.weight >= Self::MIN && v.is_finite() && v > 0.0).then_some(v)
     }
 }
 
@@ -561,16 +609,16 @@ impl EngineFit {
     /// Scores the two indirect prefill estimates on a matched interval
     /// (see [`Scored`]): each, where known, as it prices the interval's
     /// prompts (the first token's with its growth with the chunk, read
-    /// along its prompts).
+    /// along its prompts), as known before this interval ([`Rates`]: only
+    /// their own fits' observations change them).
     fn score(&mut self, o: &EnginePrefill, squared_tokens: f64) {
         let Some(q) = self.clock.ratio() else { return };
-        let p_prior = self.prior.prefill_ms_per_token * K;
         let [_, n, n2] = o.matched_features(squared_tokens);
         let took = o.ms / o.requests * q;
-        if let Some(f) = along(&self.first, self.first_prompts.range(), p_prior) {
+        if let Some(f) = self.rates.first {
             self.scored.0.observe(took - f.rate * n - f.growth * n2);
         }
-        if let Some((rate, _)) = known_positive(&self.decode, 3, p_prior) {
+        if let Some((rate, _)) = self.rates.steps {
             self.scored.1.observe(took - rate * n);
         }
     }
@@ -647,7 +695,7 @@ impl EngineFit {
         // down better weighs more (the steps' during a burst of cold
         // prompts, the first token's while the steps' fit is still moving
         // after the engine changed).
-        let first = along(&self.first, self.first_prompts.range(), p_prior);
+        let first = along(&self.first, self.first_prompts.range(), p_prior, HALF);
         let from_first = first.map(|f| (f.mean, f.se));
         let from_steps = known_positive(&self.decode, 3, p_prior);
         // The engine's own measurement, in this clock, comes first: the
@@ -661,20 +709,21 @@ impl EngineFit {
         let q = self.clock.ratio();
         // The matched fit takes over from the indirect estimates once its
         // mean rate is known to a tenth (read along the prompts it was
-        // first known with half: on `hetero`'s H100 class it then priced
+        // first known to a half: on `hetero`'s H100 class it then priced
         // prefill 28 % high for 60 requests, 3e6750a).
-        let from_matched =
-            q.zip(along(&self.matched, self.prompts.range(), p_prior)).filter(|(_, m)| m.se <= 0.1 * m.mean);
+        let from_matched = q.zip(along(&self.matched, self.prompts.range(), p_prior, TENTH));
         let from_line = q.zip(known_positive(&self.engine, 1, p_prior)).filter(|_| self.matched.samples() == 0);
         let from_engine =
             from_matched.map(|(q, m)| (m.rate * q, m.se * q)).or(from_line.map(|(q, (v, se))| (v * q, se * q)));
         // The indirect estimates' mean rates over the prompts, as one.
         let (mean, prefill_from) = match (from_engine, from_first, from_steps) {
-            (Some(e), _, _) => (Some(e), if from_matched.is_some() { "engine_matched" } else { "engine_prefill" }),
-            (None, Some(a), Some(b)) => (Some(self.weigh(a, b)), "first_token+decode"),
-            (None, Some(a), None) => (Some(a), "first_token"),
-            (None, None, Some(b)) => (Some(b), "decode"),
-            (None, None, None) => (None, "none"),
+            (Some(e), _, _) => {
+                (Some(e), if from_matched.is_some() { PrefillFrom::EngineMatched } else { PrefillFrom::EnginePrefill })
+            }
+            (None, Some(a), Some(b)) => (Some(self.weigh(a, b)), PrefillFrom::FirstTokenAndDecode),
+            (None, Some(a), None) => (Some(a), PrefillFrom::FirstToken),
+            (None, None, Some(b)) => (Some(b), PrefillFrom::Decode),
+            (None, None, None) => (None, PrefillFrom::None),
         };
         // The growth terms are the first-token fit's shape, used only while
         // its mean rate agrees with the one used (within two standard
@@ -716,6 +765,8 @@ impl EngineFit {
                 .then(|| (dv.max(0.0) / 10.0, dve / 10.0)),
             growth: (chunk_growth / K, context_growth),
             prefill_from,
+            first,
+            steps: from_steps,
         }
     }
 
@@ -790,12 +841,8 @@ impl EngineFit {
         }
     }
 
-    /// Which fit the prefill rate `kv` uses comes from: `engine_matched`,
-    /// `engine_prefill` (the straight line), `first_token+decode` (the two
-    /// indirect estimates averaged by precision), `first_token`, `decode`,
-    /// or `none` (no fit knows it: the last known rate, a ratio to the
-    /// decode rate, or the prior stands in; see [`EngineFit::timing_with`]).
-    pub fn prefill_from(&self) -> &'static str {
+    /// Which fit the prefill rate `kv` uses comes from.
+    pub fn prefill_from(&self) -> PrefillFrom {
         self.rates.prefill_from
     }
 
@@ -837,11 +884,21 @@ fn learned<const N: usize>(f: &Rls<N>, names: &[&'static str; N], scale: &[f64; 
     }
 }
 
+/// The standard error, as a share of an estimate's size, below which it is
+/// known ([`known`]); the matched fit takes over only at [`TENTH`].
+const HALF: f64 = 0.5;
+const TENTH: f64 = 0.1;
+
 /// Whether an estimate is known: enough samples, finite, the prior's share
 /// in it below a tenth, and its standard error below half its size (sizes
 /// below a tenth of the prior, in the fit's units, count as a tenth).
 fn known(v: f64, se: f64, share: f64, samples: u64, prior: f64) -> bool {
-    samples >= MIN_SAMPLES && v.is_finite() && share < 0.1 && se < 0.5 * v.abs().max(0.1 * prior)
+    known_within(v, se, share, samples, prior, HALF)
+}
+
+/// [`known`], to `within` of the estimate's size instead of a half.
+fn known_within(v: f64, se: f64, share: f64, samples: u64, prior: f64, within: f64) -> bool {
+    samples >= MIN_SAMPLES && v.is_finite() && share < 0.1 && se < within * v.abs().max(0.1 * prior)
 }
 
 /// Coefficient `i` of `fit` with its standard error, when known and above
@@ -874,29 +931,35 @@ struct Along {
 }
 
 /// `fit`'s prefill rate read along `range` (tokens, [`Prompts::range`]),
-/// when known (as [`known`], for that combination of its terms; with no
-/// range, the rate alone as [`known_positive`]). On one workload's prompts
-/// the rate and its growth are nearly collinear: the mean rate over the
-/// range is known well before each term is (on `vllm-v1` and
-/// `dynamo-mocker` the matched fit's terms were each known only after
-/// 420–510 requests, 52f7e45; the first token's growth was dropped for
-/// being within three standard errors of zero, and the rate priced alone
-/// was 16–22 % off, dff640f).
-fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, prior: f64) -> Option<Along> {
-    let Some((lo, hi)) = range else {
-        return known_positive(fit, 1, prior).map(|(v, se)| Along { mean: v, se, rate: v, growth: 0.0 });
-    };
-    let (lo, hi) = (lo / K, hi / K);
+/// when known to `within` of its size (as [`known_within`], for that
+/// combination of its terms; with no range, the rate alone). On one
+/// workload's prompts the rate and its growth are nearly collinear: the
+/// mean rate over the range is known well before each term is (on
+/// `vllm-v1` and `dynamo-mocker` the matched fit's terms were each known
+/// only after 420–510 requests, 52f7e45; the first token's growth was
+/// dropped for being within three standard errors of zero, and the rate
+/// priced alone was 16–22 % off, dff640f).
+fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, prior: f64, within: f64) -> Option<Along> {
     let mut d = [0.0; N];
-    *d.get_mut(1)? = hi - lo;
-    *d.get_mut(2)? = hi * hi - lo * lo;
-    let (v, se) = (fit.predict(&d) / (hi - lo), fit.predict_stderr(&d) / (hi - lo));
-    if !(v > 0.0 && known(v, se, fit.prior_share_at(&d), fit.samples(), prior)) {
+    let width = match range {
+        Some((lo, hi)) => {
+            let (lo, hi) = (lo / K, hi / K);
+            *d.get_mut(1)? = hi - lo;
+            *d.get_mut(2)? = hi * hi - lo * lo;
+            hi - lo
+        }
+        None => {
+            *d.get_mut(1)? = 1.0;
+            1.0
+        }
+    };
+    let (v, se) = (fit.predict(&d) / width, fit.predict_stderr(&d) / width);
+    if !(v > 0.0 && known_within(v, se, fit.prior_share_at(&d), fit.samples(), prior, within)) {
         return None;
     }
     let t = fit.theta();
     let (rate, growth) = (*t.get(1)?, *t.get(2)?);
-    Some(if rate > 0.0 && growth >= 0.0 {
+    Some(if range.is_some() && rate > 0.0 && growth >= 0.0 {
         Along { mean: v, se, rate, growth }
     } else {
         Along { mean: v, se, rate: v, growth: 0.0 }
@@ -927,6 +990,16 @@ mod tests {
     fn engine(fit: &mut EngineFit, o: &EnginePrefill) -> bool {
         fit.observe_engine_itl(o);
         fit.observe_engine(o)
+    }
+
+    /// Sets the engine's clock to twice the gateway's (thirty intervals
+    /// of inter-token times with no request finished): control-plane ms
+    /// per engine ms 0.5.
+    fn clock_at_half(fit: &mut EngineFit) {
+        for _ in 0..30 {
+            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
+            engine(fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
+        }
     }
 
     const PRIOR: Prior = Prior { prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.5 };
@@ -1027,10 +1100,7 @@ mod tests {
             let itl = 8.0 + 0.3 * running + 0.075 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
             assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
         }
-        for _ in 0..30 {
-            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
-            engine(&mut fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
-        }
+        clock_at_half(&mut fit);
         let by_precision = fit.timing().prefill_ms_per_token;
         assert!(near(by_precision, 0.075, 0.05), "{by_precision}");
         for _ in 0..12 {
@@ -1043,7 +1113,9 @@ mod tests {
             };
             assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n));
         }
-        assert_eq!(fit.prefill_from(), "first_token+decode");
+        assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
+        // The admin API's name for it (OPERATIONS, the calibration's series).
+        assert_eq!(serde_json::to_value(fit.prefill_from()).ok(), Some("first_token+decode".into()));
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token, 0.06, 0.05), "{t:?}");
     }
@@ -1295,10 +1367,7 @@ mod tests {
         let learn = |matched: bool| {
             let mut fit = EngineFit::new(PRIOR);
             let mut rng = fastrand::Rng::with_seed(9);
-            for _ in 0..30 {
-                fit.observe_gateway_itl(40.0 * 100.0, 100.0);
-                engine(&mut fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
-            }
+            clock_at_half(&mut fit);
             let interval = |rng: &mut fastrand::Rng| {
                 let n = f64::from(rng.u32(60..8000));
                 EnginePrefill {
@@ -1330,10 +1399,7 @@ mod tests {
     fn matched_engine_intervals_learn_how_prefill_grows_with_the_prompt() {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(8);
-        for _ in 0..30 {
-            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
-            engine(&mut fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
-        }
+        clock_at_half(&mut fit);
         for _ in 0..300 {
             let k = rng.u32(1..6);
             let ns: Vec<f64> =
@@ -1369,10 +1435,7 @@ mod tests {
     fn the_matched_fit_is_read_along_the_prompts_it_saw() {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(11);
-        for _ in 0..30 {
-            fit.observe_gateway_itl(40.0 * 100.0, 100.0);
-            engine(&mut fit, &EnginePrefill { itl_ms: 80.0 * 100.0, itl_count: 100.0, ..EnginePrefill::default() });
-        }
+        clock_at_half(&mut fit);
         let truth = |n: f64| 0.01 * n + 1e-6 * n * n;
         for _ in 0..60 {
             let ns: Vec<f64> = (0..10).map(|_| f64::from(rng.u32(2_000..6_000))).collect();

@@ -34,7 +34,7 @@ use kvgate_index::WorkerIdx;
 use kvgate_protocol::pb;
 use kvgate_scheduler::{EngineTiming, Load};
 
-pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, Prior, Reference};
+pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, PrefillFrom, Prior, Reference};
 
 /// Classes beyond this many share the class `other`.
 pub const MAX_CLASSES: usize = 32;
@@ -87,7 +87,7 @@ struct Activity {
 }
 
 /// A request the gateway saw end, as an engine interval is matched to it.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 struct Ended {
     /// Its computed (uncached) prompt tokens.
     computed: f64,
@@ -98,7 +98,7 @@ struct Ended {
 }
 
 /// What became of a worker's engine intervals at a heartbeat.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 enum Resolved {
     /// None finished, or their requests' reports have not all come yet.
     Waiting,
