@@ -607,20 +607,23 @@ impl EngineFit {
     }
 
     /// Scores the two indirect prefill estimates on a matched interval
-    /// (see [`Scored`]): each, where known, as it prices the interval's
-    /// prompts (the first token's with its growth with the chunk, read
-    /// along its prompts), as known before this interval ([`Rates`]: only
-    /// their own fits' observations change them).
+    /// (see [`Scored`]) as each prices the interval's prompts (the first
+    /// token's with its growth with the chunk, read along its prompts), as
+    /// known before this interval ([`Rates`]: only their own fits'
+    /// observations change them). Only where both are known: each is
+    /// scored on the same intervals as the other. The first token's is
+    /// known first, and scored alone on the start's intervals (the engine's
+    /// clock still settling, a burst of cold prompts) its misses were the
+    /// wider for them: on `dynamo-mocker` the weighing then went to the
+    /// decode steps' rate, 28 % high, the moment it had its ten (67e9b7f).
     fn score(&mut self, o: &EnginePrefill, squared_tokens: f64) {
-        let Some(q) = self.clock.ratio() else { return };
+        let (Some(q), Some(f), Some((rate, _))) = (self.clock.ratio(), self.rates.first, self.rates.steps) else {
+            return;
+        };
         let [_, n, n2] = o.matched_features(squared_tokens);
         let took = o.ms / o.requests * q;
-        if let Some(f) = self.rates.first {
-            self.scored.0.observe(took - f.rate * n - f.growth * n2);
-        }
-        if let Some((rate, _)) = self.rates.steps {
-            self.scored.1.observe(took - rate * n);
-        }
+        self.scored.0.observe(took - f.rate * n - f.growth * n2);
+        self.scored.1.observe(took - rate * n);
     }
 
     /// Recomputes the rates known now ([`EngineFit::rates_now`], read by
@@ -1116,6 +1119,45 @@ mod tests {
         assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
         // The admin API's name for it (OPERATIONS, the calibration's series).
         assert_eq!(serde_json::to_value(fit.prefill_from()).ok(), Some("first_token+decode".into()));
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token, 0.06, 0.05), "{t:?}");
+    }
+
+    /// The first token's rate is known long before the decode steps' is:
+    /// the engine intervals matched meanwhile (here half as costly as
+    /// after, the engine's clock still settling) score neither. Scored on
+    /// them alone, the first token's misses were the wider and the steps'
+    /// rate, a quarter high, took most of the weight once it had its ten.
+    #[test]
+    fn each_indirect_estimate_is_scored_on_the_same_intervals_as_the_other() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(13);
+        clock_at_half(&mut fit);
+        for _ in 0..400 {
+            let (n, running) = (rng.f64() * 8000.0, rng.f64() * 40.0);
+            let ttft = 30.0 + 0.06 * n + 0.3 * running + noise(&mut rng, 40.0);
+            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
+            assert!(fit.observe_first_token(&o));
+        }
+        let matched = |fit: &mut EngineFit, rng: &mut fastrand::Rng, rate: f64| {
+            let n = f64::from(rng.u32(500..8000));
+            let ms = 2.0 * (20.0 + rate * n) + noise(rng, 2.0);
+            let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
+            assert!(engine(fit, &o) && fit.observe_engine_matched(&o, n * n));
+        };
+        for _ in 0..8 {
+            matched(&mut fit, &mut rng, 0.03);
+        }
+        for _ in 0..400 {
+            let running = rng.f64() * 40.0;
+            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 400.0 };
+            let itl = 8.0 + 0.3 * running + 0.075 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
+            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
+        }
+        for _ in 0..11 {
+            matched(&mut fit, &mut rng, 0.06);
+        }
+        assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token, 0.06, 0.05), "{t:?}");
     }
