@@ -172,6 +172,13 @@ fn used_prefill_ms(class: &Value, new: f64, cached: f64) -> f64 {
     timing.prefill_ms_per_token_at(new, cached) * new
 }
 
+/// Prefill time of `new` computed tokens as the matched engine fit has it,
+/// engine ms (the simulator's own clock, as the truth's).
+fn matched_prefill_ms(class: &Value, new: f64) -> f64 {
+    let p = params(&class["engine_matched"]);
+    p("engine_prefill_ms_per_token") * new + p("engine_prefill_ms_per_token_per_ktok") * new * new / 1000.0
+}
+
 fn learned_step_ms(class: &Value, running: f64, fill: f64) -> f64 {
     let p = params(&class["decode"]);
     p("step_base_ms") + p("decode_ms_per_seq") * running + p("step_ms_per_kv_fill") * fill
@@ -235,6 +242,9 @@ struct Errors {
     /// The first-token fit's own prefill terms (reported, not in
     /// [`Errors::within`]).
     prefill_fit: Option<f64>,
+    /// The matched engine fit's own curve, in the engine's clock (reported,
+    /// not in [`Errors::within`]); `None` before it has samples.
+    prefill_matched: Option<f64>,
     /// Which fit the prefill rate `kv` used came from (the admin API's
     /// `prefill_from`).
     prefill_from: Option<String>,
@@ -246,7 +256,8 @@ impl Errors {
     }
 
     fn json(&self) -> Value {
-        json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill, "prefill_fit": self.prefill_fit, "prefill_from": self.prefill_from})
+        json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill, "prefill_fit": self.prefill_fit,
+            "prefill_matched": self.prefill_matched, "prefill_from": self.prefill_from})
     }
 }
 
@@ -277,6 +288,10 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
         e.prefill = Some(e.prefill.unwrap_or(0.0).max(rel(used, want)));
         let fit = (learned_ttft_ms(class, n, c, r) - learned_ttft_ms(class, nl, cl, r)) * speedup;
         e.prefill_fit = Some(e.prefill_fit.unwrap_or(0.0).max(rel(fit, want)));
+        if class["engine_matched"]["samples"].as_u64().is_some_and(|s| s > 0) {
+            let m = matched_prefill_ms(class, n) - matched_prefill_ms(class, nl);
+            e.prefill_matched = Some(e.prefill_matched.unwrap_or(0.0).max(rel(m, want)));
+        }
     }
     e
 }

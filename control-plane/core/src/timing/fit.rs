@@ -54,11 +54,15 @@
 //! starters to follow-ups); the matched fit does not. Both are in the
 //! engine's clock, which a simulated fleet runs faster than its simulated
 //! time, so they are read through [`Clock`]: the engine's inter-token
-//! times against the gateway's for the same kind of interval. Once known,
-//! the matched fit is the prefill price `kv` uses (its rate and growth),
-//! else, for an engine whose intervals are never matched (its requests
-//! come through another gateway), the straight line; the two indirect
-//! estimates stand in until then. Neither engine fit learns from an
+//! times against the gateway's for the same kind of interval. Once the
+//! matched fit is known to a half, every matched interval scores it and
+//! the indirect estimates (as one) on how well each predicted it, and the
+//! prefill price `kv` uses is the two weighed by those scores
+//! ([`EngineFit::blend`]); the matched fit alone (its rate and growth) once
+//! known to a tenth before they are scored; else, for an engine whose
+//! intervals are never matched (its requests come through another
+//! gateway), the straight line; the two indirect estimates stand in until
+//! then. Neither engine fit learns from an
 //! interval whose requests shared their prefill steps with more prefill
 //! than their own: the engine times each from its first scheduled step,
 //! so a burst of cold prompts each counts the others' chunks.
@@ -125,6 +129,13 @@ struct Rates {
     /// ([`EngineFit::score`]).
     first: Option<Along>,
     steps: Option<(f64, f64)>,
+    /// The indirect estimates' price as one, and the matched engine fit's
+    /// read along its prompts once known to a half, each in the gateway's
+    /// clock: each matched engine interval scores them against each other
+    /// ([`EngineFit::score`]), and once both were scored [`EngineFit::blend`]
+    /// weighs them.
+    indirect: Option<Along>,
+    matched: Option<Along>,
 }
 
 /// Where the prefill rate `kv` uses comes from ([`EngineFit::prefill_from`]).
@@ -142,6 +153,11 @@ pub enum PrefillFrom {
     FirstToken,
     /// The decode steps' fit alone.
     Decode,
+    /// The matched engine fit and the indirect estimates, weighed by how
+    /// well each predicted the engine's matched intervals
+    /// ([`EngineFit::blend`]).
+    #[serde(rename = "engine_matched+indirect")]
+    EngineMatchedAndIndirect,
     /// No fit knows it: the last known rate, a ratio to the decode rate,
     /// or the prior stands in ([`EngineFit::timing_with`]).
     #[default]
@@ -378,6 +394,9 @@ pub struct EngineFit {
     /// How well each indirect prefill estimate predicted the matched
     /// engine intervals: the first token's, the decode steps'.
     scored: (Scored, Scored),
+    /// The same, for the indirect estimates as one and the matched fit
+    /// (on the intervals where both are known).
+    scored_engine: (Scored, Scored),
     /// The rates as last known, held while a fit is not sure of them.
     held: Held,
     /// [`EngineFit::rates_now`] after the last observation (they change
@@ -538,6 +557,7 @@ impl EngineFit {
             prompts: Prompts::default(),
             first_prompts: Prompts::default(),
             scored: (Scored::default(), Scored::default()),
+            scored_engine: (Scored::default(), Scored::default()),
             held: Held::default(),
             rates: Rates::default(),
         };
@@ -617,13 +637,19 @@ impl EngineFit {
     /// wider for them: on `dynamo-mocker` the weighing then went to the
     /// decode steps' rate, 28 % high, the moment it had its ten (67e9b7f).
     fn score(&mut self, o: &EnginePrefill, squared_tokens: f64) {
-        let (Some(q), Some(f), Some((rate, _))) = (self.clock.ratio(), self.rates.first, self.rates.steps) else {
-            return;
-        };
+        let Some(q) = self.clock.ratio() else { return };
         let [_, n, n2] = o.matched_features(squared_tokens);
         let took = o.ms / o.requests * q;
-        self.scored.0.observe(took - f.rate * n - f.growth * n2);
-        self.scored.1.observe(took - rate * n);
+        let miss = |rate: f64, growth: f64| took - rate * n - growth * n2;
+        let r = self.rates;
+        if let (Some(f), Some((rate, _))) = (r.first, r.steps) {
+            self.scored.0.observe(miss(f.rate, f.growth));
+            self.scored.1.observe(miss(rate, 0.0));
+        }
+        if let (Some(i), Some(m)) = (r.indirect, r.matched) {
+            self.scored_engine.0.observe(miss(i.rate, i.growth));
+            self.scored_engine.1.observe(miss(m.rate, m.growth));
+        }
     }
 
     /// Recomputes the rates known now ([`EngineFit::rates_now`], read by
@@ -701,60 +727,72 @@ impl EngineFit {
         let first = along(&self.first, self.first_prompts.range(), p_prior, HALF);
         let from_first = first.map(|f| (f.mean, f.se));
         let from_steps = known_positive(&self.decode, 3, p_prior);
-        // The engine's own measurement, in this clock, comes first: the
-        // matched fit's rate and growth, else the straight line's rate, but
-        // only for an engine whose intervals are never matched (its
-        // requests do not come through this gateway). A line through a
-        // convex cost moves with the mix of prompts, and it is known long
-        // before the matched fit's three terms are: on `dynamo-mocker` it
-        // priced prefill 28 % high for the 150 requests between the two
-        // (2b9ef7f); the indirect estimates stand in meanwhile.
+        // The engine's own measurement, in this clock: the matched fit's
+        // rate and growth, else the straight line's rate, but only for an
+        // engine whose intervals are never matched (its requests do not
+        // come through this gateway). A line through a convex cost moves
+        // with the mix of prompts, and it is known long before the matched
+        // fit's three terms are: on `dynamo-mocker` it priced prefill 28 %
+        // high for the 150 requests between the two (2b9ef7f); the
+        // indirect estimates stand in meanwhile.
         let q = self.clock.ratio();
-        // The matched fit takes over from the indirect estimates once its
-        // mean rate is known to a tenth (read along the prompts it was
-        // first known to a half: on `hetero`'s H100 class it then priced
-        // prefill 28 % high for 60 requests, 3e6750a).
-        let from_matched = q.zip(along(&self.matched, self.prompts.range(), p_prior, TENTH));
-        let from_line = q.zip(known_positive(&self.engine, 1, p_prior)).filter(|_| self.matched.samples() == 0);
-        let from_engine =
-            from_matched.map(|(q, m)| (m.rate * q, m.se * q)).or(from_line.map(|(q, (v, se))| (v * q, se * q)));
+        let matched = q.zip(along(&self.matched, self.prompts.range(), p_prior, HALF)).map(|(q, m)| m.scaled(q));
+        // Alone, the matched fit takes over once its mean rate is known to
+        // a tenth (read along the prompts it was first known to a half: on
+        // `hetero`'s H100 class it then priced prefill 28 % high for 60
+        // requests, 3e6750a).
+        let matched_alone = q.zip(along(&self.matched, self.prompts.range(), p_prior, TENTH)).map(|(q, m)| m.scaled(q));
+        let line = q.zip(known_positive(&self.engine, 1, p_prior)).filter(|_| self.matched.samples() == 0);
         // The indirect estimates' mean rates over the prompts, as one.
-        let (mean, prefill_from) = match (from_engine, from_first, from_steps) {
-            (Some(e), _, _) => {
-                (Some(e), if from_matched.is_some() { PrefillFrom::EngineMatched } else { PrefillFrom::EnginePrefill })
-            }
-            (None, Some(a), Some(b)) => (Some(self.weigh(a, b)), PrefillFrom::FirstTokenAndDecode),
-            (None, Some(a), None) => (Some(a), PrefillFrom::FirstToken),
-            (None, None, Some(b)) => (Some(b), PrefillFrom::Decode),
-            (None, None, None) => (None, PrefillFrom::None),
+        let (indirect_mean, indirect_from) = match (from_first, from_steps) {
+            (Some(a), Some(b)) => (Some(self.weigh(a, b)), PrefillFrom::FirstTokenAndDecode),
+            (Some(a), None) => (Some(a), PrefillFrom::FirstToken),
+            (None, Some(b)) => (Some(b), PrefillFrom::Decode),
+            (None, None) => (None, PrefillFrom::None),
         };
         // The growth terms are the first-token fit's shape, used only while
-        // its mean rate agrees with the one used (within two standard
+        // its mean rate agrees with the indirect one (within two standard
         // errors of the difference): its rate can carry waits that grow
         // with the prompt, and its growth then belongs to that bias. The
         // growth with the chunk is read with its rate along the prompts
         // ([`along`]) and kept beside the mean used by moving the rate by
-        // their difference; the growth with the context only when clearly
-        // above zero (three standard errors): on a workload whose prompts
-        // fall in two groups (long and cold, short after a long cached
-        // prefix) it is nearly collinear with the others and wanders. The
-        // engine's own rate comes with its own growth (none for the
-        // straight line): the first token's is not added to it.
-        let agrees = match (first, mean) {
-            (Some(f), Some((p, pe))) if from_engine.is_none() => {
-                (f.mean - p).abs() <= 2.0 * (f.se * f.se + pe * pe).sqrt()
-            }
+        // their difference.
+        let agrees = match (first, indirect_mean) {
+            (Some(f), Some((p, pe))) => (f.mean - p).abs() <= 2.0 * (f.se * f.se + pe * pe).sqrt(),
             _ => false,
         };
-        let (prefill, chunk_growth) = match (from_matched, first, mean) {
-            (Some((q, m)), _, _) => (mean, q * m.growth),
-            (None, Some(f), Some((p, pe))) if agrees && f.rate + p - f.mean > 0.0 => {
-                (Some((f.rate + p - f.mean, pe)), f.growth)
+        let indirect = indirect_mean.map(|(p, se)| match first {
+            Some(f) if agrees && f.rate + p - f.mean > 0.0 => {
+                Along { mean: p, se, rate: f.rate + p - f.mean, growth: f.growth }
             }
-            _ => (mean, 0.0),
-        };
+            _ => Along { mean: p, se, rate: p, growth: 0.0 },
+        });
+        // The price used: the matched fit and the indirect estimates
+        // weighed once both were scored, else the matched fit alone once
+        // known to a tenth, else the straight line, else the indirect
+        // estimates. The engine's own rate comes with its own growth (none
+        // for the straight line).
+        let (price, prefill_from) =
+            match (matched.zip(indirect).and_then(|(m, i)| self.blend(m, i)), matched_alone, line) {
+                (Some(b), _, _) => (Some(b), PrefillFrom::EngineMatchedAndIndirect),
+                (None, Some(m), _) => (Some(m), PrefillFrom::EngineMatched),
+                (None, None, Some((q, (v, se)))) => {
+                    (Some(Along { mean: v * q, se: se * q, rate: v * q, growth: 0.0 }), PrefillFrom::EnginePrefill)
+                }
+                (None, None, None) => (indirect, indirect_from),
+            };
+        let indirect_only =
+            matches!(prefill_from, PrefillFrom::FirstTokenAndDecode | PrefillFrom::FirstToken | PrefillFrom::Decode);
+        let prefill = price.map(|p| (p.rate, p.se));
+        let chunk_growth = price.map_or(0.0, |p| p.growth);
         let prefill = prefill.map(|(v, se)| (v / K, se / K));
-        let context_growth = clearly_positive(&self.first, 3, p_prior).filter(|_| agrees).map_or(0.0, |g| g / K);
+        // The growth with the context only beside the indirect estimates
+        // alone, and when clearly above zero (three standard errors): on a
+        // workload whose prompts fall in two groups (long and cold, short
+        // after a long cached prefix) it is nearly collinear with the
+        // others and wanders.
+        let context_growth =
+            clearly_positive(&self.first, 3, p_prior).filter(|_| agrees && indirect_only).map_or(0.0, |g| g / K);
         // What one more running request adds to a step: its own share of
         // the per-request term and of the KV-fill term, at the fill per
         // request the worker has been running at. The two terms are nearly
@@ -770,7 +808,30 @@ impl EngineFit {
             prefill_from,
             first,
             steps: from_steps,
+            indirect,
+            matched,
         }
+    }
+
+    /// The matched fit's price and the indirect estimates', as one: weighed
+    /// by how well each predicted the engine's matched intervals (the
+    /// inverse variance of its misses, [`Scored`]) once both were scored on
+    /// enough of them; `None` before. The matched fit's standard error says
+    /// how sure it is of its terms, not of the prompts it has not yet seen
+    /// much of: taken alone where it was first known to a tenth, it priced
+    /// prefill 9–13 % off on `dynamo-mocker` and `hetero`'s H100 class for
+    /// the next 40–70 requests (eaf3d13); weighed in from a half, it
+    /// brought `dynamo-mocker` within 10 % after 231 requests instead of
+    /// 402.
+    fn blend(&self, m: Along, i: Along) -> Option<Along> {
+        let (vi, vm) = (self.scored_engine.0.variance()?, self.scored_engine.1.variance()?);
+        let (wm, wi) = (vi / (vi + vm), vm / (vi + vm));
+        Some(Along {
+            mean: wm * m.mean + wi * i.mean,
+            se: (wm * wm * m.se * m.se + wi * wi * i.se * i.se).sqrt(),
+            rate: wm * m.rate + wi * i.rate,
+            growth: wm * m.growth + wi * i.growth,
+        })
     }
 
     /// The first token's and the decode steps' prefill rates, (value,
@@ -969,6 +1030,13 @@ fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, prior: f64, wi
     })
 }
 
+impl Along {
+    /// The same price in a clock `q` times as slow.
+    fn scaled(self, q: f64) -> Self {
+        Self { mean: self.mean * q, se: self.se * q, rate: self.rate * q, growth: self.growth * q }
+    }
+}
+
 /// Two estimates of one quantity, (value, standard error), averaged by
 /// precision; the first when a standard error is not positive.
 fn by_precision(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
@@ -1160,6 +1228,43 @@ mod tests {
         assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token, 0.06, 0.05), "{t:?}");
+    }
+
+    /// The engine's intervals are noisy (a quarter of a second either way
+    /// in the gateway's clock) and the indirect estimates twice the
+    /// engine's rate (0.12 ms a token against 0.06). The matched fit is
+    /// known to a half after twenty intervals and to a tenth only after
+    /// about ninety: alone it would wait that long. Scored against the
+    /// indirect estimates on the intervals between, it predicted them
+    /// better, and the price moves more than half the way to the engine's.
+    #[test]
+    fn the_matched_fit_is_weighed_in_before_it_is_known_to_a_tenth() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(14);
+        clock_at_half(&mut fit);
+        for _ in 0..400 {
+            let (n, running) = (rng.f64() * 16_000.0, rng.f64() * 40.0);
+            let ttft = 30.0 + 0.12 * n + 0.3 * running + noise(&mut rng, 40.0);
+            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
+            assert!(fit.observe_first_token(&o));
+            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 400.0 };
+            let itl = 8.0 + 0.3 * running + 0.12 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
+            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
+        }
+        assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
+        assert!(near(fit.timing().prefill_ms_per_token, 0.12, 0.05), "{:?}", fit.timing());
+        for _ in 0..50 {
+            let n = f64::from(rng.u32(500..16_000));
+            let ms = 2.0 * (20.0 + 0.06 * n) + noise(&mut rng, 500.0);
+            let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n));
+        }
+        let tenth = along(&fit.matched, fit.prompts.range(), PRIOR.prefill_ms_per_token * K, TENTH);
+        assert_eq!(tenth, None, "known to a tenth already: the test shows nothing");
+        assert_eq!(fit.prefill_from(), PrefillFrom::EngineMatchedAndIndirect);
+        assert_eq!(serde_json::to_value(fit.prefill_from()).ok(), Some("engine_matched+indirect".into()));
+        let p = fit.timing().prefill_ms_per_token;
+        assert!(p > 0.0 && p < 0.09, "{p}: not nearer the engine's 0.06 than the indirect 0.12");
     }
 
     /// Attention that grows with context: each new token costs
