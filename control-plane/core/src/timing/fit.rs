@@ -1073,6 +1073,21 @@ mod tests {
         }
     }
 
+    /// 400 first tokens of prompts up to `longest` tokens and 400 decode
+    /// windows, priced at `first` and `steps` ms a prefill token: what the
+    /// two indirect estimates learn from.
+    fn indirect(fit: &mut EngineFit, rng: &mut fastrand::Rng, longest: f64, (first, steps): (f64, f64)) {
+        for _ in 0..400 {
+            let (n, running) = (rng.f64() * longest, rng.f64() * 40.0);
+            let ttft = 30.0 + first * n + 0.3 * running + noise(rng, 40.0);
+            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
+            assert!(fit.observe_first_token(&o));
+            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 400.0 };
+            let itl = 8.0 + 0.3 * running + steps * d.prefill_tokens_per_step + noise(rng, 0.5);
+            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
+        }
+    }
+
     const PRIOR: Prior = Prior { prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.5 };
 
     fn noise(rng: &mut fastrand::Rng, sd: f64) -> f64 {
@@ -1162,15 +1177,7 @@ mod tests {
     fn the_indirect_estimates_are_weighed_by_how_well_they_predicted_the_engine() {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(12);
-        for _ in 0..400 {
-            let (n, running) = (rng.f64() * 8000.0, rng.f64() * 40.0);
-            let ttft = 30.0 + 0.06 * n + 0.3 * running + noise(&mut rng, 40.0);
-            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
-            assert!(fit.observe_first_token(&o));
-            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 400.0 };
-            let itl = 8.0 + 0.3 * running + 0.075 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
-            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
-        }
+        indirect(&mut fit, &mut rng, 8000.0, (0.06, 0.075));
         clock_at_half(&mut fit);
         let by_precision = fit.timing().prefill_ms_per_token;
         assert!(near(by_precision, 0.075, 0.05), "{by_precision}");
@@ -1242,15 +1249,7 @@ mod tests {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(14);
         clock_at_half(&mut fit);
-        for _ in 0..400 {
-            let (n, running) = (rng.f64() * 16_000.0, rng.f64() * 40.0);
-            let ttft = 30.0 + 0.12 * n + 0.3 * running + noise(&mut rng, 40.0);
-            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
-            assert!(fit.observe_first_token(&o));
-            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 400.0 };
-            let itl = 8.0 + 0.3 * running + 0.12 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
-            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
-        }
+        indirect(&mut fit, &mut rng, 16_000.0, (0.12, 0.12));
         assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
         assert!(near(fit.timing().prefill_ms_per_token, 0.12, 0.05), "{:?}", fit.timing());
         for _ in 0..50 {
