@@ -736,12 +736,13 @@ impl EngineFit {
         // high for the 150 requests between the two (2b9ef7f); the
         // indirect estimates stand in meanwhile.
         let q = self.clock.ratio();
-        let matched = q.zip(along(&self.matched, self.prompts.range(), p_prior, HALF)).map(|(q, m)| m.scaled(q));
+        let half = along(&self.matched, self.prompts.range(), p_prior, HALF);
         // Alone, the matched fit takes over once its mean rate is known to
         // a tenth (read along the prompts it was first known to a half: on
         // `hetero`'s H100 class it then priced prefill 28 % high for 60
         // requests, 3e6750a).
-        let matched_alone = q.zip(along(&self.matched, self.prompts.range(), p_prior, TENTH)).map(|(q, m)| m.scaled(q));
+        let tenth = half.filter(|m| m.se < TENTH * m.mean.abs().max(0.1 * p_prior));
+        let (matched, matched_alone) = (q.zip(half).map(|(q, m)| m.scaled(q)), q.zip(tenth).map(|(q, m)| m.scaled(q)));
         let line = q.zip(known_positive(&self.engine, 1, p_prior)).filter(|_| self.matched.samples() == 0);
         // The indirect estimates' mean rates over the prompts, as one.
         let (indirect_mean, indirect_from) = match (from_first, from_steps) {
@@ -783,9 +784,8 @@ impl EngineFit {
             };
         let indirect_only =
             matches!(prefill_from, PrefillFrom::FirstTokenAndDecode | PrefillFrom::FirstToken | PrefillFrom::Decode);
-        let prefill = price.map(|p| (p.rate, p.se));
+        let prefill = price.map(|p| (p.rate / K, p.se / K));
         let chunk_growth = price.map_or(0.0, |p| p.growth);
-        let prefill = prefill.map(|(v, se)| (v / K, se / K));
         // The growth with the context only beside the indirect estimates
         // alone, and when clearly above zero (three standard errors): on a
         // workload whose prompts fall in two groups (long and cold, short
@@ -824,8 +824,7 @@ impl EngineFit {
     /// brought `dynamo-mocker` within 10 % after 231 requests instead of
     /// 402.
     fn blend(&self, m: Along, i: Along) -> Option<Along> {
-        let (vi, vm) = (self.scored_engine.0.variance()?, self.scored_engine.1.variance()?);
-        let (wm, wi) = (vi / (vi + vm), vm / (vi + vm));
+        let (wi, wm) = by_misses(&self.scored_engine)?;
         Some(Along {
             mean: wm * m.mean + wi * i.mean,
             se: (wm * wm * m.se * m.se + wi * wi * i.se * i.se).sqrt(),
@@ -843,10 +842,9 @@ impl EngineFit {
     /// decode steps' rate was the more precise and 15–20 % off for 150
     /// requests while the first token's was within 7 % (dff640f).
     fn weigh(&self, a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
-        let (Some(va), Some(vb)) = (self.scored.0.variance(), self.scored.1.variance()) else {
+        let Some((wa, wb)) = by_misses(&self.scored) else {
             return by_precision(a, b);
         };
-        let (wa, wb) = (vb / (va + vb), va / (va + vb));
         (wa * a.0 + wb * b.0, (wa * wa * a.1 * a.1 + wb * wb * b.1 * b.1).sqrt())
     }
 
@@ -1035,6 +1033,14 @@ impl Along {
     fn scaled(self, q: f64) -> Self {
         Self { mean: self.mean * q, se: self.se * q, rate: self.rate * q, growth: self.growth * q }
     }
+}
+
+/// The weights of two estimates scored on the same intervals: each the
+/// other's share of the two variances of their misses (inverse-variance
+/// weights); `None` before both were scored on enough.
+fn by_misses((a, b): &(Scored, Scored)) -> Option<(f64, f64)> {
+    let (va, vb) = (a.variance()?, b.variance()?);
+    Some((vb / (va + vb), va / (va + vb)))
 }
 
 /// Two estimates of one quantity, (value, standard error), averaged by
