@@ -248,6 +248,8 @@ struct Errors {
     /// Which fit the prefill rate `kv` used came from (the admin API's
     /// `prefill_from`).
     prefill_from: Option<String>,
+    /// Engine intervals the matched fit has learned from.
+    matched_samples: u64,
 }
 
 impl Errors {
@@ -257,7 +259,8 @@ impl Errors {
 
     fn json(&self) -> Value {
         json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill, "prefill_fit": self.prefill_fit,
-            "prefill_matched": self.prefill_matched, "prefill_from": self.prefill_from})
+            "prefill_matched": self.prefill_matched, "prefill_from": self.prefill_from,
+            "matched_samples": self.matched_samples})
     }
 }
 
@@ -267,7 +270,11 @@ const PREFILL_SPAN: usize = 500;
 
 fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating, speedup: f64) -> Errors {
     let rel = |got: f64, want: f64| if want > 0.0 { (got - want).abs() / want } else { f64::INFINITY };
-    let mut e = Errors { prefill_from: class["prefill_from"].as_str().map(str::to_owned), ..Errors::default() };
+    let mut e = Errors {
+        prefill_from: class["prefill_from"].as_str().map(str::to_owned),
+        matched_samples: class["engine_matched"]["samples"].as_u64().unwrap_or(0),
+        ..Errors::default()
+    };
     for &(r, f) in &op.points {
         e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f)));
     }
