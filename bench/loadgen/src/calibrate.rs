@@ -174,9 +174,11 @@ fn used_prefill_ms(class: &Value, new: f64, cached: f64) -> f64 {
 
 /// Prefill time of `new` computed tokens as the matched engine fit has it,
 /// engine ms (the simulator's own clock, as the truth's).
-fn matched_prefill_ms(class: &Value, new: f64) -> f64 {
+fn matched_prefill_ms(class: &Value, new: f64, cached: f64) -> f64 {
     let p = params(&class["engine_matched"]);
-    p("engine_prefill_ms_per_token") * new + p("engine_prefill_ms_per_token_per_ktok") * new * new / 1000.0
+    p("engine_prefill_ms_per_token") * new
+        + p("engine_prefill_ms_per_token_per_ktok") * new * new / 1000.0
+        + p("engine_prefill_ms_per_token_per_kctx") * new * cached / 1000.0
 }
 
 fn learned_step_ms(class: &Value, running: f64, fill: f64) -> f64 {
@@ -296,7 +298,7 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
         let fit = (learned_ttft_ms(class, n, c, r) - learned_ttft_ms(class, nl, cl, r)) * speedup;
         e.prefill_fit = Some(e.prefill_fit.unwrap_or(0.0).max(rel(fit, want)));
         if class["engine_matched"]["samples"].as_u64().is_some_and(|s| s > 0) {
-            let m = matched_prefill_ms(class, n) - matched_prefill_ms(class, nl);
+            let m = matched_prefill_ms(class, n, c) - matched_prefill_ms(class, nl, cl);
             e.prefill_matched = Some(e.prefill_matched.unwrap_or(0.0).max(rel(m, want)));
         }
     }

@@ -263,8 +263,9 @@ impl EnginePrefill {
 
     /// With `squared_tokens`, the sum of the requests' computed tokens
     /// squared.
-    fn matched_features(&self, squared_tokens: f64) -> [f64; 3] {
-        [1.0, self.computed_tokens / self.requests / K, squared_tokens / self.requests / (K * K)]
+    fn matched_features(&self, squared_tokens: f64, context_tokens: f64) -> [f64; 4] {
+        let r = self.requests;
+        [1.0, self.computed_tokens / r / K, squared_tokens / r / (K * K), context_tokens / r / (K * K)]
     }
 }
 
@@ -359,12 +360,16 @@ pub const DECODE_PARAMS: [&str; 4] =
 pub const ENGINE_PREFILL_PARAMS: [&str; 2] = ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token"];
 
 /// Coefficient names of the matched engine-prefill fit (engine clock).
-pub const ENGINE_MATCHED_PARAMS: [&str; 3] =
-    ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token", "engine_prefill_ms_per_token_per_ktok"];
+pub const ENGINE_MATCHED_PARAMS: [&str; 4] = [
+    "engine_prefill_ms_per_request",
+    "engine_prefill_ms_per_token",
+    "engine_prefill_ms_per_token_per_ktok",
+    "engine_prefill_ms_per_token_per_kctx",
+];
 
 /// Scales from a coefficient on scaled features back to the name's units.
 const ENGINE_PREFILL_SCALE: [f64; 2] = [1.0, 1.0 / K];
-const ENGINE_MATCHED_SCALE: [f64; 3] = [1.0, 1.0 / K, 1.0 / K];
+const ENGINE_MATCHED_SCALE: [f64; 4] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K];
 const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
 const DECODE_SCALE: [f64; 4] = [1.0, 0.1, 1.0, 1.0 / K];
 
@@ -380,7 +385,7 @@ pub struct EngineFit {
     /// The engine's own prefill times (engine clock).
     engine: Rls<2>,
     /// The same where the gateway matched the requests (with their squares).
-    matched: Rls<3>,
+    matched: Rls<4>,
     clock: Clock,
     /// Recent decode observations' mean KV fill and running requests
     /// (exponential averages): the operating point at which one more
@@ -545,7 +550,7 @@ impl EngineFit {
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
         let engine = Rls::new([20.0, p], [500.0, 5.0 * p], 50.0);
-        let matched = Rls::new([20.0, p, 0.0], [500.0, 5.0 * p, 2.0 * p], 50.0);
+        let matched = Rls::new([20.0, p, 0.0, 0.0], [500.0, 5.0 * p, 2.0 * p, 2.0 * p], 50.0);
         let mut fit = Self {
             prior,
             first,
@@ -614,14 +619,17 @@ impl EngineFit {
     }
 
     /// Learns from an engine interval whose requests the gateway saw end:
-    /// `squared_tokens` is the sum of their computed tokens squared.
-    pub fn observe_engine_matched(&mut self, o: &EnginePrefill, squared_tokens: f64) -> bool {
+    /// `squared_tokens` is the sum of their computed tokens squared,
+    /// `context_tokens` the sum of each one's computed tokens times the
+    /// cached tokens they followed (attention over the context).
+    pub fn observe_engine_matched(&mut self, o: &EnginePrefill, squared_tokens: f64, context_tokens: f64) -> bool {
         let used = o.has_prefills()
             && squared_tokens >= 0.0
-            && self.matched.observe(o.matched_features(squared_tokens), o.ms / o.requests);
+            && context_tokens >= 0.0
+            && self.matched.observe(o.matched_features(squared_tokens, context_tokens), o.ms / o.requests);
         if used {
             self.prompts.observe(o.computed_tokens / o.requests, squared_tokens / o.requests);
-            self.score(o, squared_tokens);
+            self.score(o, squared_tokens, context_tokens);
         }
         self.updated_if(used)
     }
@@ -636,19 +644,19 @@ impl EngineFit {
     /// clock still settling, a burst of cold prompts) its misses were the
     /// wider for them: on `dynamo-mocker` the weighing then went to the
     /// decode steps' rate, 28 % high, the moment it had its ten (67e9b7f).
-    fn score(&mut self, o: &EnginePrefill, squared_tokens: f64) {
+    fn score(&mut self, o: &EnginePrefill, squared_tokens: f64, context_tokens: f64) {
         let Some(q) = self.clock.ratio() else { return };
-        let [_, n, n2] = o.matched_features(squared_tokens);
+        let [_, n, n2, nc] = o.matched_features(squared_tokens, context_tokens);
         let took = o.ms / o.requests * q;
-        let miss = |rate: f64, growth: f64| took - rate * n - growth * n2;
+        let miss = |a: Along| took - a.rate * n - a.growth * n2 - a.context * nc;
         let r = self.rates;
         if let (Some(f), Some((rate, _))) = (r.first, r.steps) {
-            self.scored.0.observe(miss(f.rate, f.growth));
-            self.scored.1.observe(miss(rate, 0.0));
+            self.scored.0.observe(miss(Along { context: 0.0, ..f }));
+            self.scored.1.observe(miss(Along { mean: rate, se: 0.0, rate, growth: 0.0, context: 0.0 }));
         }
         if let (Some(i), Some(m)) = (r.indirect, r.matched) {
-            self.scored_engine.0.observe(miss(i.rate, i.growth));
-            self.scored_engine.1.observe(miss(m.rate, m.growth));
+            self.scored_engine.0.observe(miss(i));
+            self.scored_engine.1.observe(miss(m));
         }
     }
 
@@ -764,9 +772,9 @@ impl EngineFit {
         };
         let indirect = indirect_mean.map(|(p, se)| match first {
             Some(f) if agrees && f.rate + p - f.mean > 0.0 => {
-                Along { mean: p, se, rate: f.rate + p - f.mean, growth: f.growth }
+                Along { mean: p, se, rate: f.rate + p - f.mean, growth: f.growth, context: 0.0 }
             }
-            _ => Along { mean: p, se, rate: p, growth: 0.0 },
+            _ => Along { mean: p, se, rate: p, growth: 0.0, context: 0.0 },
         });
         // The price used: the matched fit and the indirect estimates
         // weighed once both were scored, else the matched fit alone once
@@ -777,22 +785,29 @@ impl EngineFit {
             match (matched.zip(indirect).and_then(|(m, i)| self.blend(m, i)), matched_alone, line) {
                 (Some(b), _, _) => (Some(b), PrefillFrom::EngineMatchedAndIndirect),
                 (None, Some(m), _) => (Some(m), PrefillFrom::EngineMatched),
-                (None, None, Some((q, (v, se)))) => {
-                    (Some(Along { mean: v * q, se: se * q, rate: v * q, growth: 0.0 }), PrefillFrom::EnginePrefill)
-                }
+                (None, None, Some((q, (v, se)))) => (
+                    Some(Along { mean: v * q, se: se * q, rate: v * q, growth: 0.0, context: 0.0 }),
+                    PrefillFrom::EnginePrefill,
+                ),
                 (None, None, None) => (indirect, indirect_from),
             };
         let indirect_only =
             matches!(prefill_from, PrefillFrom::FirstTokenAndDecode | PrefillFrom::FirstToken | PrefillFrom::Decode);
         let prefill = price.map(|p| (p.rate / K, p.se / K));
         let chunk_growth = price.map_or(0.0, |p| p.growth);
-        // The growth with the context only beside the indirect estimates
-        // alone, and when clearly above zero (three standard errors): on a
-        // workload whose prompts fall in two groups (long and cold, short
-        // after a long cached prefix) it is nearly collinear with the
-        // others and wanders.
-        let context_growth =
-            clearly_positive(&self.first, 3, p_prior).filter(|_| agrees && indirect_only).map_or(0.0, |g| g / K);
+        // The growth with the context: the engine's own where its times
+        // price prefill (its matched fit's term, clearly above zero; on
+        // `dynamo-mocker` a price without it was half the marginal cost of
+        // a DOKS turn after 5,000 cached tokens, 53a9200); the first
+        // token's beside the indirect estimates alone, and when clearly
+        // above zero (three standard errors): on a workload whose prompts
+        // fall in two groups (long and cold, short after a long cached
+        // prefix) it is nearly collinear with the others and wanders.
+        let context_growth = if indirect_only {
+            clearly_positive(&self.first, 3, p_prior).filter(|_| agrees).map_or(0.0, |g| g / K)
+        } else {
+            price.map_or(0.0, |p| p.context / K)
+        };
         // What one more running request adds to a step: its own share of
         // the per-request term and of the KV-fill term, at the fill per
         // request the worker has been running at. The two terms are nearly
@@ -830,6 +845,7 @@ impl EngineFit {
             se: (wm * wm * m.se * m.se + wi * wi * i.se * i.se).sqrt(),
             rate: wm * m.rate + wi * i.rate,
             growth: wm * m.growth + wi * i.growth,
+            context: wm * m.context + wi * i.context,
         })
     }
 
@@ -990,6 +1006,10 @@ struct Along {
     /// are positive, else the mean with no growth.
     rate: f64,
     growth: f64,
+    /// Its growth with the cached context the chunk follows, where the
+    /// fit has that term and it is clearly above zero (three standard
+    /// errors); else 0.
+    context: f64,
 }
 
 /// `fit`'s prefill rate read along `range` (tokens, [`Prompts::range`]),
@@ -1019,19 +1039,29 @@ fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, prior: f64, wi
     if !(v > 0.0 && known_within(v, se, fit.prior_share_at(&d), fit.samples(), prior, within)) {
         return None;
     }
-    let t = fit.theta();
+    let (t, e) = (fit.theta(), fit.stderr());
     let (rate, growth) = (*t.get(1)?, *t.get(2)?);
+    let context = match (t.get(3), e.get(3)) {
+        (Some(&c), Some(&ce)) if c > 3.0 * ce && c.is_finite() => c,
+        _ => 0.0,
+    };
     Some(if range.is_some() && rate > 0.0 && growth >= 0.0 {
-        Along { mean: v, se, rate, growth }
+        Along { mean: v, se, rate, growth, context }
     } else {
-        Along { mean: v, se, rate: v, growth: 0.0 }
+        Along { mean: v, se, rate: v, growth: 0.0, context }
     })
 }
 
 impl Along {
     /// The same price in a clock `q` times as slow.
     fn scaled(self, q: f64) -> Self {
-        Self { mean: self.mean * q, se: self.se * q, rate: self.rate * q, growth: self.growth * q }
+        Self {
+            mean: self.mean * q,
+            se: self.se * q,
+            rate: self.rate * q,
+            growth: self.growth * q,
+            context: self.context * q,
+        }
     }
 }
 
@@ -1195,7 +1225,7 @@ mod tests {
                 computed_tokens: n,
                 ..EnginePrefill::default()
             };
-            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n));
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n, 0.0));
         }
         assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
         // The admin API's name for it (OPERATIONS, the calibration's series).
@@ -1224,7 +1254,7 @@ mod tests {
             let n = f64::from(rng.u32(500..8000));
             let ms = 2.0 * (20.0 + rate * n) + noise(rng, 2.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
-            assert!(engine(fit, &o) && fit.observe_engine_matched(&o, n * n));
+            assert!(engine(fit, &o) && fit.observe_engine_matched(&o, n * n, 0.0));
         };
         for _ in 0..8 {
             matched(&mut fit, &mut rng, 0.03);
@@ -1262,7 +1292,7 @@ mod tests {
             let n = f64::from(rng.u32(500..16_000));
             let ms = 2.0 * (20.0 + 0.06 * n) + noise(&mut rng, 500.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
-            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n));
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n, 0.0));
         }
         let tenth = along(&fit.matched, fit.prompts.range(), PRIOR.prefill_ms_per_token * K, TENTH);
         assert_eq!(tenth, None, "known to a tenth already: the test shows nothing");
@@ -1270,6 +1300,30 @@ mod tests {
         assert_eq!(serde_json::to_value(fit.prefill_from()).ok(), Some("engine_matched+indirect".into()));
         let p = fit.timing().prefill_ms_per_token;
         assert!(p > 0.0 && p < 0.09, "{p}: not nearer the engine's 0.06 than the indirect 0.12");
+    }
+
+    /// The engine's own prefill times grow with the cached context the
+    /// chunk follows (0.01 ms a token per thousand cached, on 0.05): the
+    /// matched fit learns that term from its intervals, and the price it
+    /// gives `kv` carries it. A DOKS turn (900 new tokens after 5,000
+    /// cached) then costs 0.10 ms a token, not the 0.05 of a cold prompt.
+    #[test]
+    fn the_engine_fit_prices_the_growth_with_cached_context() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(21);
+        clock_at_half(&mut fit);
+        indirect(&mut fit, &mut rng, 8_000.0, (0.05, 0.05));
+        for _ in 0..300 {
+            let (n, c) = (f64::from(rng.u32(200..6_000)), f64::from(rng.u32(0..8_000)));
+            let ms = 2.0 * (20.0 + n * (0.05 + 0.01 * c / 1000.0)) + noise(&mut rng, 5.0);
+            let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n, n * c));
+        }
+        assert!(matches!(fit.prefill_from(), PrefillFrom::EngineMatched | PrefillFrom::EngineMatchedAndIndirect));
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token_per_kctx, 0.01, 0.25), "{t:?}");
+        let turn = t.prefill_ms_per_token_at(900.0, 5_000.0);
+        assert!(near(turn, 0.10, 0.15), "{turn} ms a token: {t:?}");
     }
 
     /// Attention that grows with context: each new token costs
@@ -1532,7 +1586,7 @@ mod tests {
             if matched {
                 let o = interval(&mut rng);
                 engine(&mut fit, &o);
-                fit.observe_engine_matched(&o, o.computed_tokens * o.computed_tokens);
+                fit.observe_engine_matched(&o, o.computed_tokens * o.computed_tokens, 0.0);
             }
             for _ in 0..200 {
                 engine(&mut fit, &interval(&mut rng));
@@ -1564,7 +1618,7 @@ mod tests {
                 ..EnginePrefill::default()
             };
             engine(&mut fit, &o);
-            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum());
+            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum(), 0.0);
         }
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token, 0.01, 0.05), "{t:?}");
@@ -1594,7 +1648,7 @@ mod tests {
             let ms = ns.iter().map(|n| 2.0 * (30.0 + truth(*n)) + noise(&mut rng, 2.0)).sum();
             let o = EnginePrefill { requests: 10.0, ms, computed_tokens: ns.iter().sum(), ..EnginePrefill::default() };
             engine(&mut fit, &o);
-            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum());
+            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum(), 0.0);
         }
         let p_prior = PRIOR.prefill_ms_per_token * K;
         assert!(clearly_positive(&fit.matched, 2, p_prior).is_none(), "{:?}", fit.engine_matched());
@@ -1617,7 +1671,7 @@ mod tests {
                 fit.observe_gateway_itl(y, n);
                 let o = EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 };
                 engine(&mut fit, &o);
-                fit.observe_engine_matched(&o, n * c);
+                fit.observe_engine_matched(&o, n * c, c * r);
             }
             let t = fit.timing();
             for v in [t.prefill_ms_per_token, t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx, t.decode_ms_per_seq] {

@@ -91,6 +91,8 @@ struct Activity {
 struct Ended {
     /// Its computed (uncached) prompt tokens.
     computed: f64,
+    /// The cached prompt tokens they followed.
+    cached: f64,
     /// Other requests' prompt tokens the worker prefilled while it waited
     /// for its first token, and those still to prefill beside it when it
     /// came: what may have shared its steps.
@@ -106,10 +108,11 @@ enum Resolved {
     /// (or reported out of order). What the engine said, summed.
     Unmatched(EnginePrefill),
     /// The requests the gateway saw end: the intervals summed, their
-    /// requests' computed tokens squared and summed, and whether they
+    /// requests' computed tokens squared and summed, each one's computed
+    /// times its cached tokens summed, and whether they
     /// shared their steps with more prefill than their own
     /// ([`SHARED_MAX`]).
-    Matched { engine: EnginePrefill, squared: f64, crowded: bool },
+    Matched { engine: EnginePrefill, squared: f64, context: f64, crowded: bool },
 }
 
 /// Requests kept per worker for matching engine intervals.
@@ -390,8 +393,8 @@ impl Calibration {
         let (line, shape) = match resolved {
             Resolved::Waiting | Resolved::Matched { crowded: true, .. } => (false, false),
             Resolved::Unmatched(o) => (fit.observe_engine(&o), false),
-            Resolved::Matched { engine, squared, crowded: false } => {
-                (fit.observe_engine(&engine), fit.observe_engine_matched(&engine, squared))
+            Resolved::Matched { engine, squared, context, crowded: false } => {
+                (fit.observe_engine(&engine), fit.observe_engine_matched(&engine, squared, context))
             }
         };
         let c = &mut self.counters;
@@ -421,17 +424,16 @@ impl Calibration {
             a.owed = Some((owed, waited + 1));
             return Resolved::Waiting;
         }
-        let (sum, squared, shared) = a
-            .ended
-            .drain(..k)
-            .fold((0.0, 0.0, 0.0), |(s, q, o), e| (s + e.computed, q + e.computed * e.computed, o + e.shared));
+        let (sum, squared, context, shared) = a.ended.drain(..k).fold((0.0, 0.0, 0.0, 0.0), |(s, q, c, o), e| {
+            (s + e.computed, q + e.computed * e.computed, c + e.computed * e.cached, o + e.shared)
+        });
         if (sum - owed.computed_tokens).abs() > 0.5 {
             // Misaligned (a request of this interval reported late, or one
             // the engine counted that never came through here): start over.
             a.ended.clear();
             return Resolved::Unmatched(owed);
         }
-        Resolved::Matched { engine: owed, squared, crowded: shared > SHARED_MAX * sum }
+        Resolved::Matched { engine: owed, squared, context, crowded: shared > SHARED_MAX * sum }
     }
 
     /// The class's fit, new at the prior when it has none (its name is
@@ -482,7 +484,11 @@ impl Calibration {
                 if a.ended.len() == MAX_ENDED {
                     a.ended.pop_front();
                 }
-                a.ended.push_back(Ended { computed: new_tokens, shared: shared_tokens });
+                a.ended.push_back(Ended {
+                    computed: new_tokens,
+                    cached: f64::from(cached.min(prompt)),
+                    shared: shared_tokens,
+                });
             }
             a.sums.advance(now_ms);
             a.sums
