@@ -651,8 +651,8 @@ impl EngineFit {
         let miss = |a: Along| took - a.rate * n - a.growth * n2 - a.context * nc;
         let r = self.rates;
         if let (Some(f), Some((rate, _))) = (r.first, r.steps) {
-            self.scored.0.observe(miss(Along { context: 0.0, ..f }));
-            self.scored.1.observe(miss(Along { mean: rate, se: 0.0, rate, growth: 0.0, context: 0.0 }));
+            self.scored.0.observe(miss(f));
+            self.scored.1.observe(miss(Along::flat(rate, 0.0)));
         }
         if let (Some(i), Some(m)) = (r.indirect, r.matched) {
             self.scored_engine.0.observe(miss(i));
@@ -744,7 +744,11 @@ impl EngineFit {
         // high for the 150 requests between the two (2b9ef7f); the
         // indirect estimates stand in meanwhile.
         let q = self.clock.ratio();
-        let half = along(&self.matched, self.prompts.range(), p_prior, HALF);
+        let context = match (self.matched.theta()[3], self.matched.stderr()[3]) {
+            (c, ce) if c > 3.0 * ce && c.is_finite() => c,
+            _ => 0.0,
+        };
+        let half = along(&self.matched, self.prompts.range(), p_prior, HALF).map(|m| Along { context, ..m });
         // Alone, the matched fit takes over once its mean rate is known to
         // a tenth (read along the prompts it was first known to a half: on
         // `hetero`'s H100 class it then priced prefill 28 % high for 60
@@ -774,7 +778,7 @@ impl EngineFit {
             Some(f) if agrees && f.rate + p - f.mean > 0.0 => {
                 Along { mean: p, se, rate: f.rate + p - f.mean, growth: f.growth, context: 0.0 }
             }
-            _ => Along { mean: p, se, rate: p, growth: 0.0, context: 0.0 },
+            _ => Along::flat(p, se),
         });
         // The price used: the matched fit and the indirect estimates
         // weighed once both were scored, else the matched fit alone once
@@ -785,10 +789,7 @@ impl EngineFit {
             match (matched.zip(indirect).and_then(|(m, i)| self.blend(m, i)), matched_alone, line) {
                 (Some(b), _, _) => (Some(b), PrefillFrom::EngineMatchedAndIndirect),
                 (None, Some(m), _) => (Some(m), PrefillFrom::EngineMatched),
-                (None, None, Some((q, (v, se)))) => (
-                    Some(Along { mean: v * q, se: se * q, rate: v * q, growth: 0.0, context: 0.0 }),
-                    PrefillFrom::EnginePrefill,
-                ),
+                (None, None, Some((q, (v, se)))) => (Some(Along::flat(v * q, se * q)), PrefillFrom::EnginePrefill),
                 (None, None, None) => (indirect, indirect_from),
             };
         let indirect_only =
@@ -1006,9 +1007,8 @@ struct Along {
     /// are positive, else the mean with no growth.
     rate: f64,
     growth: f64,
-    /// Its growth with the cached context the chunk follows, where the
-    /// fit has that term and it is clearly above zero (three standard
-    /// errors); else 0.
+    /// Its growth with the cached context the chunk follows (the matched
+    /// fit's term where clearly above zero, three standard errors); else 0.
     context: f64,
 }
 
@@ -1039,20 +1039,21 @@ fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, prior: f64, wi
     if !(v > 0.0 && known_within(v, se, fit.prior_share_at(&d), fit.samples(), prior, within)) {
         return None;
     }
-    let (t, e) = (fit.theta(), fit.stderr());
+    let t = fit.theta();
     let (rate, growth) = (*t.get(1)?, *t.get(2)?);
-    let context = match (t.get(3), e.get(3)) {
-        (Some(&c), Some(&ce)) if c > 3.0 * ce && c.is_finite() => c,
-        _ => 0.0,
-    };
     Some(if range.is_some() && rate > 0.0 && growth >= 0.0 {
-        Along { mean: v, se, rate, growth, context }
+        Along { mean: v, se, rate, growth, context: 0.0 }
     } else {
-        Along { mean: v, se, rate: v, growth: 0.0, context }
+        Along::flat(v, se)
     })
 }
 
 impl Along {
+    /// A rate with no growth.
+    fn flat(mean: f64, se: f64) -> Self {
+        Self { mean, se, rate: mean, growth: 0.0, context: 0.0 }
+    }
+
     /// The same price in a clock `q` times as slow.
     fn scaled(self, q: f64) -> Self {
         Self {
