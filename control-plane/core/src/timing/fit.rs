@@ -6,7 +6,7 @@
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
 //! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄` | step base, per running request, KV fill, prefill tokens sharing the steps |
 //! | engine prefill | the engine's own mean prefill time over the requests that finished between two heartbeats (vLLM's histograms, engine clock), once matched as below or given up; not where they shared their steps with more prefill than their own | `1, N̄` | per request, per computed token |
-//! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees) | `1, N̄, N²̄` | per request, per computed token, its growth with the prompt |
+//! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees), crowded or not | `1, N̄, N²̄, N·c̄, S̄` | per request, per computed token, its growth with the prompt, with the cached context, per token of other requests' prefill that may have shared its steps |
 //!
 //! `n` new prompt tokens (prompt − cached: as the router predicted when the
 //! first token is learned as it comes, as the engine reported when it is
@@ -62,10 +62,14 @@
 //! known to a tenth before they are scored; else, for an engine whose
 //! intervals are never matched (its requests come through another
 //! gateway), the straight line; the two indirect estimates stand in until
-//! then. Neither engine fit learns from an
-//! interval whose requests shared their prefill steps with more prefill
-//! than their own: the engine times each from its first scheduled step,
-//! so a burst of cold prompts each counts the others' chunks.
+//! then. The engine times each prefill from its first scheduled step, so
+//! in a burst of cold prompts each counts the others' chunks: where an
+//! interval's requests shared their steps with more prefill than their
+//! own ([`SHARED_MAX`]), the straight line does not learn from it, nor are
+//! the estimates scored on it, and the matched fit learns from it with the
+//! shared prefill (as the gateway saw it) as a term of its own, up to
+//! three times its own ([`SHARED_LEARNED_MAX`]). Half of the calibration's
+//! intervals are crowded, and most of its first ones.
 //!
 //! The decode rate `kv` prices a running request with is what one more
 //! request adds to a step at the class's operating point: the per-request
@@ -261,13 +265,56 @@ impl EnginePrefill {
         [1.0, self.computed_tokens / self.requests / K]
     }
 
-    /// With `squared_tokens`, the sum of the requests' computed tokens
-    /// squared.
-    fn matched_features(&self, squared_tokens: f64, context_tokens: f64) -> [f64; 4] {
+    /// With the sums the gateway knows of the interval's requests
+    /// ([`MatchedSums`]).
+    fn matched_features(&self, m: &MatchedSums) -> [f64; 5] {
         let r = self.requests;
-        [1.0, self.computed_tokens / r / K, squared_tokens / r / (K * K), context_tokens / r / (K * K)]
+        [1.0, self.computed_tokens / r / K, m.squared / r / (K * K), m.context / r / (K * K), m.shared / r / K]
+    }
+
+    /// Whether its requests shared their prefill steps with more prefill
+    /// than their own ([`SHARED_MAX`]).
+    pub fn crowded(&self, m: &MatchedSums) -> bool {
+        m.shared > SHARED_MAX * self.computed_tokens
     }
 }
+
+/// What the gateway knows of a matched interval's requests, summed over
+/// them: each one's computed tokens squared, its computed times the cached
+/// tokens it followed (attention over the context), and the other
+/// requests' prefill that may have shared its steps (done while it waited
+/// for its first token, and still to do beside it then).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MatchedSums {
+    /// Computed tokens squared.
+    pub squared: f64,
+    /// Computed times cached tokens.
+    pub context: f64,
+    /// Other requests' prefill tokens that may have shared their steps.
+    pub shared: f64,
+}
+
+/// An engine interval whose requests waited, together, for more of other
+/// requests' prefill than this many times their own is crowded: the engine
+/// times a prefill from the step that first scheduled it to its first
+/// token, so prompts that shared their steps (a burst of cold prompts)
+/// each count the others' chunks as their own. The matched fit learns
+/// from it with the shared prefill as a term of its own; the straight line
+/// and the scores of the estimates, which have no such term, do not.
+pub const SHARED_MAX: f64 = 1.0;
+
+/// An interval more crowded than this (its requests waited for more than
+/// this many times their own prefill) teaches no engine fit: what the
+/// gateway counts as shared (all the prefill the worker finished while a
+/// request waited, and all it still had to do beside it) then holds mostly
+/// prefill that ran in other steps, a queue the engine's prefill time does
+/// not include, and the shared term does not describe it. On h200's fleet
+/// (whole prompts of up to 7,700 tokens per step, a queue at the start)
+/// every crowded interval learned put the matched fit's prefill 2.5× off
+/// for 300 requests; at most three times their own, within 10 % from its
+/// third interval (DECISIONS "Crowded engine intervals learned with the
+/// shared prefill apart").
+pub const SHARED_LEARNED_MAX: f64 = 3.0;
 
 /// The engine's clock against the control plane's: the same kind of
 /// interval, the time between two output tokens, measured by the gateway
@@ -360,16 +407,17 @@ pub const DECODE_PARAMS: [&str; 4] =
 pub const ENGINE_PREFILL_PARAMS: [&str; 2] = ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token"];
 
 /// Coefficient names of the matched engine-prefill fit (engine clock).
-pub const ENGINE_MATCHED_PARAMS: [&str; 4] = [
+pub const ENGINE_MATCHED_PARAMS: [&str; 5] = [
     "engine_prefill_ms_per_request",
     "engine_prefill_ms_per_token",
     "engine_prefill_ms_per_token_per_ktok",
     "engine_prefill_ms_per_token_per_kctx",
+    "engine_prefill_ms_per_shared_token",
 ];
 
 /// Scales from a coefficient on scaled features back to the name's units.
 const ENGINE_PREFILL_SCALE: [f64; 2] = [1.0, 1.0 / K];
-const ENGINE_MATCHED_SCALE: [f64; 4] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K];
+const ENGINE_MATCHED_SCALE: [f64; 5] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K];
 const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
 const DECODE_SCALE: [f64; 4] = [1.0, 0.1, 1.0, 1.0 / K];
 
@@ -384,8 +432,9 @@ pub struct EngineFit {
     decode: Rls<4>,
     /// The engine's own prefill times (engine clock).
     engine: Rls<2>,
-    /// The same where the gateway matched the requests (with their squares).
-    matched: Rls<4>,
+    /// The same where the gateway matched the requests (with their squares,
+    /// context and shared prefill).
+    matched: Rls<5>,
     clock: Clock,
     /// Recent decode observations' mean KV fill and running requests
     /// (exponential averages): the operating point at which one more
@@ -550,7 +599,7 @@ impl EngineFit {
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p], [50.0, 5.0 * d, 50.0, 5.0 * p], 5.0);
         let engine = Rls::new([20.0, p], [500.0, 5.0 * p], 50.0);
-        let matched = Rls::new([20.0, p, 0.0, 0.0], [500.0, 5.0 * p, 2.0 * p, 2.0 * p], 50.0);
+        let matched = Rls::new([20.0, p, 0.0, 0.0, p], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p], 50.0);
         let mut fit = Self {
             prior,
             first,
@@ -618,18 +667,22 @@ impl EngineFit {
         self.updated_if(used)
     }
 
-    /// Learns from an engine interval whose requests the gateway saw end:
-    /// `squared_tokens` is the sum of their computed tokens squared,
-    /// `context_tokens` the sum of each one's computed tokens times the
-    /// cached tokens they followed (attention over the context).
-    pub fn observe_engine_matched(&mut self, o: &EnginePrefill, squared_tokens: f64, context_tokens: f64) -> bool {
+    /// Learns from an engine interval whose requests the gateway saw end,
+    /// with what the gateway knows of them ([`MatchedSums`]); a crowded one
+    /// ([`EnginePrefill::crowded`]) teaches the matched fit only, and one
+    /// beyond [`SHARED_LEARNED_MAX`] nothing.
+    pub fn observe_engine_matched(&mut self, o: &EnginePrefill, m: &MatchedSums) -> bool {
         let used = o.has_prefills()
-            && squared_tokens >= 0.0
-            && context_tokens >= 0.0
-            && self.matched.observe(o.matched_features(squared_tokens, context_tokens), o.ms / o.requests);
+            && m.squared >= 0.0
+            && m.context >= 0.0
+            && m.shared >= 0.0
+            && m.shared <= SHARED_LEARNED_MAX * o.computed_tokens
+            && self.matched.observe(o.matched_features(m), o.ms / o.requests);
         if used {
-            self.prompts.observe(o.computed_tokens / o.requests, squared_tokens / o.requests);
-            self.score(o, squared_tokens, context_tokens);
+            self.prompts.observe(o.computed_tokens / o.requests, m.squared / o.requests);
+            if !o.crowded(m) {
+                self.score(o, m);
+            }
         }
         self.updated_if(used)
     }
@@ -644,9 +697,9 @@ impl EngineFit {
     /// clock still settling, a burst of cold prompts) its misses were the
     /// wider for them: on `dynamo-mocker` the weighing then went to the
     /// decode steps' rate, 28 % high, the moment it had its ten (67e9b7f).
-    fn score(&mut self, o: &EnginePrefill, squared_tokens: f64, context_tokens: f64) {
+    fn score(&mut self, o: &EnginePrefill, m: &MatchedSums) {
         let Some(q) = self.clock.ratio() else { return };
-        let [_, n, n2, nc] = o.matched_features(squared_tokens, context_tokens);
+        let [_, n, n2, nc, _] = o.matched_features(m);
         let took = o.ms / o.requests * q;
         let miss = |a: Along| took - a.rate * n - a.growth * n2 - a.context * nc;
         let r = self.rates;
@@ -1093,6 +1146,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// A matched interval's sums, nothing shared.
+    fn sums(squared: f64, context: f64) -> MatchedSums {
+        MatchedSums { squared, context, shared: 0.0 }
+    }
+
     /// An engine interval as a heartbeat brings it: its inter-token times,
     /// then its prefills.
     fn engine(fit: &mut EngineFit, o: &EnginePrefill) -> bool {
@@ -1226,7 +1284,7 @@ mod tests {
                 computed_tokens: n,
                 ..EnginePrefill::default()
             };
-            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n, 0.0));
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, &sums(n * n, 0.0)));
         }
         assert_eq!(fit.prefill_from(), PrefillFrom::FirstTokenAndDecode);
         // The admin API's name for it (OPERATIONS, the calibration's series).
@@ -1255,7 +1313,7 @@ mod tests {
             let n = f64::from(rng.u32(500..8000));
             let ms = 2.0 * (20.0 + rate * n) + noise(rng, 2.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
-            assert!(engine(fit, &o) && fit.observe_engine_matched(&o, n * n, 0.0));
+            assert!(engine(fit, &o) && fit.observe_engine_matched(&o, &sums(n * n, 0.0)));
         };
         for _ in 0..8 {
             matched(&mut fit, &mut rng, 0.03);
@@ -1293,7 +1351,7 @@ mod tests {
             let n = f64::from(rng.u32(500..16_000));
             let ms = 2.0 * (20.0 + 0.06 * n) + noise(&mut rng, 500.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
-            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n, 0.0));
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, &sums(n * n, 0.0)));
         }
         let tenth = along(&fit.matched, fit.prompts.range(), PRIOR.prefill_ms_per_token * K, TENTH);
         assert_eq!(tenth, None, "known to a tenth already: the test shows nothing");
@@ -1318,13 +1376,50 @@ mod tests {
             let (n, c) = (f64::from(rng.u32(200..6_000)), f64::from(rng.u32(0..8_000)));
             let ms = 2.0 * (20.0 + n * (0.05 + 0.01 * c / 1000.0)) + noise(&mut rng, 5.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
-            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, n * n, n * c));
+            assert!(engine(&mut fit, &o) && fit.observe_engine_matched(&o, &sums(n * n, n * c)));
         }
         assert!(matches!(fit.prefill_from(), PrefillFrom::EngineMatched | PrefillFrom::EngineMatchedAndIndirect));
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token_per_kctx, 0.01, 0.25), "{t:?}");
         let turn = t.prefill_ms_per_token_at(900.0, 5_000.0);
         assert!(near(turn, 0.10, 0.15), "{turn} ms a token: {t:?}");
+    }
+
+    /// A burst of cold prompts: most intervals are crowded, each prefill
+    /// timed with a share (here 0.6) of the other requests' prefill that
+    /// shared its steps. With that prefill as a term of its own the
+    /// matched fit still finds the engine's 0.05 ms a token (a fit without
+    /// it reads the shared tokens into the rate: +60 % at equal shares),
+    /// and the indirect estimates are scored on the uncrowded intervals
+    /// only. Intervals beyond three times their own teach nothing.
+    #[test]
+    fn crowded_intervals_teach_the_matched_rate_with_the_shared_prefill_apart() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(23);
+        clock_at_half(&mut fit);
+        indirect(&mut fit, &mut rng, 6_000.0, (0.05, 0.05));
+        let mut uncrowded = 0;
+        for i in 0..300 {
+            let n = f64::from(rng.u32(200..6_000));
+            let shared = if i % 4 == 0 { rng.f64() * 0.5 * n } else { n * (1.0 + 4.0 * rng.f64()) };
+            let ms = 2.0 * (20.0 + 0.05 * n + 0.6 * 0.05 * shared) + noise(&mut rng, 5.0);
+            let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
+            let m = MatchedSums { squared: n * n, context: 0.0, shared };
+            uncrowded += usize::from(!o.crowded(&m));
+            let learned = fit.observe_engine_matched(&o, &m);
+            assert_eq!(learned, shared <= SHARED_LEARNED_MAX * n, "{shared} shared, {n} own");
+        }
+        assert!((50..100).contains(&uncrowded), "{uncrowded} uncrowded intervals");
+        assert_eq!(fit.scored.0.0.weight, uncrowded as f64, "the estimates are scored on the uncrowded only");
+        // In the engine's clock (twice the gateway's): 0.10 ms a token and
+        // 0.06 per shared token.
+        let p: Vec<f64> = fit.engine_matched().params.iter().map(|p| p.value).collect();
+        let at = |n: f64| p[1] * n + p[2] * n * n / 1000.0;
+        let slope = (at(5_000.0) - at(1_000.0)) / 4_000.0;
+        assert!(near(slope, 0.10, 0.1), "{slope}: {p:?}");
+        assert!(near(p[4], 0.06, 0.2), "{p:?}");
+        let t = fit.timing();
+        assert!(near(t.prefill_ms_per_token, 0.05, 0.15), "{t:?}");
     }
 
     /// Attention that grows with context: each new token costs
@@ -1587,7 +1682,7 @@ mod tests {
             if matched {
                 let o = interval(&mut rng);
                 engine(&mut fit, &o);
-                fit.observe_engine_matched(&o, o.computed_tokens * o.computed_tokens, 0.0);
+                fit.observe_engine_matched(&o, &sums(o.computed_tokens * o.computed_tokens, 0.0));
             }
             for _ in 0..200 {
                 engine(&mut fit, &interval(&mut rng));
@@ -1619,7 +1714,7 @@ mod tests {
                 ..EnginePrefill::default()
             };
             engine(&mut fit, &o);
-            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum(), 0.0);
+            fit.observe_engine_matched(&o, &sums(ns.iter().map(|n| n * n).sum(), 0.0));
         }
         let t = fit.timing();
         assert!(near(t.prefill_ms_per_token, 0.01, 0.05), "{t:?}");
@@ -1649,7 +1744,7 @@ mod tests {
             let ms = ns.iter().map(|n| 2.0 * (30.0 + truth(*n)) + noise(&mut rng, 2.0)).sum();
             let o = EnginePrefill { requests: 10.0, ms, computed_tokens: ns.iter().sum(), ..EnginePrefill::default() };
             engine(&mut fit, &o);
-            fit.observe_engine_matched(&o, ns.iter().map(|n| n * n).sum(), 0.0);
+            fit.observe_engine_matched(&o, &sums(ns.iter().map(|n| n * n).sum(), 0.0));
         }
         let p_prior = PRIOR.prefill_ms_per_token * K;
         assert!(clearly_positive(&fit.matched, 2, p_prior).is_none(), "{:?}", fit.engine_matched());
@@ -1672,7 +1767,7 @@ mod tests {
                 fit.observe_gateway_itl(y, n);
                 let o = EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 };
                 engine(&mut fit, &o);
-                fit.observe_engine_matched(&o, n * c, c * r);
+                fit.observe_engine_matched(&o, &sums(n * c, c * r));
             }
             let t = fit.timing();
             for v in [t.prefill_ms_per_token, t.prefill_ms_per_token_per_ktok, t.prefill_ms_per_token_per_kctx, t.decode_ms_per_seq] {

@@ -34,7 +34,7 @@ use kvgate_index::WorkerIdx;
 use kvgate_protocol::pb;
 use kvgate_scheduler::{EngineTiming, Load};
 
-pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, PrefillFrom, Prior, Reference};
+pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, MatchedSums, PrefillFrom, Prior, Reference};
 
 /// Classes beyond this many share the class `other`.
 pub const MAX_CLASSES: usize = 32;
@@ -107,23 +107,13 @@ enum Resolved {
     /// Given up: some of their requests did not come through this gateway
     /// (or reported out of order). What the engine said, summed.
     Unmatched(EnginePrefill),
-    /// The requests the gateway saw end: the intervals summed, their
-    /// requests' computed tokens squared and summed, each one's computed
-    /// times its cached tokens summed, and whether they
-    /// shared their steps with more prefill than their own
-    /// ([`SHARED_MAX`]).
-    Matched { engine: EnginePrefill, squared: f64, context: f64, crowded: bool },
+    /// The requests the gateway saw end: the intervals summed, and what
+    /// the gateway knows of those requests ([`MatchedSums`]).
+    Matched { engine: EnginePrefill, sums: MatchedSums },
 }
 
 /// Requests kept per worker for matching engine intervals.
 const MAX_ENDED: usize = 1024;
-
-/// An engine interval whose requests waited, together, for more of other
-/// requests' prefill than this many times their own is not learned from:
-/// the engine times a prefill from the step that first scheduled it to its
-/// first token, so prompts that shared their steps (a burst of cold
-/// prompts) each count the others' chunks as their own.
-const SHARED_MAX: f64 = 1.0;
 
 /// Heartbeats an engine interval waits for the reports of its requests
 /// before it is given up (some of them did not come through this
@@ -185,9 +175,11 @@ pub struct TimingCounters {
     /// Engine intervals that could not be matched (requests that did not
     /// come through this gateway, reports out of order).
     pub engine_unmatched: u64,
-    /// Engine intervals not learned from because their requests shared
-    /// their prefill steps with more prefill than their own
-    /// ([`SHARED_MAX`]).
+    /// Matched engine intervals whose requests shared their prefill steps
+    /// with more prefill than their own ([`fit::SHARED_MAX`]): learned by the
+    /// matched fit with the shared prefill as a term (up to
+    /// [`fit::SHARED_LEARNED_MAX`] times their own), not by the straight
+    /// line.
     pub engine_shared: u64,
 }
 
@@ -371,11 +363,12 @@ impl Calibration {
     /// A heartbeat of `worker` carried its engine's request-timing totals:
     /// what grew since the last one (the requests that finished meanwhile)
     /// is learned from once the requests the gateway saw end there add up
-    /// to the same computed tokens (then with their squares too), unless
-    /// they shared their prefill steps with more prefill than their own; or
-    /// as a straight line alone once their reports are given up (they did
-    /// not come through this gateway). Totals that fell (the engine
-    /// restarted) start over.
+    /// to the same computed tokens: by the matched fit, with what the
+    /// gateway knows of them, and by the straight line unless they shared
+    /// their prefill steps with more prefill than their own; or by the
+    /// straight line alone once their reports are given up (they did not
+    /// come through this gateway). Totals that fell (the engine restarted)
+    /// start over.
     pub fn engine_counters(&mut self, worker: WorkerIdx, totals: &pb::EngineCounters) {
         let Some(a) = self.activity.get_mut(&worker) else { return };
         let Some(before) = a.engine.replace(*totals) else {
@@ -390,18 +383,20 @@ impl Calibration {
         let class = Arc::clone(&a.class);
         let Some(fit) = self.fit_mut(&class) else { return };
         fit.observe_engine_itl(&delta);
-        let (line, shape) = match resolved {
-            Resolved::Waiting | Resolved::Matched { crowded: true, .. } => (false, false),
-            Resolved::Unmatched(o) => (fit.observe_engine(&o), false),
-            Resolved::Matched { engine, squared, context, crowded: false } => {
-                (fit.observe_engine(&engine), fit.observe_engine_matched(&engine, squared, context))
+        let (line, shape, crowded) = match resolved {
+            Resolved::Waiting => (false, false, false),
+            Resolved::Unmatched(o) => (fit.observe_engine(&o), false, false),
+            Resolved::Matched { engine, sums } => {
+                let crowded = engine.crowded(&sums);
+                let line = !crowded && fit.observe_engine(&engine);
+                (line, fit.observe_engine_matched(&engine, &sums), crowded)
             }
         };
         let c = &mut self.counters;
         c.engine_prefills += u64::from(line);
         c.engine_matched += u64::from(shape);
         c.engine_unmatched += u64::from(matches!(resolved, Resolved::Unmatched(_)));
-        c.engine_shared += u64::from(matches!(resolved, Resolved::Matched { crowded: true, .. }));
+        c.engine_shared += u64::from(crowded);
         if line || shape {
             self.refresh_timings();
         }
@@ -433,7 +428,7 @@ impl Calibration {
             a.ended.clear();
             return Resolved::Unmatched(owed);
         }
-        Resolved::Matched { engine: owed, squared, context, crowded: shared > SHARED_MAX * sum }
+        Resolved::Matched { engine: owed, sums: MatchedSums { squared, context, shared } }
     }
 
     /// The class's fit, new at the prior when it has none (its name is
@@ -765,10 +760,12 @@ mod tests {
     /// The engine times a prefill from the step that first scheduled it:
     /// prompts that shared their steps (a burst of cold prompts) each count
     /// the others' chunks as their own. An interval whose requests waited
-    /// for more of other requests' prefill than their own teaches neither
-    /// engine fit; one of a prompt that ran alone teaches both.
+    /// for more of other requests' prefill than their own teaches the
+    /// matched fit (the shared prefill is a term of its own there) but not
+    /// the straight line, and beyond three times their own neither; one of
+    /// a prompt that ran alone teaches both.
     #[test]
-    fn prefills_that_shared_their_steps_teach_no_engine_rate() {
+    fn prefills_that_shared_their_steps_teach_only_the_matched_fit() {
         let mut cal = Calibration::new(PRIOR, true, 16);
         let w = WorkerIdx(0);
         let totals = |requests: u64, tokens: u64| pb::EngineCounters {
@@ -780,29 +777,32 @@ mod tests {
         };
         cal.touch(w, &load(0, 0), 0);
         cal.engine_counters(w, &totals(0, 0));
-        // Five 1,600-token prompts routed together; each one's first token
-        // comes after those ahead of it (0 + 1 + 2 + 3 + 4 prompts' worth
-        // waited for, against 5 of their own).
-        let ids: Vec<String> = (0..5).map(|i| format!("burst{i}")).collect();
-        for id in &ids {
-            cal.routed(id, w, &load(0, 0), (100, 0), 0);
-        }
-        for (i, id) in (1..).zip(&ids) {
-            cal.first_token(id, i * 100_000, i * 100);
-        }
-        for id in &ids {
-            cal.done(&report(id, 100, 2000, 1600, 0, 10), 1000);
-        }
-        cal.engine_counters(w, &totals(5, 8000));
-        let c = cal.counters();
-        assert_eq!((c.engine_prefills, c.engine_matched, c.engine_shared), (0, 0, 1));
+        // `k` 1,600-token prompts routed together, each one's first token
+        // after those ahead of it: every one shares with the k − 1 others
+        // (done while it waited, or still to do beside it).
+        let mut done = 0;
+        let mut burst = |cal: &mut Calibration, k: u64, at: u64| {
+            let ids: Vec<String> = (0..k).map(|i| format!("burst{at}-{i}")).collect();
+            for id in &ids {
+                cal.routed(id, w, &load(0, 0), (100, 0), at);
+            }
+            for (i, id) in (1..).zip(&ids) {
+                cal.first_token(id, i * 100_000, at + i * 100);
+            }
+            for id in &ids {
+                cal.done(&report(id, 100, 2000, 1600, 0, 10), at + 1000);
+            }
+            done += k;
+            cal.engine_counters(w, &totals(done, done * 1600));
+            let c = cal.counters();
+            (c.engine_prefills, c.engine_matched, c.engine_shared)
+        };
+        // Five: four times their own shared, too crowded to learn from.
+        assert_eq!(burst(&mut cal, 5, 0), (0, 0, 1));
+        // Three: twice their own, learned by the matched fit only.
+        assert_eq!(burst(&mut cal, 3, 2000), (0, 1, 2));
         // One prompt alone.
-        cal.routed("alone", w, &load(0, 0), (100, 0), 2000);
-        cal.first_token("alone", 100_000, 2100);
-        cal.done(&report("alone", 100, 2000, 1600, 0, 10), 3000);
-        cal.engine_counters(w, &totals(6, 9600));
-        let c = cal.counters();
-        assert_eq!((c.engine_prefills, c.engine_matched, c.engine_shared), (1, 1, 1));
+        assert_eq!(burst(&mut cal, 1, 4000), (1, 2, 2));
     }
 
     /// Two classes of one model: the fast one sees cold prompts of every
