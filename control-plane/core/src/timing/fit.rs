@@ -281,9 +281,11 @@ impl EnginePrefill {
 
 /// What the gateway knows of a matched interval's requests, summed over
 /// them: each one's computed tokens squared, its computed times the cached
-/// tokens it followed (attention over the context), and the other
-/// requests' prefill that may have shared its steps (done while it waited
-/// for its first token, and still to do beside it then).
+/// tokens it followed (attention over the context), the other requests'
+/// prefill that may have shared its steps (done while it waited for its
+/// first token, and still to do beside it then), and the warm requests
+/// (those that followed cached tokens) with their computed and cached
+/// tokens: the choice `kv` prices is theirs ([`compared`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MatchedSums {
     /// Computed tokens squared.
@@ -292,6 +294,27 @@ pub struct MatchedSums {
     pub context: f64,
     /// Other requests' prefill tokens that may have shared their steps.
     pub shared: f64,
+    /// Requests that followed cached tokens.
+    pub warm: f64,
+    /// Their computed tokens.
+    pub warm_computed: f64,
+    /// Their cached tokens (every cached token is a warm request's).
+    pub cached: f64,
+}
+
+impl MatchedSums {
+    /// Adds one request: `computed` tokens after `cached` ones, `shared`
+    /// other prefill beside it.
+    pub fn add(&mut self, computed: f64, cached: f64, shared: f64) {
+        self.squared += computed * computed;
+        self.context += computed * cached;
+        self.shared += shared;
+        if cached > 0.0 {
+            self.warm += 1.0;
+            self.warm_computed += computed;
+            self.cached += cached;
+        }
+    }
 }
 
 /// An engine interval whose requests waited, together, for more of other
@@ -443,6 +466,9 @@ pub struct EngineFit {
     /// The matched intervals' computed tokens per request: the range of
     /// prompts along which the matched fit's rate is read.
     prompts: Prompts,
+    /// The matched intervals' warm requests: the choice along which the
+    /// matched fit is read where prompts follow cached ones ([`compared`]).
+    warm: Warm,
     /// The first-token observations' new tokens, the same way.
     first_prompts: Prompts,
     /// How well each indirect prefill estimate predicted the matched
@@ -549,6 +575,34 @@ impl Prompts {
     }
 }
 
+/// The warm requests' computed and cached tokens, per request, averaged as
+/// [`Prompts`] (the matched intervals with one or more): the prompt `kv`
+/// weighs against the same prompt on a worker without its prefix
+/// ([`compared`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Warm(Averages<2>);
+
+impl Default for Warm {
+    fn default() -> Self {
+        Self(Averages::new(0.01))
+    }
+}
+
+impl Warm {
+    fn observe(&mut self, m: &MatchedSums) {
+        if m.warm >= 1.0 && m.warm_computed >= 0.0 && m.cached >= 0.0 {
+            self.0.observe([m.warm_computed / m.warm, m.cached / m.warm]);
+        }
+    }
+
+    /// A warm request's computed and cached tokens, once the warm requests
+    /// seen followed a block (16 tokens) or more on average.
+    fn point(&self) -> Option<(f64, f64)> {
+        let [computed, cached] = self.0.of;
+        (self.0.weight >= 1.0 && cached >= 16.0).then_some((computed, cached))
+    }
+}
+
 /// One estimate's misses on the matched engine intervals (engine time in
 /// the gateway's clock, less the estimate's prefill for the interval's
 /// prompts) and their squares, averaged (about the last fifty count).
@@ -609,6 +663,7 @@ impl EngineFit {
             clock: Clock::default(),
             operating: Operating::default(),
             prompts: Prompts::default(),
+            warm: Warm::default(),
             first_prompts: Prompts::default(),
             scored: (Scored::default(), Scored::default()),
             scored_engine: (Scored::default(), Scored::default()),
@@ -680,6 +735,7 @@ impl EngineFit {
             && self.matched.observe(o.matched_features(m), o.ms / o.requests);
         if used {
             self.prompts.observe(o.computed_tokens / o.requests, m.squared / o.requests);
+            self.warm.observe(m);
             if !o.crowded(m) {
                 self.score(o, m);
             }
@@ -801,7 +857,11 @@ impl EngineFit {
             (c, ce) if c > 3.0 * ce && c.is_finite() => c,
             _ => 0.0,
         };
-        let half = along(&self.matched, self.prompts.range(), p_prior, HALF).map(|m| Along { context, ..m });
+        // Where prompts follow cached ones, read at the choice `kv` makes
+        // for them ([`compared`]); else, or until that is known, along the
+        // computed tokens with the context term where clearly above zero.
+        let half = compared(&self.matched, self.warm.point(), p_prior, HALF)
+            .or_else(|| along(&self.matched, self.prompts.range(), p_prior, HALF).map(|m| Along { context, ..m }));
         // Alone, the matched fit takes over once its mean rate is known to
         // a tenth (read along the prompts it was first known to a half: on
         // `hetero`'s H100 class it then priced prefill 28 % high for 60
@@ -1101,6 +1161,45 @@ fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, prior: f64, wi
     })
 }
 
+/// The matched fit (features `1, N, N², N·c, S` in thousands of tokens)
+/// read at the choice `kv` makes for a warm prompt of `n` computed tokens
+/// after `c` cached ones (`warm`, [`Warm::point`]): a worker holding more
+/// or less of its prefix, where a token moves between the cached and the
+/// computed part. What the fit must know, to `within` of its size (as
+/// [`known_within`]), is the price of that token: the prefill's change
+/// per token moved, `b + 2n·g + (c − n)·h` (rate, growth with the chunk,
+/// growth with the context); `None` before, or without warm prompts. On
+/// DOKS turns (900 new after 5,000 cached) the fit's rate of a prompt
+/// without context is an extrapolation the prompts never pin down
+/// (`vllm-v1`: 0.0019 ± 0.0133 ms a token, engine clock), so read along the
+/// computed tokens alone it was not known to a half, while its cost at the
+/// turns' context was within 5 % of the preset's (6ba510e).
+///
+/// Priced with the fit's own terms where its growths are not negative
+/// (a context term below zero counts as zero, if that moves the price of
+/// the cached token by less than its standard error) and its rate of a
+/// prompt without context is at least half that price; else flat at the
+/// price of the cached token: `kv` also prices a block of queued prefill at
+/// the rate, and a rate that is a tenth of the cached token's would make a
+/// queue nearly free.
+fn compared(fit: &Rls<5>, warm: Option<(f64, f64)>, prior: f64, within: f64) -> Option<Along> {
+    let (n, c) = warm?;
+    let (n, c) = (n.max(0.0) / K, c / K);
+    let d = [0.0, 1.0, 2.0 * n, c - n, 0.0];
+    let (v, se) = (fit.predict(&d), fit.predict_stderr(&d));
+    if !(v > 0.0 && known_within(v, se, fit.prior_share_at(&d), fit.samples(), prior, within)) {
+        return None;
+    }
+    let t = fit.theta();
+    let (rate, growth, context) = (t[1], t[2], t[3].max(0.0));
+    let own = rate + 2.0 * n * growth + (c - n) * context;
+    Some(if rate >= v / 2.0 && growth >= 0.0 && (own - v).abs() <= se {
+        Along { mean: v, se, rate, growth, context }
+    } else {
+        Along::flat(v, se)
+    })
+}
+
 impl Along {
     /// A rate with no growth.
     fn flat(mean: f64, se: f64) -> Self {
@@ -1148,7 +1247,7 @@ mod tests {
 
     /// A matched interval's sums, nothing shared.
     fn sums(squared: f64, context: f64) -> MatchedSums {
-        MatchedSums { squared, context, shared: 0.0 }
+        MatchedSums { squared, context, ..MatchedSums::default() }
     }
 
     /// An engine interval as a heartbeat brings it: its inter-token times,
@@ -1385,6 +1484,55 @@ mod tests {
         assert!(near(turn, 0.10, 0.15), "{turn} ms a token: {t:?}");
     }
 
+    /// DOKS-like intervals on an engine whose prefill is mostly matmuls
+    /// (0.0325 ms a token) plus attention over the context and the chunk
+    /// (1.06e-6 ms a query-key pair: `vllm-v1`'s roofline), each request's
+    /// time with 0.3 of the rate per token of other prefill beside it: most
+    /// turns of ~900 new tokens after 4,900–8,000 cached, and a quarter are
+    /// a conversation's first (~60 new after its ~4,400-token document).
+    /// Read along the computed tokens alone, the fit's rate is an
+    /// extrapolation these prompts hardly pin down (its standard error
+    /// twice the one at the choice); read at the choice `kv` makes (the
+    /// worker holding the conversation, or one holding only its document)
+    /// the price of a cached token is known, and the price gets that choice
+    /// right beside indirect estimates 20 % high.
+    #[test]
+    fn the_matched_fit_is_known_by_the_choice_kv_makes_for_a_warm_prompt() {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(31);
+        clock_at_half(&mut fit);
+        indirect(&mut fit, &mut rng, 8_000.0, (0.045, 0.045));
+        let truth = |n: f64, c: f64| 9.0 + 0.0325 * n + 1.06e-6 * (n * c + n * n / 2.0);
+        for _ in 0..300 {
+            let (mut engine_ms, mut computed, mut m) = (0.0, 0.0, MatchedSums::default());
+            let k = rng.u32(1..4);
+            for _ in 0..k {
+                let (n, c) = if rng.u32(0..4) == 0 {
+                    (f64::from(rng.u32(40..80)), f64::from(rng.u32(4_200..4_700)))
+                } else {
+                    (f64::from(rng.u32(700..1_100)), f64::from(rng.u32(4_900..8_000)))
+                };
+                let shared = rng.f64() * 2.0 * n;
+                engine_ms += 2.0 * (truth(n, c) + 0.3 * 0.0325 * shared) + noise(&mut rng, 20.0);
+                computed += n;
+                m.add(n, c, shared);
+            }
+            let r = f64::from(k);
+            let o = EnginePrefill { requests: r, ms: engine_ms, computed_tokens: computed, ..EnginePrefill::default() };
+            assert!(fit.observe_engine_matched(&o, &m));
+        }
+        let p_prior = PRIOR.prefill_ms_per_token * K;
+        let alone = along(&fit.matched, fit.prompts.range(), p_prior, HALF).map_or(f64::INFINITY, |a| a.se);
+        let at_choice = compared(&fit.matched, fit.warm.point(), p_prior, HALF).map(|a| a.se);
+        assert!(matches!(fit.prefill_from(), PrefillFrom::EngineMatched | PrefillFrom::EngineMatchedAndIndirect));
+        let t = fit.timing();
+        let priced = |n: f64, c: f64| t.prefill_ms_per_token_at(n, c) * n;
+        let (got, want) =
+            (priced(1_600.0, 4_300.0) - priced(900.0, 5_000.0), truth(1_600.0, 4_300.0) - truth(900.0, 5_000.0));
+        assert!(near(got, want, 0.15), "the prefix priced {got} ms, the engine's {want}: {t:?}");
+        assert!(at_choice.is_some_and(|se| se < alone / 1.5), "{at_choice:?} against {alone} read along");
+    }
+
     /// A burst of cold prompts: most intervals are crowded, each prefill
     /// timed with a share (here 0.6) of the other requests' prefill that
     /// shared its steps. With that prefill as a term of its own the
@@ -1404,7 +1552,7 @@ mod tests {
             let shared = if i % 4 == 0 { rng.f64() * 0.5 * n } else { n * (1.0 + 4.0 * rng.f64()) };
             let ms = 2.0 * (20.0 + 0.05 * n + 0.6 * 0.05 * shared) + noise(&mut rng, 5.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
-            let m = MatchedSums { squared: n * n, context: 0.0, shared };
+            let m = MatchedSums { squared: n * n, shared, ..MatchedSums::default() };
             uncrowded += usize::from(!o.crowded(&m));
             let learned = fit.observe_engine_matched(&o, &m);
             assert_eq!(learned, shared <= SHARED_LEARNED_MAX * n, "{shared} shared, {n} own");

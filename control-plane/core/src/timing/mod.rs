@@ -419,8 +419,9 @@ impl Calibration {
             a.owed = Some((owed, waited + 1));
             return Resolved::Waiting;
         }
-        let (sum, squared, context, shared) = a.ended.drain(..k).fold((0.0, 0.0, 0.0, 0.0), |(s, q, c, o), e| {
-            (s + e.computed, q + e.computed * e.computed, c + e.computed * e.cached, o + e.shared)
+        let (sum, sums) = a.ended.drain(..k).fold((0.0, MatchedSums::default()), |(s, mut m), e| {
+            m.add(e.computed, e.cached, e.shared);
+            (s + e.computed, m)
         });
         if (sum - owed.computed_tokens).abs() > 0.5 {
             // Misaligned (a request of this interval reported late, or one
@@ -428,7 +429,7 @@ impl Calibration {
             a.ended.clear();
             return Resolved::Unmatched(owed);
         }
-        Resolved::Matched { engine: owed, sums: MatchedSums { squared, context, shared } }
+        Resolved::Matched { engine: owed, sums }
     }
 
     /// The class's fit, new at the prior when it has none (its name is
