@@ -743,7 +743,11 @@ impl Stack {
     /// Envoy's kvgate stats into `dir`, for diagnosis. Best effort.
     pub fn save_diagnostics(&self, dir: &Path) {
         if let Some(admin) = self.cp_admin {
-            for (path, file) in [("/metrics", "control-plane-metrics.txt"), ("/admin/workers", "workers.json")] {
+            for (path, file) in [
+                ("/metrics", "control-plane-metrics.txt"),
+                ("/admin/workers", "workers.json"),
+                ("/admin/timing", "timing.json"),
+            ] {
                 if let Ok(r) = http_request(admin, "GET", path, &[], b"") {
                     let _ = std::fs::write(dir.join(file), r.body);
                 }

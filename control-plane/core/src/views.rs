@@ -72,6 +72,7 @@ impl App {
                         "clock_ratio": fit.clock_ratio(),
                         "used": used,
                         "prefill_from": fit.prefill_from(),
+                        "readings": fit.readings(),
                     });
                     (class.to_owned(), v)
                 })

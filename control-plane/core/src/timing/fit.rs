@@ -55,7 +55,9 @@
 //! engine's clock, which a simulated fleet runs faster than its simulated
 //! time, so they are read through [`Clock`]: the engine's inter-token
 //! times against the gateway's for the same kind of interval. Once the
-//! matched fit is known to a half, every matched interval scores it and
+//! matched fit is known to a half (where prompts follow cached ones, read
+//! at the choice `kv` makes for them, the price of a cached token:
+//! [`compared`]), every matched interval scores it and
 //! the indirect estimates (as one) on how well each predicted it, and the
 //! prefill price `kv` uses is the two weighed by those scores
 //! ([`EngineFit::blend`]); the matched fit alone (its rate and growth) once
@@ -166,6 +168,24 @@ pub enum PrefillFrom {
     /// or the prior stands in ([`EngineFit::timing_with`]).
     #[default]
     None,
+}
+
+/// The prefill estimates as last read ([`EngineFit::readings`]): each
+/// (ms a token, standard error) in the gateway's clock, where known. The
+/// matched fit's is read at the choice `kv` makes for a warm prompt where
+/// there are warm prompts ([`compared`]), else along its computed tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Readings {
+    /// The first-token fit's rate, read along its prompts.
+    pub first_token: Option<(f64, f64)>,
+    /// The decode steps' rate.
+    pub decode: Option<(f64, f64)>,
+    /// The two, weighed as one.
+    pub indirect: Option<(f64, f64)>,
+    /// The matched engine fit's, once known to a half.
+    pub matched: Option<(f64, f64)>,
+    /// The warm prompt it is read at: computed and cached tokens.
+    pub warm: Option<(f64, f64)>,
 }
 
 /// One first-token observation.
@@ -576,8 +596,8 @@ impl Prompts {
 }
 
 /// The warm requests' computed and cached tokens, per request, averaged as
-/// [`Prompts`] (the matched intervals with one or more): the prompt `kv`
-/// weighs against the same prompt on a worker without its prefix
+/// [`Prompts`] (the matched intervals with one or more): the prompt at
+/// which `kv` weighs workers holding more or less of a prefix
 /// ([`compared`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Warm(Averages<2>);
@@ -1036,6 +1056,19 @@ impl EngineFit {
     /// Which fit the prefill rate `kv` uses comes from.
     pub fn prefill_from(&self) -> PrefillFrom {
         self.rates.prefill_from
+    }
+
+    /// The prefill estimates as last read, for the admin API.
+    pub fn readings(&self) -> Readings {
+        let r = self.rates;
+        let mean = |a: Option<Along>| a.map(|a| (a.mean / K, a.se / K));
+        Readings {
+            first_token: mean(r.first),
+            decode: r.steps.map(|(v, se)| (v / K, se / K)),
+            indirect: mean(r.indirect),
+            matched: mean(r.matched),
+            warm: self.warm.point(),
+        }
     }
 
     /// The first-token fit, in the names' units.

@@ -34,7 +34,9 @@ use kvgate_index::WorkerIdx;
 use kvgate_protocol::pb;
 use kvgate_scheduler::{EngineTiming, Load};
 
-pub use fit::{Decode, EngineFit, EnginePrefill, FirstToken, Learned, MatchedSums, PrefillFrom, Prior, Reference};
+pub use fit::{
+    Decode, EngineFit, EnginePrefill, FirstToken, Learned, MatchedSums, PrefillFrom, Prior, Readings, Reference,
+};
 
 /// Classes beyond this many share the class `other`.
 pub const MAX_CLASSES: usize = 32;
