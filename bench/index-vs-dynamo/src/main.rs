@@ -10,6 +10,12 @@
 //! `Stored` events (the blocks the worker did not hold) and `Removed` events
 //! (LRU evictions, leaf first, as vLLM evicts).
 //!
+//! kvgate's index runs with as many shards as Dynamo has index threads
+//! (`--shards`, default 2), fed `Index::apply_batch` batches of `--batch`
+//! events (default 1,024); the same trace is also replayed into a one-shard
+//! index (events applied one by one, the layout before shards) in every
+//! round, and reported beside as `ours_one_shard`.
+//!
 //! Measured:
 //! * ingest: block operations (stored + removed blocks) per second, hashing
 //!   included on both sides (kvgate hashes event tokens inside `apply`;
@@ -81,7 +87,12 @@ struct Args {
     capacity: usize,
     requests: usize,
     lookups: usize,
+    /// Dynamo's index threads.
     threads: usize,
+    /// kvgate's index shards (threads of `apply_batch`).
+    shards: u16,
+    /// Events per `apply_batch`.
+    batch: usize,
     repeats: usize,
     out: String,
 }
@@ -95,6 +106,8 @@ fn parse_args() -> Result<Args> {
         requests: usize::MAX,
         lookups: 2_000,
         threads: 2,
+        shards: 2,
+        batch: 1024,
         repeats: 5,
         out: "bench/results/index-vs-dynamo.json".into(),
     };
@@ -109,6 +122,8 @@ fn parse_args() -> Result<Args> {
             "--requests" => a.requests = v.parse()?,
             "--lookups" => a.lookups = v.parse()?,
             "--threads" => a.threads = v.parse()?,
+            "--shards" => a.shards = v.parse::<u16>()?.max(1),
+            "--batch" => a.batch = v.parse::<usize>()?.max(1),
             "--repeats" => a.repeats = v.parse::<usize>()?.max(1),
             "--out" => a.out = v,
             _ => bail!("unknown flag {k}"),
@@ -227,32 +242,48 @@ fn build_trace(a: &Args) -> Result<Trace> {
 }
 
 
-/// Replays the trace into a fresh kvgate index: (index, workers, wall s,
-/// CPU s, bytes allocated and still live).
-fn ingest_ours(trace: &Trace, a: &Args, names: &[String]) -> Result<(Index, Vec<kvgate_index::WorkerIdx>, f64, f64, f64)> {
+/// One trace operation as kvgate's event.
+fn to_event<'t>(op: &'t Op, idx: &[kvgate_index::WorkerIdx], block_size: u32) -> (kvgate_index::WorkerIdx, KvEvent<'t>) {
+    match op {
+        Op::Store { worker, parent, hashes, tokens } => (idx[*worker as usize], KvEvent::Stored(Stored {
+            engine_hashes: hashes, parent: *parent, token_ids: tokens, block_size,
+            seed: BlockSeed::BASE, tier: Tier::Device, origin: Origin::Unspecified,
+        })),
+        Op::Remove { worker, hashes } => (idx[*worker as usize], KvEvent::Removed { engine_hashes: hashes, tier: Tier::Device }),
+    }
+}
+
+/// Replays the trace into a fresh kvgate index of `shards` shards, in
+/// batches of `a.batch` events (`Index::apply_batch`; one shard applies them
+/// one by one): (index, workers, wall s, CPU s, bytes allocated and still
+/// live).
+fn ingest_ours<'t>(trace: &'t Trace, a: &Args, names: &[String], shards: u16) -> Result<(Index, Vec<kvgate_index::WorkerIdx>, f64, f64, f64)> {
     let bs = BlockSize::new(a.block_size)?;
     let before = live();
-    let mut ours = Index::new(IndexConfig::new(bs));
+    let mut ours = Index::new(IndexConfig { shards, ..IndexConfig::new(bs) });
     let idx: Vec<_> = names.iter().map(|n| ours.add_worker(n)).collect();
+    let block_size = a.block_size;
+    let event = |op: &'t Op| -> (kvgate_index::WorkerIdx, KvEvent<'t>) { to_event(op, &idx, block_size) };
+    let mut batch = Vec::with_capacity(a.batch);
     let t = Instant::now();
     let c0 = cpu_s();
-    for op in &trace.ops {
-        match op {
-            Op::Store { worker, parent, hashes, tokens } => {
-                let ev = KvEvent::Stored(Stored {
-                    engine_hashes: hashes, parent: *parent, token_ids: tokens, block_size: a.block_size,
-                    seed: BlockSeed::BASE, tier: Tier::Device, origin: Origin::Unspecified,
-                });
-                ours.apply(idx[*worker as usize], &ev).map_err(|e| anyhow::anyhow!("kvgate skipped an event: {e}"))?;
-            }
-            Op::Remove { worker, hashes } => {
-                ours.apply(idx[*worker as usize], &KvEvent::Removed { engine_hashes: hashes, tier: Tier::Device })
-                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if shards <= 1 {
+        for op in &trace.ops {
+            let (w, ev) = event(op);
+            ours.apply(w, &ev).map_err(|e| anyhow::anyhow!("kvgate skipped an event: {e}"))?;
+        }
+    } else {
+        for ops in trace.ops.chunks(a.batch.max(1)) {
+            batch.clear();
+            batch.extend(ops.iter().map(event));
+            if let Some(e) = ours.apply_batch(&batch).into_iter().find_map(Result::err) {
+                bail!("kvgate skipped an event: {e}");
             }
         }
     }
     let s = t.elapsed().as_secs_f64();
     let cpu = cpu_s() - c0;
+    drop(batch);
     Ok((ours, idx, s, cpu, (live() - before) as f64))
 }
 
@@ -311,15 +342,25 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     let names: Vec<String> = (0..a.workers).map(|w| format!("worker-{w}")).collect();
     let mut ours_runs: Vec<(f64, f64)> = Vec::new();
+    let mut one_runs: Vec<(f64, f64, f64)> = Vec::new();
+    // The last one-shard index, for lookups beside the sharded one.
+    let mut kept_one: Option<Index> = None;
     let mut dyn_runs: Vec<(f64, f64)> = Vec::new();
     let mut kept: Option<(Index, Vec<kvgate_index::WorkerIdx>, f64, ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, f64)> = None;
     for round in 0..a.repeats {
+        kept_one = None;
         if let Some((o, _, _, d, _)) = kept.take() {
             drop(o);
             d.shutdown();
             drop(d);
         }
-        let (ours, idx, s, cpu, bytes) = ingest_ours(&trace, &a, &names)?;
+        if a.shards > 1 {
+            let (one, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1)?;
+            eprintln!("round {round}: kvgate one shard ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
+            one_runs.push((s, cpu, bytes));
+            kept_one = Some(one);
+        }
+        let (ours, idx, s, cpu, bytes) = ingest_ours(&trace, &a, &names, a.shards)?;
         eprintln!("round {round}: kvgate ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
         ours_runs.push((s, cpu));
         let (dynamo, s, cpu, dbytes) = ingest_dynamo(&rt, &trace, &a)?;
@@ -339,6 +380,7 @@ fn main() -> Result<()> {
 
     // ---- lookups, A/B interleaved ----
     let mut ours_ns = Vec::new();
+    let mut one_ns = Vec::new();
     let mut dyn_ns = Vec::new();
     let mut mismatches = 0usize;
     let mut out = Vec::new();
@@ -348,6 +390,15 @@ fn main() -> Result<()> {
         let t = Instant::now();
         ours.find_matches(&seqs, Tier::Device, &mut out);
         ours_ns.push(t.elapsed().as_nanos() as f64);
+        if let Some(one) = &kept_one {
+            let mut out_one = Vec::new();
+            let t = Instant::now();
+            one.find_matches(&seqs, Tier::Device, &mut out_one);
+            one_ns.push(t.elapsed().as_nanos() as f64);
+            if out_one.len() != out.len() {
+                mismatches += 1;
+            }
+        }
         let t = Instant::now();
         let scores = rt.block_on(dynamo.find_matches(local)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
         dyn_ns.push(t.elapsed().as_nanos() as f64);
@@ -362,6 +413,7 @@ fn main() -> Result<()> {
     }
     dynamo.shutdown();
     ours_ns.sort_by(f64::total_cmp);
+    one_ns.sort_by(f64::total_cmp);
     dyn_ns.sort_by(f64::total_cmp);
 
     let side = |ingest_s: f64, cpu: f64, ns: &[f64], bytes: f64| {
@@ -378,6 +430,13 @@ fn main() -> Result<()> {
     };
     let o = side(ours_ingest_s, ours_cpu_s, &ours_ns, ours_bytes);
     let d = side(dyn_ingest_s, dyn_cpu_s, &dyn_ns, dyn_bytes);
+    // kvgate on one shard (events applied one by one, as before shards), in
+    // the same rounds: what the shards buy and what they cost.
+    let one = (!one_runs.is_empty()).then(|| {
+        let runs: Vec<(f64, f64)> = one_runs.iter().map(|r| (r.0, r.1)).collect();
+        let bytes = one_runs.last().map_or(0.0, |r| r.2);
+        side(median(&runs, |r| r.0), median(&runs, |r| r.1), &one_ns, bytes)
+    });
     let ratio = |k: &str| o[k].as_f64().unwrap_or(0.0) / d[k].as_f64().unwrap_or(1.0).max(f64::MIN_POSITIVE);
     let commit = std::process::Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
@@ -386,6 +445,8 @@ fn main() -> Result<()> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let result = serde_json::json!({
         "ours": o,
+        "ours_setup": format!("kvgate Index, {} shards, Index::apply_batch of {} events (one thread per shard)", a.shards, a.batch),
+        "ours_one_shard": one,
         "dynamo": d,
         "ratios_ours_over_dynamo": {
             "ingest_block_ops_per_s": ratio("ingest_block_ops_per_s"),
@@ -406,6 +467,7 @@ fn main() -> Result<()> {
         "ingest_rounds": {
             "note": "ingest alternated kvgate / Dynamo; the medians are reported above",
             "kvgate_s": ours_runs.iter().map(|r| r.0).collect::<Vec<_>>(),
+            "kvgate_one_shard_s": one_runs.iter().map(|r| r.0).collect::<Vec<_>>(),
             "dynamo_s": dyn_runs.iter().map(|r| r.0).collect::<Vec<_>>(),
         },
         "dynamo_setup": format!("dynamo-kv-router 1.6.1 ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, {} threads", a.threads),
@@ -423,6 +485,11 @@ fn main() -> Result<()> {
         ("bytes_per_block_worker", "bytes per block×worker"),
     ] {
         println!("| {label} | {:.1} | {:.1} | {:.2} |", o[k].as_f64().unwrap_or(0.0), d[k].as_f64().unwrap_or(0.0), ratio(k));
+    }
+    if let Some(one) = &one {
+        println!("kvgate on one shard: ingest {:.1} M block-ops/s, lookup p50 {:.1} / p99 {:.1} µs, {:.1} bytes per block×worker",
+            one["ingest_block_ops_per_s"].as_f64().unwrap_or(0.0) / 1e6, one["lookup_p50_us"].as_f64().unwrap_or(0.0),
+            one["lookup_p99_us"].as_f64().unwrap_or(0.0), one["bytes_per_block_worker"].as_f64().unwrap_or(0.0));
     }
     println!("lookups where the two disagree: {mismatches} of {}", trace.lookups.len());
     println!("wrote {}", a.out);

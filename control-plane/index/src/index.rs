@@ -1,16 +1,18 @@
-//! The per-model index. See the crate README for the data layout and the
-//! complexity of each operation.
+//! The per-model index: its workers spread over shards, each shard single-owner
+//! with its own engine and prefix tables (`shard.rs`). One shard is the whole
+//! index as it always was; with more, [`Index::apply_batch`] applies a batch's
+//! events shard by shard on parallel threads (a worker's events stay in order,
+//! on one thread), and a lookup asks every shard and joins their answers.
+//! See the crate README for the layout and the complexity of each operation.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry as MapEntry;
+use std::sync::Mutex;
 
 use foldhash::fast::RandomState;
-use kvgate_protocol::{BlockSize, EngineBlockHash, SequenceHash, local_block_hash, next_sequence_hash};
+use kvgate_protocol::{BlockSize, EngineBlockHash, SequenceHash};
 
-use crate::engine::{Engine, Entry, NO_SLOT, Probe};
-use crate::event::{KvEvent, Origin, Stored, Tier};
-use crate::seq_table::SeqTable;
-use crate::worker_set::{ManySets, SetRef, WorkerSet, member_fp};
+use crate::event::{KvEvent, Tier};
+use crate::shard::Shard;
 
 /// Dense index of a worker within one [`Index`] (reused after removal).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -27,12 +29,17 @@ pub struct IndexConfig {
     /// count means re-reports without an origin, and capping it bounds how
     /// long such a block outlives its last real removal. Default 4.
     pub max_refs: u16,
+    /// Shards the workers are spread over (at least 1; default 1). Each
+    /// shard has its own prefix tables, so [`Index::apply_batch`] applies
+    /// the events of workers in different shards on different threads, and
+    /// every lookup asks each shard.
+    pub shards: u16,
 }
 
 impl IndexConfig {
     /// Defaults for a block size.
     pub fn new(block_size: BlockSize) -> Self {
-        Self { block_size, max_refs: 4 }
+        Self { block_size, max_refs: 4, shards: 1 }
     }
 }
 
@@ -93,6 +100,38 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Adds every counter of `other` to this one.
+    pub fn add(&mut self, other: &Counters) {
+        let Counters {
+            events_applied,
+            blocks_stored,
+            blocks_removed,
+            clears,
+            skipped_malformed,
+            skipped_block_size,
+            skipped_unknown_parent,
+            skipped_unknown_worker,
+            unknown_removals,
+            refs_capped,
+            reused_reports,
+            hash_conflicts,
+            capacity_evictions,
+        } = *other;
+        self.events_applied += events_applied;
+        self.blocks_stored += blocks_stored;
+        self.blocks_removed += blocks_removed;
+        self.clears += clears;
+        self.skipped_malformed += skipped_malformed;
+        self.skipped_block_size += skipped_block_size;
+        self.skipped_unknown_parent += skipped_unknown_parent;
+        self.skipped_unknown_worker += skipped_unknown_worker;
+        self.unknown_removals += unknown_removals;
+        self.refs_capped += refs_capped;
+        self.reused_reports += reused_reports;
+        self.hash_conflicts += hash_conflicts;
+        self.capacity_evictions += capacity_evictions;
+    }
+
     /// The counters not exported on their own (`events_applied` and the
     /// `skipped_*` causes are), as (kind, value) for metrics. The struct is
     /// destructured without `..`: a counter added to it does not compile
@@ -126,72 +165,6 @@ impl Counters {
     }
 }
 
-type Map<K, V> = HashMap<K, V, RandomState>;
-
-/// How many blocks of an event ahead of the one being applied their
-/// prefix-table slots are prefetched.
-const LOOKAHEAD: usize = 4;
-
-#[derive(Debug)]
-struct Worker {
-    name: String,
-    /// Engine hash → entry, per tier.
-    engine: [Engine; 2],
-    /// Sequence hashes this worker holds under more than one engine hash:
-    /// how many extra engine hashes (usually empty).
-    aliases: [Map<SequenceHash, u32>; 2],
-    /// Device blocks the worker can hold (from heartbeats), if known.
-    capacity: Option<usize>,
-    clock: u32,
-    needs_resync: bool,
-    /// Per tier: entries whose original parent entry is gone (or was never
-    /// in this tier). Zero means every held block's whole chain is held:
-    /// the worker's holdings are prefix-closed, which lets `find_matches`
-    /// skip ahead. Never under-counted; may over-count (then only slower).
-    holes: [u64; 2],
-    /// A child count saturated: holes can no longer be trusted (until a clear).
-    holes_unreliable: [bool; 2],
-}
-
-impl Worker {
-    fn new(name: String) -> Self {
-        Self {
-            name,
-            engine: [Engine::default(), Engine::default()],
-            aliases: [Map::default(), Map::default()],
-            capacity: None,
-            clock: 0,
-            needs_resync: false,
-            holes: [0; 2],
-            holes_unreliable: [false; 2],
-        }
-    }
-
-    fn prefix_closed(&self, tier: Tier) -> bool {
-        self.holes[tier.idx()] == 0 && !self.holes_unreliable[tier.idx()]
-    }
-
-    fn tick(&mut self) -> u32 {
-        if self.clock == u32::MAX {
-            // Renumber birth stamps in age order (once per 4 billion stores);
-            // the order, all that accounting and trimming use, is kept.
-            let mut all: Vec<(u32, usize, u32)> = Vec::new();
-            for (t, map) in self.engine.iter().enumerate() {
-                all.extend(map.iter().map(|(slot, e)| (e.born, t, slot)));
-            }
-            all.sort_unstable();
-            for (i, (_, t, slot)) in all.iter().enumerate() {
-                if let Some(e) = self.engine.get_mut(*t).and_then(|m| m.get_mut(*slot)) {
-                    e.born = i as u32;
-                }
-            }
-            self.clock = self.engine.iter().map(Engine::len).sum::<usize>() as u32;
-        }
-        self.clock += 1;
-        self.clock
-    }
-}
-
 /// Leading blocks of a prompt that one worker holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Overlap {
@@ -201,76 +174,47 @@ pub struct Overlap {
     pub blocks: u32,
 }
 
-/// The workers holding each distinct block of one tier.
-#[derive(Debug, Default)]
-struct Sets {
-    table: SeqTable,
-    many: ManySets,
-}
+/// One shard's part of a batch: the shard, and (position in the batch, the
+/// worker's index in the shard) of each of its events.
+type Job<'s, 'l> = (&'s mut Shard, &'l [(usize, WorkerIdx)]);
 
-impl Sets {
-    #[inline]
-    fn get(&self, seq: &SequenceHash) -> Option<SetRef<'_>> {
-        self.table.get(*seq).map(|s| self.many.view(s))
-    }
-
-    /// Adds `w` to the set of `seq`; returns false when it was already there.
-    fn add(&mut self, seq: SequenceHash, w: WorkerIdx) -> bool {
-        match self.table.get_mut(seq) {
-            Some(set) => self.many.insert(set, w),
-            None => {
-                self.table.insert(seq, WorkerSet::one(w));
-                true
-            }
-        }
-    }
-
-    /// Removes `w` from the set of `seq` (the entry goes when it empties).
-    fn remove(&mut self, seq: SequenceHash, w: WorkerIdx) {
-        if let Some(set) = self.table.get_mut(seq)
-            && self.many.remove(set, w).is_none()
-        {
-            self.table.remove(seq);
-        }
-    }
-}
-
-/// One block of a stored chain, as `apply` hands it to `store_ref`.
+/// Where a worker lives: its shard and its index there.
 #[derive(Debug, Clone, Copy)]
-struct NewBlock {
-    /// The engine's hash of the block.
-    engine: u64,
-    seq: SequenceHash,
-    /// The engine hash it is stored under (the previous block, or the
-    /// event's parent).
-    parent: Option<u64>,
-    /// Where the parent was just stored (a hint, checked before use).
-    parent_slot: Option<u32>,
+struct Place {
+    shard: usize,
+    local: WorkerIdx,
 }
 
 /// One model's index: every worker's cached blocks, by sequence hash.
 #[derive(Debug)]
 pub struct Index {
     config: IndexConfig,
-    tiers: [Sets; 2],
-    workers: Vec<Option<Worker>>,
+    shards: Vec<Shard>,
+    /// By worker: where it lives (`None` while its index is free).
+    places: Vec<Option<Place>>,
+    /// By shard, by index in the shard: the worker's index in the [`Index`].
+    globals: Vec<Vec<WorkerIdx>>,
+    /// Live workers per shard (a new worker goes to the emptiest).
+    live: Vec<usize>,
     free: Vec<WorkerIdx>,
-    by_name: Map<String, WorkerIdx>,
-    counters: Counters,
-    seq_scratch: Vec<SequenceHash>,
+    by_name: HashMap<String, WorkerIdx, RandomState>,
+    /// Events for workers that are not registered.
+    unknown: Counters,
 }
 
 impl Index {
-    /// An empty index.
+    /// An empty index with `config.shards` shards (at least one).
     pub fn new(config: IndexConfig) -> Self {
+        let n = usize::from(config.shards.max(1));
         Self {
             config,
-            tiers: [Sets::default(), Sets::default()],
-            workers: Vec::new(),
+            shards: (0..n).map(|_| Shard::new(config)).collect(),
+            places: Vec::new(),
+            globals: vec![Vec::new(); n],
+            live: vec![0; n],
             free: Vec::new(),
-            by_name: Map::default(),
-            counters: Counters::default(),
-            seq_scratch: Vec::new(),
+            by_name: HashMap::default(),
+            unknown: Counters::default(),
         }
     }
 
@@ -279,25 +223,49 @@ impl Index {
         self.config
     }
 
-    /// The counters.
-    pub fn counters(&self) -> &Counters {
-        &self.counters
+    /// The counters, summed over shards.
+    pub fn counters(&self) -> Counters {
+        let mut c = self.unknown;
+        for s in &self.shards {
+            c.add(s.counters());
+        }
+        c
     }
 
-    /// Registers a worker by its id (idempotent) and returns its index.
+    fn place(&self, w: WorkerIdx) -> Option<Place> {
+        self.places.get(w.0 as usize).copied().flatten()
+    }
+
+    /// Registers a worker by its id (idempotent) and returns its index. A new
+    /// worker joins the shard with the fewest workers.
     pub fn add_worker(&mut self, name: &str) -> WorkerIdx {
         if let Some(w) = self.by_name.get(name) {
             return *w;
         }
+        let shard = (0..self.live.len()).min_by_key(|s| self.live.get(*s).copied().unwrap_or(usize::MAX)).unwrap_or(0);
+        let Some(s) = self.shards.get_mut(shard) else { return WorkerIdx(u32::MAX) };
+        let local = s.add_worker(name);
         let w = match self.free.pop() {
             Some(w) => w,
             None => {
-                self.workers.push(None);
-                WorkerIdx((self.workers.len() - 1) as u32)
+                self.places.push(None);
+                WorkerIdx((self.places.len() - 1) as u32)
             }
         };
-        if let Some(slot) = self.workers.get_mut(w.0 as usize) {
-            *slot = Some(Worker::new(name.to_owned()));
+        if let Some(p) = self.places.get_mut(w.0 as usize) {
+            *p = Some(Place { shard, local });
+        }
+        if let Some(g) = self.globals.get_mut(shard) {
+            let i = local.0 as usize;
+            if g.len() <= i {
+                g.resize(i + 1, WorkerIdx(u32::MAX));
+            }
+            if let Some(slot) = g.get_mut(i) {
+                *slot = w;
+            }
+        }
+        if let Some(n) = self.live.get_mut(shard) {
+            *n += 1;
         }
         self.by_name.insert(name.to_owned(), w);
         w
@@ -310,12 +278,13 @@ impl Index {
 
     /// The id of a registered worker.
     pub fn worker_name(&self, w: WorkerIdx) -> Option<&str> {
-        self.slot(w).map(|s| s.name.as_str())
+        let p = self.place(w)?;
+        self.shards.get(p.shard)?.worker_name(p.local)
     }
 
     /// Registered workers.
     pub fn workers(&self) -> impl Iterator<Item = (WorkerIdx, &str)> + '_ {
-        self.workers.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|s| (WorkerIdx(i as u32), s.name.as_str())))
+        (0..self.places.len() as u32).filter_map(|i| Some((WorkerIdx(i), self.worker_name(WorkerIdx(i))?)))
     }
 
     /// Number of registered workers.
@@ -325,14 +294,19 @@ impl Index {
 
     /// Removes a worker and all its blocks.
     pub fn remove_worker(&mut self, w: WorkerIdx) -> bool {
-        if self.slot(w).is_none() {
-            return false;
+        let Some(p) = self.place(w) else { return false };
+        let name = self.worker_name(w).map(str::to_owned);
+        if let Some(s) = self.shards.get_mut(p.shard) {
+            s.remove_worker(p.local);
         }
-        self.clear_worker(w);
-        if let Some(slot) = self.workers.get_mut(w.0 as usize)
-            && let Some(old) = slot.take()
-        {
-            self.by_name.remove(&old.name);
+        if let Some(slot) = self.places.get_mut(w.0 as usize) {
+            *slot = None;
+        }
+        if let Some(n) = self.live.get_mut(p.shard) {
+            *n = n.saturating_sub(1);
+        }
+        if let Some(name) = name {
+            self.by_name.remove(&name);
         }
         self.free.push(w);
         true
@@ -341,364 +315,129 @@ impl Index {
     /// Sets the device-block capacity of a worker (from its heartbeats); a
     /// worker holding more is trimmed, oldest stores first.
     pub fn set_capacity(&mut self, w: WorkerIdx, blocks: Option<usize>) {
-        if let Some(s) = self.slot_mut(w) {
-            s.capacity = blocks;
+        if let Some(p) = self.place(w)
+            && let Some(s) = self.shards.get_mut(p.shard)
+        {
+            s.set_capacity(p.local, blocks);
         }
-        self.enforce_capacity(w);
     }
 
     /// Whether a worker lost track of a parent since the last
     /// [`Index::take_resync`] (the caller should ask its relay for a snapshot).
     pub fn needs_resync(&self, w: WorkerIdx) -> bool {
-        self.slot(w).is_some_and(|s| s.needs_resync)
+        self.place(w).and_then(|p| Some(self.shards.get(p.shard)?.needs_resync(p.local))).unwrap_or(false)
     }
 
     /// Reads and clears the resync mark of a worker.
     pub fn take_resync(&mut self, w: WorkerIdx) -> bool {
-        self.slot_mut(w).is_some_and(|s| std::mem::take(&mut s.needs_resync))
+        let Some(p) = self.place(w) else { return false };
+        self.shards.get_mut(p.shard).is_some_and(|s| s.take_resync(p.local))
     }
 
     /// Distinct engine blocks a worker holds in a tier.
     pub fn worker_blocks(&self, w: WorkerIdx, tier: Tier) -> usize {
-        self.slot(w).and_then(|s| s.engine.get(tier.idx())).map_or(0, Engine::len)
+        self.place(w).and_then(|p| Some(self.shards.get(p.shard)?.worker_blocks(p.local, tier))).unwrap_or(0)
     }
 
-    /// Distinct sequence hashes in a tier (over all workers).
+    /// Distinct sequence hashes in a tier, per shard, summed: a block held
+    /// in two shards counts twice (exact with one shard; zero exactly when
+    /// no worker holds a block in the tier).
     pub fn distinct_blocks(&self, tier: Tier) -> usize {
-        self.tiers.get(tier.idx()).map_or(0, |t| t.table.len())
+        self.shards.iter().map(|s| s.distinct_blocks(tier)).sum()
     }
 
     /// Approximate heap bytes of the index (hash-table slots and worker sets).
     pub fn approx_heap_bytes(&self) -> usize {
-        fn table<K, V, S>(m: &HashMap<K, V, S>) -> usize {
-            // hashbrown: buckets = capacity * 8 / 7, one control byte each.
-            let buckets = m.capacity() * 8 / 7;
-            buckets * (std::mem::size_of::<(K, V)>() + 1)
-        }
-        let mut total = 0;
-        for t in &self.tiers {
-            total += t.table.heap_bytes();
-            total += t.many.heap_bytes();
-        }
-        for s in self.workers.iter().flatten() {
-            total += s.engine.iter().map(Engine::heap_bytes).sum::<usize>();
-            total += s.aliases.iter().map(table).sum::<usize>();
-            total += s.name.capacity();
-        }
-        total
-    }
-
-    fn slot(&self, w: WorkerIdx) -> Option<&Worker> {
-        self.workers.get(w.0 as usize).and_then(Option::as_ref)
-    }
-
-    fn slot_mut(&mut self, w: WorkerIdx) -> Option<&mut Worker> {
-        self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)
+        self.shards.iter().map(Shard::approx_heap_bytes).sum::<usize>()
+            + self.places.capacity() * std::mem::size_of::<Option<Place>>()
+            + self.globals.iter().map(|g| g.capacity() * 4).sum::<usize>()
     }
 
     /// Applies one event of worker `w`. A skipped event changes nothing but
     /// the counters (and, for [`Skip::UnknownParent`], the resync mark).
     pub fn apply(&mut self, w: WorkerIdx, event: &KvEvent<'_>) -> Result<(), Skip> {
-        if self.slot(w).is_none() {
-            self.counters.skipped_unknown_worker += 1;
-            return Err(Skip::UnknownWorker);
-        }
-        let r = match event {
-            KvEvent::Stored(s) => self.apply_stored(w, s),
-            KvEvent::Removed { engine_hashes, tier } => {
-                for (i, h) in engine_hashes.iter().enumerate() {
-                    self.prefetch_removal(w, *tier, engine_hashes, i);
-                    self.remove_ref(w, *tier, *h);
-                }
-                Ok(())
-            }
-            KvEvent::Cleared => {
-                self.clear_worker(w);
-                self.counters.clears += 1;
-                Ok(())
-            }
-        };
-        match r {
-            Ok(()) => self.counters.events_applied += 1,
-            Err(Skip::Malformed) => self.counters.skipped_malformed += 1,
-            Err(Skip::BlockSize { .. }) => self.counters.skipped_block_size += 1,
-            Err(Skip::UnknownParent) => self.counters.skipped_unknown_parent += 1,
-            Err(Skip::UnknownWorker) => self.counters.skipped_unknown_worker += 1,
-        }
-        r
-    }
-
-    fn apply_stored(&mut self, w: WorkerIdx, s: &Stored<'_>) -> Result<(), Skip> {
-        let bs = self.config.block_size;
-        if s.block_size != bs.get() {
-            return Err(Skip::BlockSize { got: s.block_size, want: bs.get() });
-        }
-        if s.engine_hashes.is_empty() || s.token_ids.len() != s.engine_hashes.len() * bs.as_usize() {
-            return Err(Skip::Malformed);
-        }
-        let Some(worker) = self.slot_mut(w) else { return Err(Skip::UnknownWorker) };
-        let mut prev = match s.parent {
-            None => None,
-            Some(p) => {
-                let held = worker.engine.iter().find_map(|m| m.find(p).and_then(|s| m.get(s))).map(|e| e.seq);
-                match held {
-                    Some(seq) => Some(seq),
-                    None => {
-                        worker.needs_resync = true;
-                        return Err(Skip::UnknownParent);
-                    }
-                }
-            }
-        };
-        let mut seqs = std::mem::take(&mut self.seq_scratch);
-        seqs.clear();
-        for block in s.token_ids.chunks_exact(bs.as_usize()) {
-            let seq = next_sequence_hash(prev, local_block_hash(block, s.seed));
-            seqs.push(seq);
-            prev = Some(seq);
-        }
-        let mut parent = s.parent;
-        let mut parent_slot = None;
-        for (i, (h, seq)) in s.engine_hashes.iter().zip(&seqs).enumerate() {
-            self.prefetch_store(w, s.tier, s.engine_hashes, &seqs, i);
-            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot };
-            parent_slot = self.store_ref(w, s.tier, block, s.origin);
-            parent = Some(*h);
-        }
-        self.seq_scratch = seqs;
-        if s.tier == Tier::Device {
-            self.enforce_capacity(w);
-        }
-        Ok(())
-    }
-
-    /// Software pipeline of a removal batch, run before removing block
-    /// `i`: the bucket of block `i + 3L` is prefetched, the entry of block
-    /// `i + 2L` (its bucket is in by now), and the prefix-table slot of
-    /// block `i + L` (its entry is in by now), L = [`LOOKAHEAD`]. By the time
-    /// a block is removed, the three dependent misses of its removal have
-    /// been started one after the other, overlapping with other blocks' work.
-    #[inline]
-    fn prefetch_removal(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], i: usize) {
-        let (Some(map), Some(sets)) = (self.slot(w).and_then(|s| s.engine.get(tier.idx())), self.tiers.get(tier.idx()))
-        else {
-            return;
-        };
-        for j in ahead(i, 3 * LOOKAHEAD, hashes.len()) {
-            map.prefetch_bucket(hashes[j]);
-        }
-        for j in ahead(i, 2 * LOOKAHEAD, hashes.len()) {
-            map.prefetch_entry(hashes[j]);
-        }
-        for j in ahead(i, LOOKAHEAD, hashes.len()) {
-            if let Some(e) = map.prefetch_entry(hashes[j]).and_then(|slot| map.get(slot)) {
-                sets.table.prefetch(e.seq);
-            }
-        }
-    }
-
-    /// Prefetch for a stored chain, run before storing block `i`: the
-    /// engine bucket and the prefix-table slot of block `i + L` (both
-    /// addresses follow from hashes already known).
-    #[inline]
-    fn prefetch_store(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], seqs: &[SequenceHash], i: usize) {
-        let (Some(map), Some(sets)) = (self.slot(w).and_then(|s| s.engine.get(tier.idx())), self.tiers.get(tier.idx()))
-        else {
-            return;
-        };
-        for j in ahead(i, LOOKAHEAD, hashes.len().min(seqs.len())) {
-            map.prefetch_bucket(hashes[j]);
-            sets.table.prefetch(seqs[j]);
-        }
-    }
-
-    /// Adds a reference to `block`; returns its entry's slot.
-    fn store_ref(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, origin: Origin) -> Option<u32> {
-        let NewBlock { engine, seq, .. } = block;
-        let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
-        let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
-        let map = worker.engine.get_mut(tier.idx())?;
-        let probe = map.probe(engine);
-        let mut vacant = Some(probe);
-        if let Some(slot) = probe.slot
-            && let Some(e) = map.get_mut(slot)
-        {
-            if e.seq == seq {
-                match origin {
-                    Origin::Reused => self.counters.reused_reports += 1,
-                    _ if e.refs >= max_refs => self.counters.refs_capped += 1,
-                    _ => {
-                        e.refs += 1;
-                        self.counters.blocks_stored += 1;
-                    }
-                }
-                return Some(slot);
-            }
-            // Same engine hash, other content: replace the old entry.
-            self.counters.hash_conflicts += 1;
-            self.remove_entry(w, tier, slot, Some(probe));
-            vacant = None;
-        }
-        let slot = self.insert_entry(w, tier, block, vacant);
-        if origin == Origin::Reused {
-            self.counters.reused_reports += 1;
-        } else {
-            self.counters.blocks_stored += 1;
-        }
-        slot
-    }
-
-    /// Creates a worker's entry and its membership, with parent accounting;
-    /// returns its slot. `vacant`: the probe that found its engine hash
-    /// absent, when the table has not changed since (saves a second probe).
-    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, vacant: Option<Probe>) -> Option<u32> {
-        let NewBlock { engine, seq, parent, parent_slot } = block;
-        let t = tier.idx();
-        let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
-        let born = worker.tick();
-        let (Some(map), Some(holes), Some(unreliable)) =
-            (worker.engine.get_mut(t), worker.holes.get_mut(t), worker.holes_unreliable.get_mut(t))
-        else {
-            return None;
-        };
-        // The parent's slot: the hint when it still holds the parent's
-        // engine hash, else a lookup.
-        let pslot = parent
-            .and_then(|p| parent_slot.filter(|s| map.get(*s).is_some_and(|e| e.engine == p)).or_else(|| map.find(p)));
-        match pslot.and_then(|s| map.get_mut(s)) {
-            Some(pe) => match pe.children.checked_add(1) {
-                Some(c) => pe.children = c,
-                None => *unreliable = true,
+        match self.place(w) {
+            Some(p) => match self.shards.get_mut(p.shard) {
+                Some(s) => s.apply(p.local, event),
+                None => Err(Skip::UnknownWorker),
             },
-            None if parent.is_some() => *holes += 1,
-            None => {}
-        }
-        let entry = Entry {
-            engine,
-            seq,
-            parent: pslot.unwrap_or(NO_SLOT),
-            born,
-            children: 0,
-            refs: 1,
-            has_parent: parent.is_some(),
-        };
-        let slot = match vacant {
-            Some(at) => map.insert_at(at, entry),
-            None => map.insert(entry),
-        };
-        self.add_membership(w, tier, seq);
-        Some(slot)
-    }
-
-    /// Deletes a worker's entry (all references) and its membership, with
-    /// parent/child accounting: its held children become holes; it stops
-    /// being its parent's child, or a hole.
-    ///
-    /// `found`: the probe that found it, when the table has not changed
-    /// since (saves a second probe).
-    fn remove_entry(&mut self, w: WorkerIdx, tier: Tier, slot: u32, found: Option<Probe>) -> bool {
-        let t = tier.idx();
-        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return false };
-        let (Some(map), Some(holes)) = (worker.engine.get_mut(t), worker.holes.get_mut(t)) else { return false };
-        let removed = match found {
-            Some(at) if at.slot == Some(slot) => map.remove_at(at),
-            _ => map.remove(slot),
-        };
-        let Some(e) = removed else { return false };
-        *holes += u64::from(e.children);
-        if e.has_parent {
-            match map.get_mut(e.parent) {
-                // Its original parent (older than it): it was counted there.
-                Some(pe) if pe.born < e.born => pe.children = pe.children.saturating_sub(1),
-                // Parent gone, reborn later, or never in this tier: it was a hole.
-                _ => *holes = holes.saturating_sub(1),
-            }
-        }
-        self.drop_membership(w, tier, e.seq);
-        true
-    }
-
-    fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64) {
-        let Some(map) =
-            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.engine.get_mut(tier.idx()))
-        else {
-            return;
-        };
-        let probe = map.probe(engine);
-        let Some((slot, e)) = probe.slot.and_then(|s| Some(s).zip(map.get_mut(s))) else {
-            self.counters.unknown_removals += 1;
-            return;
-        };
-        self.counters.blocks_removed += 1;
-        if e.refs > 1 {
-            e.refs -= 1;
-            return;
-        }
-        self.remove_entry(w, tier, slot, Some(probe));
-    }
-
-    /// Records that `w` holds `seq` under one more engine hash.
-    fn add_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
-        let Some(sets) = self.tiers.get_mut(tier.idx()) else { return };
-        if !sets.add(seq, w)
-            && let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
-        {
-            *aliases.entry(seq).or_insert(0) += 1;
-        }
-    }
-
-    /// Records that `w` holds `seq` under one engine hash fewer.
-    fn drop_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
-        if let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
-            && !aliases.is_empty()
-            && let MapEntry::Occupied(mut a) = aliases.entry(seq)
-        {
-            *a.get_mut() -= 1;
-            if *a.get() == 0 {
-                a.remove();
-            }
-            return;
-        }
-        if let Some(sets) = self.tiers.get_mut(tier.idx()) {
-            sets.remove(seq, w);
-        }
-    }
-
-    fn clear_worker(&mut self, w: WorkerIdx) {
-        let Some(worker) = self.slot_mut(w) else { return };
-        let maps: Vec<Engine> = worker.engine.iter_mut().map(std::mem::take).collect();
-        for a in &mut worker.aliases {
-            a.clear();
-        }
-        worker.holes = [0; 2];
-        worker.holes_unreliable = [false; 2];
-        for (tier, map) in Tier::ALL.iter().zip(maps) {
-            let Some(sets) = self.tiers.get_mut(tier.idx()) else { continue };
-            for (_, e) in map.iter() {
-                sets.remove(e.seq, w);
+            None => {
+                self.unknown.skipped_unknown_worker += 1;
+                Err(Skip::UnknownWorker)
             }
         }
     }
 
-    /// Trims a worker's device blocks to its capacity, oldest first, down to
-    /// 15/16 of it so that trimming is amortized.
-    fn enforce_capacity(&mut self, w: WorkerIdx) {
-        let Some(worker) = self.slot(w) else { return };
-        let Some(cap) = worker.capacity else { return };
-        let Some(map) = worker.engine.get(Tier::Device.idx()) else { return };
-        if map.len() <= cap {
-            return;
+    /// Applies a batch of events, each as [`Index::apply`] would, and
+    /// returns their results in order. The events of each shard are applied
+    /// in the batch's order; shards with events run on parallel threads
+    /// (scoped to this call: one thread is started per shard beyond the
+    /// first, so batches should be large enough to pay for that, about
+    /// 20 µs each). The outcome is the same as applying the events one by
+    /// one: shards share nothing, and a worker's events are all in one.
+    pub fn apply_batch(&mut self, events: &[(WorkerIdx, KvEvent<'_>)]) -> Vec<Result<(), Skip>> {
+        let mut results = vec![Ok(()); events.len()];
+        let mut work: Vec<Vec<(usize, WorkerIdx)>> = vec![Vec::new(); self.shards.len()];
+        for (i, (w, _)) in events.iter().enumerate() {
+            match self.place(*w) {
+                Some(p) => {
+                    if let Some(list) = work.get_mut(p.shard) {
+                        list.push((i, p.local));
+                    }
+                }
+                None => {
+                    self.unknown.skipped_unknown_worker += 1;
+                    if let Some(r) = results.get_mut(i) {
+                        *r = Err(Skip::UnknownWorker);
+                    }
+                }
+            }
         }
-        let target = cap - cap / 16;
-        let mut ages: Vec<(u32, u32)> = map.iter().map(|(slot, e)| (e.born, slot)).collect();
-        let excess = ages.len() - target;
-        if excess < ages.len() {
-            ages.select_nth_unstable(excess);
+        let run = |shard: &mut Shard, list: &[(usize, WorkerIdx)]| -> Vec<(usize, Result<(), Skip>)> {
+            list.iter().filter_map(|(i, local)| Some((*i, shard.apply(*local, &events.get(*i)?.1)))).collect()
+        };
+        let mut jobs: Vec<Job<'_, '_>> =
+            self.shards.iter_mut().zip(&work).filter(|(_, l)| !l.is_empty()).map(|(s, l)| (s, l.as_slice())).collect();
+        let done: Vec<Vec<(usize, Result<(), Skip>)>> = match jobs.pop() {
+            None => Vec::new(),
+            Some((last, list)) if jobs.is_empty() => vec![run(last, list)],
+            Some((last, last_list)) => {
+                // Each job waits in a slot its thread takes it from, so that
+                // a thread that cannot be started leaves its job to this one.
+                let slots: Vec<Mutex<Option<Job<'_, '_>>>> = jobs.into_iter().map(|j| Mutex::new(Some(j))).collect();
+                std::thread::scope(|scope| {
+                    let mut handles = Vec::new();
+                    for slot in &slots {
+                        let job = move || take(slot).map(|(shard, list)| run(shard, list)).unwrap_or_default();
+                        if let Ok(h) = std::thread::Builder::new().spawn_scoped(scope, job) {
+                            handles.push(h);
+                        }
+                    }
+                    let mut done = vec![run(last, last_list)];
+                    // Jobs whose thread did not start.
+                    done.extend(slots.iter().filter_map(|slot| take(slot).map(|(shard, list)| run(shard, list))));
+                    // A shard's thread does not panic (the crate has no
+                    // panicking paths); if one did, its events' results stay `Ok`.
+                    done.extend(handles.into_iter().filter_map(|h| h.join().ok()));
+                    done
+                })
+            }
+        };
+        for (i, r) in done.into_iter().flatten() {
+            if let Some(slot) = results.get_mut(i) {
+                *slot = r;
+            }
         }
-        ages.truncate(excess);
-        for (_, slot) in ages {
-            if self.remove_entry(w, Tier::Device, slot, None) {
-                self.counters.capacity_evictions += 1;
+        results
+    }
+
+    /// Rewrites the workers of `out[start..]`, found in `shard`, as the
+    /// index's own.
+    fn globalize(&self, shard: usize, out: &mut [Overlap]) {
+        let Some(g) = self.globals.get(shard) else { return };
+        for o in out {
+            if let Some(w) = g.get(o.worker.0 as usize) {
+                o.worker = *w;
             }
         }
     }
@@ -707,251 +446,76 @@ impl Index {
     /// any tier, the number of leading blocks it holds in one tier or the
     /// other (a device prefix continued in host memory, as an offloading
     /// engine leaves it: it evicts a request's last blocks first), in `out`
-    /// (cleared first). Block by block: O(n · W) for n blocks and W
-    /// matching workers; with no host blocks at all it is
+    /// (cleared first). Block by block in each shard: O(n · W) for n blocks
+    /// and W matching workers; with no host blocks at all it is
     /// [`Index::find_matches`] on the device tier.
     pub fn find_matches_any_tier(&self, hashes: &[SequenceHash], out: &mut Vec<Overlap>) {
-        let [Some(device), Some(host)] = [self.tiers.first(), self.tiers.get(1)] else { return out.clear() };
-        if host.table.len() == 0 {
-            return self.find_matches(hashes, Tier::Device, out);
-        }
         out.clear();
-        let holders = |h: &SequenceHash| [device.get(h), host.get(h)];
-        let mut active: Vec<WorkerIdx> = Vec::new();
-        if let Some(first) = hashes.first() {
-            for set in holders(first).into_iter().flatten() {
-                set.for_each(|w| {
-                    if !active.contains(&w) {
-                        active.push(w);
-                    }
-                });
+        for (i, s) in self.shards.iter().enumerate() {
+            let start = out.len();
+            s.find_matches_any_tier(hashes, out);
+            if let Some(found) = out.get_mut(start..) {
+                self.globalize(i, found);
             }
         }
-        for (i, h) in hashes.iter().enumerate().skip(1) {
-            if active.is_empty() {
-                return;
-            }
-            let [d, o] = holders(h);
-            active.retain(|w| {
-                let keep = d.is_some_and(|s| s.contains(*w)) || o.is_some_and(|s| s.contains(*w));
-                if !keep {
-                    out.push(Overlap { worker: *w, blocks: i as u32 });
-                }
-                keep
-            });
-        }
-        let n = hashes.len() as u32;
-        out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: n }));
     }
 
     /// For every worker holding at least the first block of `hashes` in
     /// `tier`, the number of leading blocks it holds, in `out` (cleared
     /// first).
     ///
-    /// When every matching worker's holdings are prefix-closed (no holes),
-    /// the workers holding block `j` can only shrink as `j` grows, so the
-    /// walk gallops: exponential then binary search for the last block whose
-    /// worker set still equals the matching set (same size and fingerprint),
-    /// then an exact membership check at the next block. That is
-    /// O(d · log n) lookups for d points where the set shrinks, instead of
-    /// O(n). Otherwise it walks block by block (exact in every case).
+    /// In each shard: when every matching worker's holdings are
+    /// prefix-closed (no holes), the workers holding block `j` can only
+    /// shrink as `j` grows, so the walk gallops: exponential then binary
+    /// search for the last block whose worker set still equals the matching
+    /// set (same size and fingerprint), then an exact membership check at
+    /// the next block. That is O(d · log n) lookups for d points where the
+    /// set shrinks, instead of O(n). Otherwise it walks block by block
+    /// (exact in every case).
     pub fn find_matches(&self, hashes: &[SequenceHash], tier: Tier, out: &mut Vec<Overlap>) {
         out.clear();
-        let Some(table) = self.tiers.get(tier.idx()) else { return };
-        let Some(first) = hashes.first().and_then(|h| table.get(h)) else { return };
-        let mut active: Vec<WorkerIdx> = Vec::with_capacity(first.len());
-        first.for_each(|w| active.push(w));
-        let mut fp = first.fingerprint();
-        let closed = active.iter().all(|w| self.slot(*w).is_some_and(|s| s.prefix_closed(tier)));
-        if !closed {
-            walk(table, hashes, 1, active, fp, out);
-            return;
-        }
-        let n = hashes.len();
-        let same = |j: usize, len: usize, fp: u64| {
-            hashes.get(j).and_then(|h| table.get(h)).is_some_and(|s| s.len() == len && s.fingerprint() == fp)
-        };
-        let mut good = 0usize; // every active worker holds blocks 0..=good
-        loop {
-            let mut step = 1usize;
-            while good + step < n && same(good + step, active.len(), fp) {
-                good += step;
-                step *= 2;
+        for (i, s) in self.shards.iter().enumerate() {
+            let start = out.len();
+            s.find_matches(hashes, tier, out);
+            if let Some(found) = out.get_mut(start..) {
+                self.globalize(i, found);
             }
-            let mut bad = (good + step).min(n);
-            while bad - good > 1 {
-                let mid = good + (bad - good) / 2;
-                if same(mid, active.len(), fp) {
-                    good = mid;
-                } else {
-                    bad = mid;
-                }
-            }
-            let next = good + 1;
-            let Some(set) = hashes.get(next).and_then(|h| table.get(h)) else {
-                let depth = next.min(n) as u32;
-                out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
-                return;
-            };
-            let dropped = drop_missing(&mut active, set, next, out);
-            if active.is_empty() {
-                return;
-            }
-            fp = fingerprint(&active);
-            if dropped == 0 || set.len() != active.len() || set.fingerprint() != fp {
-                // The set at `next` has members outside the matching set
-                // (workers with holes): finish block by block.
-                walk(table, hashes, next + 1, active, fp, out);
-                return;
-            }
-            good = next;
         }
     }
 
-    /// Checks the internal invariants (for tests and fuzzing): every engine
-    /// entry's sequence hash lists its worker, every listed worker holds the
-    /// hash, and alias counts match. Returns a description of the first
-    /// violation.
+    /// Checks the internal invariants (for tests and fuzzing): in every
+    /// shard, every engine entry's sequence hash lists its worker, every
+    /// listed worker holds the hash, and alias counts match; every worker is
+    /// where the index says. Returns a description of the first violation.
     pub fn check_invariants(&self) -> Result<(), String> {
-        for tier in Tier::ALL {
-            let table = &self.tiers[tier.idx()];
-            // From workers to the table.
-            for (i, slot) in self.workers.iter().enumerate() {
-                let Some(worker) = slot else { continue };
-                let w = WorkerIdx(i as u32);
-                let map = &worker.engine[tier.idx()];
-                let mut per_seq: Map<SequenceHash, u32> = Map::default();
-                let mut held = 0usize;
-                for (slot, e) in map.iter() {
-                    if e.refs == 0 || u16::from(e.refs) > self.config.max_refs.max(1) {
-                        return Err(format!("worker {i}: refs {} out of range", e.refs));
-                    }
-                    if map.find(e.engine) != Some(slot) {
-                        return Err(format!("worker {i}: engine hash {} not found at its slot {slot}", e.engine));
-                    }
-                    *per_seq.entry(e.seq).or_insert(0) += 1;
-                    held += 1;
-                }
-                if held != map.len() {
-                    return Err(format!("worker {i}: {held} entries held but len {}", map.len()));
-                }
-                for (seq, n) in &per_seq {
-                    if !table.get(seq).is_some_and(|s| s.contains(w)) {
-                        return Err(format!("worker {i} holds {seq} but the table does not list it"));
-                    }
-                    let aliases = worker.aliases[tier.idx()].get(seq).copied().unwrap_or(0);
-                    if aliases != n - 1 {
-                        return Err(format!("worker {i}: {seq} has {n} engine hashes but {aliases} aliases"));
-                    }
-                }
-                if worker.aliases[tier.idx()].keys().any(|s| !per_seq.contains_key(s)) {
-                    return Err(format!("worker {i}: alias for a hash it does not hold"));
-                }
-                // Parent/child accounting: child counts exact, holes never
-                // below the real number of orphaned entries. A link counts
-                // while its slot holds an older entry (the original parent).
-                let mut orphans = 0u64;
-                let mut children: Map<u32, u32> = Map::default();
-                for (_, e) in map.iter() {
-                    if !e.has_parent {
-                        continue;
-                    }
-                    match map.get(e.parent) {
-                        Some(p) if p.born < e.born => *children.entry(e.parent).or_insert(0) += 1,
-                        _ => orphans += 1,
-                    }
-                }
-                if !worker.holes_unreliable[tier.idx()] {
-                    for (slot, e) in map.iter() {
-                        let want = children.get(&slot).copied().unwrap_or(0);
-                        if u32::from(e.children) != want {
-                            return Err(format!(
-                                "worker {i}: entry {} counts {} children, has {want}",
-                                e.engine, e.children
-                            ));
-                        }
-                    }
-                    if worker.holes[tier.idx()] < orphans {
-                        return Err(format!("worker {i}: {orphans} orphans but holes = {}", worker.holes[tier.idx()]));
-                    }
-                }
+        for (i, s) in self.shards.iter().enumerate() {
+            s.check_invariants().map_err(|e| format!("shard {i}: {e}"))?;
+        }
+        for (i, p) in self.places.iter().enumerate() {
+            let Some(p) = p else { continue };
+            let back = self.globals.get(p.shard).and_then(|g| g.get(p.local.0 as usize));
+            if back != Some(&WorkerIdx(i as u32)) {
+                return Err(format!("worker {i}: shard {} index {} maps back to {back:?}", p.shard, p.local.0));
             }
-            // From the table to workers.
-            for (seq, set) in table.table.iter() {
-                let mut err = None;
-                table.many.view(set).for_each(|w| {
-                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].iter().any(|(_, e)| e.seq == seq));
-                    if !holds {
-                        err = Some(format!("table lists worker {} for {seq}, which it does not hold", w.0));
-                    }
-                });
-                if let Some(e) = err {
-                    return Err(e);
-                }
+            let name = self.worker_name(WorkerIdx(i as u32));
+            if name.and_then(|n| self.by_name.get(n)) != Some(&WorkerIdx(i as u32)) {
+                return Err(format!("worker {i}: name {name:?} not registered to it"));
             }
+        }
+        if self.by_name.len() != self.places.iter().flatten().count() {
+            return Err(format!("{} names for {} workers", self.by_name.len(), self.places.iter().flatten().count()));
         }
         Ok(())
     }
 
     /// The sequence hash a worker holds under an engine hash (for tests).
     pub fn engine_entry(&self, w: WorkerIdx, tier: Tier, engine: EngineBlockHash) -> Option<(SequenceHash, u16)> {
-        let map = self.slot(w)?.engine.get(tier.idx())?;
-        map.get(map.find(engine.0)?).map(|e| (e.seq, u16::from(e.refs)))
+        let p = self.place(w)?;
+        self.shards.get(p.shard)?.engine_entry(p.local, tier, engine)
     }
 }
 
-/// The blocks to prefetch before working on block `i`, `k` blocks ahead in
-/// a batch of `n`: block `i + k`, or at the start every block up to it.
-#[inline]
-fn ahead(i: usize, k: usize, n: usize) -> std::ops::Range<usize> {
-    if i == 0 { 0..(k + 1).min(n) } else { (i + k).min(n)..(i + k + 1).min(n) }
-}
-
-/// The block-by-block walk of `find_matches` from block `start`, with
-/// `active` the workers holding every block before it.
-fn walk(
-    table: &Sets,
-    hashes: &[SequenceHash],
-    start: usize,
-    mut active: Vec<WorkerIdx>,
-    mut fp: u64,
-    out: &mut Vec<Overlap>,
-) {
-    let mut depth = hashes.len();
-    for (i, h) in hashes.iter().enumerate().skip(start) {
-        let Some(set) = table.get(h) else {
-            depth = i;
-            break;
-        };
-        if set.len() == active.len() && set.fingerprint() == fp {
-            continue;
-        }
-        if drop_missing(&mut active, set, i, out) > 0 {
-            if active.is_empty() {
-                return;
-            }
-            fp = fingerprint(&active);
-        }
-    }
-    let depth = depth.max(start.min(hashes.len())) as u32;
-    out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
-}
-
-/// Removes from `active` the workers `set` lacks, recording that they match
-/// `depth` blocks; returns how many were removed.
-fn drop_missing(active: &mut Vec<WorkerIdx>, set: SetRef<'_>, depth: usize, out: &mut Vec<Overlap>) -> usize {
-    let before = active.len();
-    active.retain(|w| {
-        let keep = set.contains(*w);
-        if !keep {
-            out.push(Overlap { worker: *w, blocks: depth as u32 });
-        }
-        keep
-    });
-    before - active.len()
-}
-
-/// The fingerprint of a set of workers (as `WorkerSet::fingerprint`).
-fn fingerprint(workers: &[WorkerIdx]) -> u64 {
-    workers.iter().fold(0u64, |s, w| s.wrapping_add(member_fp(*w)))
+/// Takes what waits in a slot (nothing if it was taken, or its lock poisoned).
+fn take<T>(slot: &Mutex<Option<T>>) -> Option<T> {
+    slot.lock().ok().and_then(|mut j| j.take())
 }

@@ -2,13 +2,15 @@
 //!
 //! Which worker holds which prompt prefix in its KV cache, built from the KV
 //! events of every worker (ARCHITECTURE §2, §5). Synchronous and
-//! single-owner: no async runtime, no locks, no I/O. The control plane owns
+//! single-owner: no async runtime, no locks, no I/O (a batch of events may be
+//! applied to the index's shards on scoped threads). The control plane owns
 //! one [`Index`] per model and feeds it events from NATS.
 //!
 //! | module | what |
 //! |---|---|
 //! | [`event`] | [`KvEvent`] borrowed from protobuf batches; [`Tier`], [`Origin`] |
-//! | [`index`] | [`Index`]: apply events, [`Index::find_matches`], counters, invariants |
+//! | [`index`] | [`Index`]: workers spread over shards, apply events (a batch's shards in parallel), [`Index::find_matches`], counters, invariants |
+//! | `shard` | one shard: its workers' engine tables and the prefix tables of what they hold |
 //! | `engine` | one worker's engine hash → entry table: a slab of fixed pages and a table of 4-byte slots |
 //! | `seq_table` | the prefix table: sequence hash → worker set, open addressing that can be prefetched |
 //! | `worker_set` | the worker set of one block in 8 bytes, with an O(1) equality fingerprint |
@@ -21,6 +23,7 @@ pub mod event;
 pub mod index;
 mod probing;
 mod seq_table;
+mod shard;
 mod worker_set;
 
 pub use event::{KvEvent, Origin, Stored, Tier};

@@ -103,8 +103,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
-    fn index_equals_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
-        let mut index = Index::new(IndexConfig { block_size: BlockSize::new(BS).unwrap(), max_refs: MAX_REFS });
+    fn index_equals_naive_model(ops in proptest::collection::vec(op(), 1..80), shards in 1u16..=3) {
+        let mut index = Index::new(IndexConfig { block_size: BlockSize::new(BS).unwrap(), max_refs: MAX_REFS, shards });
         let mut model: Vec<NaiveWorker> = vec![NaiveWorker::default(); 4];
         for name in names() {
             index.add_worker(name);
@@ -228,6 +228,92 @@ proptest! {
                 for ((t, h), (seq, refs)) in &m.held {
                     prop_assert_eq!(index.engine_entry(w, *t, EngineBlockHash(*h)), Some((*seq, *refs)));
                 }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// `apply_batch` over three shards (threads) leaves the same index as
+    /// `apply` one event at a time on one shard: the same result for every
+    /// event, counters, holdings and answers to every query.
+    #[test]
+    fn batches_over_shards_equal_events_one_by_one(
+        ops in proptest::collection::vec(op(), 1..120),
+        cuts in proptest::collection::vec(1usize..40, 1..8),
+    ) {
+        let config = |shards| IndexConfig { block_size: BlockSize::new(BS).unwrap(), max_refs: MAX_REFS, shards };
+        let (mut one, mut sharded) = (Index::new(config(1)), Index::new(config(3)));
+        for name in names() {
+            one.add_worker(name);
+            sharded.add_worker(name);
+        }
+        let tokens: Vec<Vec<u32>> = ops.iter().map(|op| match op {
+            Op::Store { blocks, .. } => blocks.iter().flat_map(|b| BLOCKS[*b]).collect(),
+            _ => Vec::new(),
+        }).collect();
+        let events: Vec<(usize, KvEvent<'_>)> = ops.iter().zip(&tokens).filter_map(|(op, tokens)| match op {
+            Op::Store { worker, hashes, parent, salt, tier, origin, .. } => Some((*worker, KvEvent::Stored(Stored {
+                engine_hashes: hashes, parent: *parent, token_ids: tokens, block_size: BS, seed: seed(*salt),
+                tier: *tier, origin: *origin,
+            }))),
+            Op::Remove { worker, hashes, tier } => Some((*worker, KvEvent::Removed { engine_hashes: hashes, tier: *tier })),
+            Op::Clear { worker } => Some((*worker, KvEvent::Cleared)),
+            _ => None,
+        }).collect();
+        let want: Vec<_> = events.iter().map(|(w, e)| one.apply(one.worker(names()[*w]).unwrap(), e)).collect();
+        let mut got = Vec::new();
+        let mut rest = events.as_slice();
+        for cut in cuts.iter().cycle() {
+            if rest.is_empty() { break; }
+            let (batch, tail) = rest.split_at((*cut).min(rest.len()));
+            let batch: Vec<_> = batch.iter().map(|(w, e)| (sharded.worker(names()[*w]).unwrap(), e.clone())).collect();
+            got.extend(sharded.apply_batch(&batch));
+            rest = tail;
+        }
+        prop_assert_eq!(got, want);
+        prop_assert_eq!(sharded.counters(), one.counters());
+        if let Err(e) = sharded.check_invariants() {
+            prop_assert!(false, "invariant: {}", e);
+        }
+        for name in names() {
+            let (a, b) = (one.worker(name).unwrap(), sharded.worker(name).unwrap());
+            prop_assert_eq!(sharded.worker_name(b), Some(name));
+            for t in Tier::ALL {
+                prop_assert_eq!(sharded.worker_blocks(b, t), one.worker_blocks(a, t));
+                for h in 0..16 {
+                    prop_assert_eq!(sharded.engine_entry(b, t, EngineBlockHash(h)), one.engine_entry(a, t, EngineBlockHash(h)));
+                }
+            }
+        }
+        let (mut out_one, mut out_sharded) = (Vec::new(), Vec::new());
+        let by_name = |index: &Index, out: &[Overlap]| -> Vec<(String, u32)> {
+            let mut v: Vec<_> = out.iter().map(|o| (index.worker_name(o.worker).unwrap().to_owned(), o.blocks)).collect();
+            v.sort();
+            v
+        };
+        for query in 0..(3usize.pow(4)) {
+            for salt in [false, true] {
+                let mut seqs = Vec::new();
+                let mut prev = None;
+                let (mut q, mut depth) = (query, 0);
+                while depth < 4 {
+                    let s = next_sequence_hash(prev, local_block_hash(&BLOCKS[q % 3], seed(salt)));
+                    seqs.push(s);
+                    prev = Some(s);
+                    q /= 3;
+                    depth += 1;
+                }
+                for tier in Tier::ALL {
+                    one.find_matches(&seqs, tier, &mut out_one);
+                    sharded.find_matches(&seqs, tier, &mut out_sharded);
+                    prop_assert_eq!(by_name(&sharded, &out_sharded), by_name(&one, &out_one));
+                }
+                one.find_matches_any_tier(&seqs, &mut out_one);
+                sharded.find_matches_any_tier(&seqs, &mut out_sharded);
+                prop_assert_eq!(by_name(&sharded, &out_sharded), by_name(&one, &out_one), "any tier");
             }
         }
     }

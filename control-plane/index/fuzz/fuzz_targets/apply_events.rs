@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
     let mut b = Bytes(data);
     let Some(bs) = b.byte() else { return };
     let bs = BlockSize::new(u32::from(bs % 4) + 1).unwrap();
-    let mut index = Index::new(IndexConfig { block_size: bs, max_refs: 3 });
+    let mut index = Index::new(IndexConfig { block_size: bs, max_refs: 3, shards: 2 });
     let names = ["a", "b", "c"];
     for n in names {
         index.add_worker(n);
