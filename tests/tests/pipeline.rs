@@ -31,8 +31,19 @@ fn pick_request(id: &str, messages: &Value) -> pb::PickRequest {
 
 #[test]
 fn sim_relay_nats_and_control_plane_agree_on_the_cache() {
-    let dir = kvgate_testkit::scratch_dir("pipeline").unwrap();
-    let mut fleet = Fleet::start(&dir, 2, "20");
+    agree_on_the_cache("pipeline", &[]);
+}
+
+/// The same with the index in two shards: the ingest thread applies the
+/// KV batches it takes together, shard by shard on two threads.
+#[test]
+fn the_same_with_the_index_in_two_shards() {
+    agree_on_the_cache("pipeline-shards", &["--index-shards", "2"]);
+}
+
+fn agree_on_the_cache(name: &str, serve_args: &[&str]) {
+    let dir = kvgate_testkit::scratch_dir(name).unwrap();
+    let mut fleet = Fleet::start_full(&dir, 2, "20", None, serve_args);
     let (http, grpc) = (fleet.http.clone(), fleet.grpc);
     // A conversation served by w1.
     let mut messages = json!([

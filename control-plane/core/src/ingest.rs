@@ -15,13 +15,96 @@ use crate::app::{App, Model};
 use crate::metrics::NatsKind;
 use crate::model::Need;
 
+/// A NATS message decoded, for its model.
+enum Decoded {
+    Kv(Arc<Model>, pb::KvEventBatch),
+    Heartbeat(Arc<Model>, pb::WorkerHeartbeat),
+    Inflight(Arc<Model>, pb::InflightBatch),
+    /// Not ours, malformed, or for an unknown model (counted).
+    Nothing,
+}
+
 impl App {
     /// Dispatches one NATS message. Returns snapshot needs (model, worker).
     pub fn on_nats(&self, subject: &str, payload: &[u8]) -> Vec<(Arc<Model>, String)> {
+        self.on_nats_many([(subject, payload)])
+    }
+
+    /// Dispatches NATS messages (subject, payload) in their order. KV
+    /// batches in a row for one model whose index has more than one shard
+    /// are applied together ([`crate::model::ModelState::on_batches`]: each
+    /// wave's shards on parallel threads, under one hold of the model's
+    /// lock); everything else one message at a time, each under its own
+    /// hold, as [`App::on_nats`]. Returns snapshot needs (model, worker).
+    pub fn on_nats_many<'a>(
+        &self,
+        messages: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    ) -> Vec<(Arc<Model>, String)> {
+        let mut needs = Vec::new();
+        let mut group: Option<(Arc<Model>, Vec<pb::KvEventBatch>)> = None;
+        for (subject, payload) in messages {
+            let msg = self.decode(subject, payload);
+            if let Decoded::Kv(model, batch) = msg {
+                if model.index_shards > 1 {
+                    match &mut group {
+                        Some((m, batches)) if Arc::ptr_eq(m, &model) => batches.push(batch),
+                        _ => {
+                            self.apply_group(group.take(), &mut needs);
+                            group = Some((model, vec![batch]));
+                        }
+                    }
+                    continue;
+                }
+                self.apply_group(group.take(), &mut needs);
+                let now = self.now_ms();
+                let engine_ts = batch.engine_ts_unix_nanos;
+                let need = model.state.lock().on_batch(batch, now);
+                observe_lag(&model, engine_ts);
+                needs.extend(need.map(|Need::Snapshot(w)| (model.clone(), w)));
+                continue;
+            }
+            // Anything else waits for the KV batches before it.
+            self.apply_group(group.take(), &mut needs);
+            let now = self.now_ms();
+            match msg {
+                Decoded::Heartbeat(model, h) => {
+                    let need = model.state.lock().on_heartbeat(&h, now);
+                    needs.extend(need.map(|Need::Snapshot(w)| (model.clone(), w)));
+                }
+                Decoded::Inflight(model, b) => {
+                    if b.replica_id != self.config.replica_id {
+                        let mut st = model.state.lock();
+                        for ev in &b.events {
+                            st.on_replica_event(ev, now);
+                        }
+                    }
+                }
+                Decoded::Kv(..) | Decoded::Nothing => {}
+            }
+        }
+        self.apply_group(group, &mut needs);
+        needs
+    }
+
+    /// Applies KV batches gathered for one model together.
+    fn apply_group(&self, group: Option<(Arc<Model>, Vec<pb::KvEventBatch>)>, needs: &mut Vec<(Arc<Model>, String)>) {
+        let Some((model, batches)) = group else { return };
+        let now = self.now_ms();
+        let stamps: Vec<u64> = batches.iter().map(|b| b.engine_ts_unix_nanos).collect();
+        let got = model.state.lock().on_batches(batches, now);
+        for engine_ts in stamps {
+            observe_lag(&model, engine_ts);
+        }
+        needs.extend(got.into_iter().map(|Need::Snapshot(w)| (model.clone(), w)));
+    }
+
+    /// One NATS message decoded and checked (subject against payload),
+    /// counted in the NATS metrics; not applied.
+    fn decode(&self, subject: &str, payload: &[u8]) -> Decoded {
         let g = &self.metrics.global;
         let Ok(parsed) = self.subjects.parse(subject) else {
             g.nats(NatsKind::Other, false);
-            return Vec::new();
+            return Decoded::Nothing;
         };
         let kind = match parsed.kind {
             SubjectKind::KvEvents => NatsKind::Kv,
@@ -31,57 +114,36 @@ impl App {
         };
         g.nats(kind, false);
         if kind == NatsKind::Other {
-            return Vec::new();
+            return Decoded::Nothing;
         }
         let Some(model) = self.models.get(&parsed.model) else {
             g.nats_unknown_model.inc();
-            return Vec::new();
+            return Decoded::Nothing;
         };
-        let now = self.now_ms();
         let worker = parsed.worker.as_deref();
-        let need = match kind {
+        match kind {
             NatsKind::Kv => match pb::KvEventBatch::decode(payload) {
                 Ok(b) if Some(b.worker_id.as_str()) == worker && b.model == parsed.model => {
-                    let engine_ts = b.engine_ts_unix_nanos;
-                    let need = model.state.lock().on_batch(b, now);
-                    if engine_ts > 0 {
-                        let wall = std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_nanos() as u64);
-                        model.event_lag_seconds.observe(wall.saturating_sub(engine_ts) as f64 / 1e9);
-                    }
-                    need
+                    Decoded::Kv(model.clone(), b)
                 }
                 _ => self.malformed(kind),
             },
             NatsKind::Heartbeat => match pb::WorkerHeartbeat::decode(payload) {
                 Ok(h) if Some(h.worker_id.as_str()) == worker && h.model == parsed.model => {
-                    model.state.lock().on_heartbeat(&h, now)
+                    Decoded::Heartbeat(model.clone(), h)
                 }
                 _ => self.malformed(kind),
             },
             _ => match pb::InflightBatch::decode(payload) {
-                Ok(b) if b.model == parsed.model => {
-                    if b.replica_id != self.config.replica_id {
-                        let mut st = model.state.lock();
-                        for ev in &b.events {
-                            st.on_replica_event(ev, now);
-                        }
-                    }
-                    None
-                }
+                Ok(b) if b.model == parsed.model => Decoded::Inflight(model.clone(), b),
                 _ => self.malformed(kind),
             },
-        };
-        match need {
-            Some(Need::Snapshot(w)) => vec![(model.clone(), w)],
-            None => Vec::new(),
         }
     }
 
-    fn malformed(&self, kind: NatsKind) -> Option<Need> {
+    fn malformed(&self, kind: NatsKind) -> Decoded {
         self.metrics.global.nats(kind, true);
-        None
+        Decoded::Nothing
     }
 
     /// The NATS adapter's view of its connection.
@@ -146,5 +208,15 @@ impl App {
             }
             (true, None) => true,
         }
+    }
+}
+
+/// The index's staleness for one applied batch: from the engine's
+/// timestamp (when the relay had one) to now.
+fn observe_lag(model: &Model, engine_ts: u64) {
+    if engine_ts > 0 {
+        let wall =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        model.event_lag_seconds.observe(wall.saturating_sub(engine_ts) as f64 / 1e9);
     }
 }

@@ -22,6 +22,9 @@ pub struct Model {
     pub(crate) pick_seconds: Histogram,
     pub(crate) overlap_ratio: Histogram,
     pub(crate) event_lag_seconds: Histogram,
+    /// Shards of its block index (KV batches that arrive together are
+    /// applied together when more than one).
+    pub(crate) index_shards: u16,
 }
 
 impl Model {
@@ -55,6 +58,7 @@ impl Model {
             pick_seconds: metrics.global.pick_seconds.get_or_create_owned(&label),
             overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),
             event_lag_seconds: metrics.global.event_lag_seconds.get_or_create_owned(&label),
+            index_shards: m.routing.index_shards,
         })
     }
 }

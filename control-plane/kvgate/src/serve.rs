@@ -86,6 +86,10 @@ pub(crate) struct ServeArgs {
     /// false).
     #[arg(long, env = "KVGATE_DISAGGREGATE_OVERFLOW_TO_PREFILL")]
     disaggregate_overflow_to_prefill: Option<bool>,
+    /// Shards of --model's block index (1–64, default 1): KV batches of
+    /// several workers that arrive together are applied on this many threads.
+    #[arg(long, env = "KVGATE_INDEX_SHARDS")]
+    index_shards: Option<u16>,
     /// Static workers of --model, `id=ip:port`, repeatable.
     #[arg(long = "worker", requires = "model")]
     workers: Vec<String>,
@@ -107,6 +111,7 @@ pub(crate) fn model_flags_without_model(m: &clap::ArgMatches) -> Vec<&'static st
         ("overload", "--overload"),
         ("overload_max_wait_ms", "--overload-max-wait-ms"),
         ("disaggregate_min_uncached_tokens", "--disaggregate-min-uncached-tokens"),
+        ("index_shards", "--index-shards"),
         ("workers", "--worker"),
     ]
     .into_iter()
@@ -173,6 +178,7 @@ fn serve_config(a: ServeArgs) -> Result<kvgate_server::Config> {
                 overflow_to_prefill: a.disaggregate_overflow_to_prefill,
                 ..Default::default()
             }),
+            index_shards: a.index_shards,
             ..Default::default()
         };
         match raw.models.iter_mut().find(|x| x.name == m.name) {

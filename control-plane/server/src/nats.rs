@@ -37,16 +37,32 @@ impl ReplicaSink for Outbox {
 /// server's payload limit).
 const INGEST_QUEUE: usize = 256;
 
-/// Starts the ingest thread: it applies each message in order and sends
-/// back the snapshots they call for. It ends when the sender is dropped.
+/// Most queued messages the ingest thread takes at once: KV batches of
+/// several workers among them are applied together when the model's index
+/// has shards ([`App::on_nats_many`]).
+const INGEST_GROUP: usize = 64;
+
+/// Starts the ingest thread: it applies the messages in order, taking
+/// what is queued (up to [`INGEST_GROUP`]) at once, and sends back the
+/// snapshots they call for. It ends when the sender is dropped.
 fn spawn_ingest(
     app: Arc<App>,
     needs: tokio::sync::mpsc::UnboundedSender<(Arc<Model>, String)>,
 ) -> std::io::Result<tokio::sync::mpsc::Sender<async_nats::Message>> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<async_nats::Message>(INGEST_QUEUE);
     std::thread::Builder::new().name("kvgate-ingest".into()).spawn(move || {
+        let mut msgs = Vec::with_capacity(INGEST_GROUP);
         while let Some(msg) = rx.blocking_recv() {
-            apply(&app, &msg, &needs);
+            msgs.push(msg);
+            while msgs.len() < INGEST_GROUP
+                && let Ok(m) = rx.try_recv()
+            {
+                msgs.push(m);
+            }
+            for need in app.on_nats_many(msgs.iter().map(|m| (m.subject.as_str(), &m.payload[..]))) {
+                let _ = needs.send(need);
+            }
+            msgs.clear();
         }
     })?;
     Ok(tx)

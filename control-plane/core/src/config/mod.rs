@@ -30,6 +30,7 @@
 //! suspect_ms = 3000                     #   take a worker out of routing this long; 0 = off
 //! allowed_endpoints = ["10.0.0.0/8"]    # endpoints relays may claim (ip:port, ip, ip/len); default: any
 //! workers = [{ id = "w0", endpoint = "10.0.0.5:8000" }]   # optional static workers
+//! index_shards = 1                      # index shards: KV batches of several workers applied on this many threads
 //! [models.session]                      # session affinity (x-session-id, see the filter)
 //! enabled = false                       # keep a session on its worker unless saturated or gone
 //! ttl_ms = 600000                       # a pin lapses this long after the session's last request
@@ -161,6 +162,9 @@ pub struct RawModel {
     pub overload: Option<RawOverload>,
     /// Disaggregated prefill and decode.
     pub disaggregation: Option<RawDisaggregation>,
+    /// Shards of the block index: KV batches from several workers applied
+    /// on this many threads (1–64, default 1).
+    pub index_shards: Option<u16>,
 }
 
 /// Optional `[models.disaggregation]` table: when a request's prefill goes

@@ -41,6 +41,10 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
     let session = session_config(&f, m.session.clone().unwrap_or_default())?;
     let overload = overload_config(&f, m.overload.clone().unwrap_or_default())?;
     let disaggregation = disagg_config(&f, m.disaggregation.clone().unwrap_or_default())?;
+    let index_shards = m.index_shards.unwrap_or(1);
+    if !(1..=64).contains(&index_shards) {
+        return Err(err(f("index_shards"), index_shards, "must be between 1 and 64"));
+    }
     let suspect_ms = m.suspect_ms.unwrap_or(3000);
     if !(100..=600_000).contains(&suspect_ms) {
         return Err(err(f("suspect_ms"), suspect_ms, "must be between 100 and 600000"));
@@ -63,6 +67,7 @@ pub(super) fn validate(i: usize, m: RawModel) -> Result<ModelSettings, ConfigErr
             session,
             overload,
             disaggregation,
+            index_shards,
         },
         tokenizer_dir: m.tokenizer_dir,
     })

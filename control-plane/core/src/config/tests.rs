@@ -172,3 +172,18 @@ fn disaggregation_is_on_with_a_derived_threshold_and_validated() {
     assert!(c.models[0].routing.disaggregation.overflow_to_prefill);
     assert!(!on.models[0].routing.disaggregation.overflow_to_prefill, "off unless asked");
 }
+
+#[test]
+fn index_shards_default_to_one_and_are_bounded() {
+    let raw = RawConfig { models: vec![model("m")], ..Default::default() };
+    assert_eq!(Config::validate(raw).unwrap().models[0].routing.index_shards, 1);
+    let text = "[[models]]\nname = \"m\"\nblock_size = 16\nindex_shards = 4\n";
+    let c = Config::validate(toml::from_str(text).unwrap()).unwrap();
+    assert_eq!(c.models[0].routing.index_shards, 4);
+    for bad in [0u16, 65] {
+        let mut raw = RawConfig { models: vec![model("m")], ..Default::default() };
+        raw.models[0].index_shards = Some(bad);
+        let e = Config::validate(raw).unwrap_err();
+        assert_eq!((e.field.as_str(), e.value.as_str()), ("models[0].index_shards", bad.to_string().as_str()));
+    }
+}

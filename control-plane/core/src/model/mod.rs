@@ -92,6 +92,19 @@ pub struct ModelConfig {
     pub overload: Option<kvgate_scheduler::FairQueueConfig>,
     /// Disaggregated prefill and decode.
     pub disaggregation: DisaggConfig,
+    /// Shards of the block index (at least 1). With more than one, KV
+    /// batches that arrive together from several workers are applied on
+    /// that many threads ([`ModelState::on_batches`]), and every lookup asks
+    /// each shard. 1 = one thread, lookups as fast as they go.
+    pub index_shards: u16,
+}
+
+/// What the stream decision made of one KV batch.
+enum Accepted {
+    /// Apply it: the worker's id and index, and the batch.
+    Apply(String, WorkerIdx, pb::KvEventBatch),
+    /// Nothing to apply; maybe a need.
+    Done(Option<Need>),
 }
 
 /// Something the adapters must do for this model.
@@ -158,7 +171,10 @@ impl ModelState {
     /// A model with no workers but its static ones.
     pub fn new(config: ModelConfig, seed: u64) -> Self {
         let mut this = Self {
-            index: Index::new(IndexConfig::new(config.block_size)),
+            index: Index::new(IndexConfig {
+                shards: config.index_shards.max(1),
+                ..IndexConfig::new(config.block_size)
+            }),
             tracker: LoadTracker::new(),
             persistence: kvgate_scheduler::LoadPersistence::new(),
             calibration: Calibration::new(
@@ -255,31 +271,80 @@ impl ModelState {
 
     /// A KV event batch from a worker's relay.
     pub fn on_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Option<Need> {
+        match self.accept_batch(batch, now_ms) {
+            Accepted::Apply(id, idx, b) => {
+                self.apply_events(idx, &b);
+                self.resync_if_needed(&id, idx, now_ms)
+            }
+            Accepted::Done(need) => need,
+        }
+    }
+
+    /// KV event batches that arrived together, in order, each with the
+    /// outcome [`ModelState::on_batch`] gives it. They are taken in waves:
+    /// the next batch of each worker (so each worker's batches stay in
+    /// order, and its stream decision sees the batches before it applied);
+    /// a wave's events go to [`Index::apply_batch`] at once, which applies
+    /// the shards of an index with several on parallel threads.
+    pub fn on_batches(&mut self, batches: Vec<pb::KvEventBatch>, now_ms: u64) -> Vec<Need> {
+        let mut needs = Vec::new();
+        let mut rest = batches;
+        while !rest.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            let (wave, later): (Vec<_>, Vec<_>) = rest.into_iter().partition(|b| seen.insert(b.worker_id.clone()));
+            rest = later;
+            let mut applied = Vec::with_capacity(wave.len());
+            for batch in wave {
+                match self.accept_batch(batch, now_ms) {
+                    Accepted::Apply(id, idx, b) => applied.push((id, idx, b)),
+                    Accepted::Done(need) => needs.extend(need),
+                }
+            }
+            let mut events = Vec::new();
+            for (_, idx, b) in &applied {
+                for ev in &b.events {
+                    match KvEvent::from_pb(ev) {
+                        Some(e) => events.push((*idx, e)),
+                        None => self.counters.events_empty += 1,
+                    }
+                }
+                self.counters.batches_applied += 1;
+            }
+            let _ = self.index.apply_batch(&events);
+            drop(events);
+            for (id, idx, _) in &applied {
+                needs.extend(self.resync_if_needed(id, *idx, now_ms));
+            }
+        }
+        needs
+    }
+
+    /// The stream decision for one KV batch: to apply (with the worker's
+    /// id and index), or done (buffered, a duplicate, refused, or a
+    /// snapshot asked for).
+    fn accept_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Accepted {
         // With an endpoint list, only workers whose heartbeat was allowed
         // get an index entry (their first heartbeat asks for a snapshot).
         if !self.config.allowed_endpoints.is_empty() && !self.workers.contains_key(&batch.worker_id) {
             self.counters.refused_endpoints += 1;
-            return None;
+            return Accepted::Done(None);
         }
         let id = batch.worker_id.clone();
         let w = self.worker_entry(&id, now_ms);
         let idx = w.idx;
         match w.sync.accept(batch) {
-            Accept::Apply(b) => {
-                self.apply_events(idx, &b);
-                self.resync_if_needed(&id, idx, now_ms)
-            }
+            Accept::Apply(b) => Accepted::Apply(id, idx, b),
             Accept::Duplicate => {
                 self.counters.batches_duplicate += 1;
-                None
+                Accepted::Done(None)
             }
             Accept::Held => {
                 self.counters.batches_buffered += 1;
-                None
+                Accepted::Done(None)
             }
             Accept::Resync(cause, b) => {
                 self.count_resync(cause);
-                self.start_snapshot(&id, now_ms, Some(b))
+                Accepted::Done(self.start_snapshot(&id, now_ms, Some(b)))
             }
         }
     }

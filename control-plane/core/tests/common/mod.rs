@@ -26,6 +26,7 @@ pub fn config(mode: Mode) -> ModelConfig {
         session: Default::default(),
         overload: None,
         disaggregation: Default::default(),
+        index_shards: 1,
     }
 }
 
