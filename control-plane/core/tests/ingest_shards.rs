@@ -62,7 +62,7 @@ fn batches() -> Vec<pb::KvEventBatch> {
                 *s += 1; // a gap: the relay's batch before this one was lost
             }
             let base = 1000 * (round + 1) + 100 * w;
-            let doc = if w % 2 == 0 { round } else { 100 + round * WORKERS + w };
+            let doc = if w.is_multiple_of(2) { round } else { 100 + round * WORKERS + w };
             let mut events = vec![store(base..base + 8, None, tokens(doc, 8))];
             if round > 0 {
                 let old = 1000 * round + 100 * w;

@@ -269,7 +269,7 @@ proptest! {
         for cut in cuts.iter().cycle() {
             if rest.is_empty() { break; }
             let (batch, tail) = rest.split_at((*cut).min(rest.len()));
-            let batch: Vec<_> = batch.iter().map(|(w, e)| (sharded.worker(names()[*w]).unwrap(), e.clone())).collect();
+            let batch: Vec<_> = batch.iter().map(|(w, e)| (sharded.worker(names()[*w]).unwrap(), *e)).collect();
             got.extend(sharded.apply_batch(&batch));
             rest = tail;
         }
