@@ -220,7 +220,9 @@ impl App {
         } else {
             req.request_id.as_str()
         };
-        if may_hold {
+        // Without overload protection every request goes on (no hold of
+        // the model's lock for it).
+        if may_hold && model.admission {
             let priority = u8::try_from(req.priority.min(9)).unwrap_or(9);
             // Bound first: the model's lock is released before a refusal
             // takes it again.

@@ -58,7 +58,7 @@ impl App {
                 self.apply_group(group.take(), &mut needs);
                 let now = self.now_ms();
                 let engine_ts = batch.engine_ts_unix_nanos;
-                let need = model.state.lock().on_batch(batch, now);
+                let need = held(&model, |st| st.on_batch(batch, now));
                 observe_lag(&model, engine_ts);
                 needs.extend(need.map(|Need::Snapshot(w)| (model.clone(), w)));
                 continue;
@@ -91,7 +91,7 @@ impl App {
         let Some((model, batches)) = group else { return };
         let now = self.now_ms();
         let stamps: Vec<u64> = batches.iter().map(|b| b.engine_ts_unix_nanos).collect();
-        let got = model.state.lock().on_batches(batches, now);
+        let got = held(&model, |st| st.on_batches(batches, now));
         for engine_ts in stamps {
             observe_lag(&model, engine_ts);
         }
@@ -209,6 +209,17 @@ impl App {
             (true, None) => true,
         }
     }
+}
+
+/// `apply` under the model's lock, the hold observed in
+/// `kvgate_ingest_lock_hold_seconds` (from the lock taken to its release).
+fn held<T>(model: &Model, apply: impl FnOnce(&mut crate::model::ModelState) -> T) -> T {
+    let mut st = model.state.lock();
+    let t = std::time::Instant::now();
+    let out = apply(&mut st);
+    drop(st);
+    model.ingest_hold_seconds.observe(t.elapsed().as_secs_f64());
+    out
 }
 
 /// The index's staleness for one applied batch: from the engine's

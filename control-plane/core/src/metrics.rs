@@ -140,6 +140,9 @@ pub struct Global {
     /// Engine timestamp of a KV event batch to its application in the
     /// index (the index's staleness), by model.
     pub event_lag_seconds: HistogramFamily,
+    /// How long one application of KV event batches held the model's lock
+    /// (its Picks wait meanwhile), by model.
+    pub ingest_hold_seconds: HistogramFamily,
     /// Answered picks by (model, mode, reason).
     pub decisions: Family<DecisionLabels, Counter>,
     /// Refused picks by cause.
@@ -174,6 +177,7 @@ impl Global {
             pick_seconds: Family::new_with_constructor(latency),
             overlap_ratio: Family::new_with_constructor(ratio),
             event_lag_seconds: Family::new_with_constructor(lag),
+            ingest_hold_seconds: Family::new_with_constructor(latency),
             decisions: Family::default(),
             pick_errors: Family::default(),
             nats_messages: Family::default(),
@@ -196,6 +200,7 @@ impl Global {
             pick_seconds,
             overlap_ratio,
             event_lag_seconds,
+            ingest_hold_seconds,
             decisions,
             pick_errors,
             nats_messages,
@@ -220,6 +225,11 @@ impl Global {
             "kvgate_event_lag_seconds",
             "Engine timestamp of a KV event batch to its application in the index (clocks of the engine's and this host).",
             event_lag_seconds,
+        );
+        r.register(
+            "kvgate_ingest_lock_hold_seconds",
+            "How long one application of KV event batches held the model's lock (its Picks wait meanwhile).",
+            ingest_hold_seconds,
         );
         r.register("kvgate_pick_decisions", "Answered picks by mode and reason.", decisions);
         r.register("kvgate_pick_errors", "Picks refused, by cause.", pick_errors);

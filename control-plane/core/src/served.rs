@@ -22,9 +22,13 @@ pub struct Model {
     pub(crate) pick_seconds: Histogram,
     pub(crate) overlap_ratio: Histogram,
     pub(crate) event_lag_seconds: Histogram,
+    pub(crate) ingest_hold_seconds: Histogram,
     /// Shards of its block index (KV batches that arrive together are
     /// applied together when more than one).
     pub(crate) index_shards: u16,
+    /// Overload protection is on (Picks go through the admission queue;
+    /// without it they skip a hold of the lock).
+    pub(crate) admission: bool,
 }
 
 impl Model {
@@ -58,7 +62,9 @@ impl Model {
             pick_seconds: metrics.global.pick_seconds.get_or_create_owned(&label),
             overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),
             event_lag_seconds: metrics.global.event_lag_seconds.get_or_create_owned(&label),
+            ingest_hold_seconds: metrics.global.ingest_hold_seconds.get_or_create_owned(&label),
             index_shards: m.routing.index_shards,
+            admission: m.routing.overload.is_some(),
         })
     }
 }

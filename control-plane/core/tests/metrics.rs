@@ -106,3 +106,32 @@ fn counters_once_kept_but_not_exported_are_exported() {
         assert!(m.contains(series), "missing {series:?} in\n{m}");
     }
 }
+
+#[test]
+fn every_ingest_hold_of_the_models_lock_is_observed() {
+    let a = app();
+    let count = |a: &App| {
+        let text = a.render_metrics();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("kvgate_ingest_lock_hold_seconds_count{model=\"m\"}"))
+            .unwrap_or_else(|| panic!("no hold count in\n{text}"))
+            .to_owned();
+        line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
+    };
+    assert_eq!(count(&a), 0);
+    let subjects = kvgate_protocol::subject::Subjects::new(kvgate_protocol::subject::DEFAULT_PREFIX).unwrap();
+    for seq in 1..=3u64 {
+        let batch = kvgate_protocol::pb::KvEventBatch {
+            worker_id: "w0".into(),
+            model: "m".into(),
+            relay_epoch: 1,
+            relay_seq: seq,
+            ..Default::default()
+        };
+        a.on_nats(&subjects.kv_events("m", "w0"), &prost::Message::encode_to_vec(&batch));
+    }
+    // A malformed message takes no hold.
+    a.on_nats(&subjects.kv_events("m", "w0"), b"\xff\xff");
+    assert_eq!(count(&a), 3);
+}

@@ -123,6 +123,23 @@ fn proc_usage(pid: u32) -> (f64, f64) {
     (cpu, rss_kb / 1024.0)
 }
 
+/// The machine's CPU time so far, from /proc/stat: (busy, total) jiffies.
+fn machine_cpu() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<f64> =
+        stat.lines().next().unwrap_or_default().split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal (guest is in user).
+    let total: f64 = f.iter().take(8).sum();
+    let idle = f.get(3).copied().unwrap_or(0.0) + f.get(4).copied().unwrap_or(0.0);
+    (total - idle, total)
+}
+
+/// The share of the machine's cores busy between two readings.
+fn busy_share(a: (f64, f64), b: (f64, f64)) -> f64 {
+    let total = b.1 - a.1;
+    if total > 0.0 { ((b.0 - a.0) / total * 100.0).round() / 100.0 } else { f64::NAN }
+}
+
 /// The control plane's Prometheus text.
 fn metrics(admin: std::net::SocketAddr) -> String {
     kvgate_testkit::http_request(admin, "GET", "/metrics", &[], b"")
@@ -130,28 +147,45 @@ fn metrics(admin: std::net::SocketAddr) -> String {
         .unwrap_or_default()
 }
 
-/// `kvgate_event_lag_seconds` buckets: (upper bound, cumulative count).
-fn lag_buckets(text: &str) -> Vec<(f64, f64)> {
-    kvgate_testkit::prom::samples(text)
-        .filter(|s| s.name == "kvgate_event_lag_seconds_bucket")
-        .filter_map(|s| {
-            let le = s.labels.split("le=\"").nth(1)?.split('"').next()?;
-            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
-            Some((le, s.value))
-        })
-        .collect()
+/// A histogram's buckets in a Prometheus text: (upper bound, cumulative
+/// count), summed over its label sets.
+fn buckets(text: &str, histogram: &str) -> Vec<(f64, f64)> {
+    let name = format!("{histogram}_bucket");
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for s in kvgate_testkit::prom::samples(text).filter(|s| s.name == name) {
+        let Some(le) = s.labels.split("le=\"").nth(1).and_then(|x| x.split('"').next()) else { continue };
+        let le = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::NAN) };
+        match out.iter_mut().find(|(l, _)| *l == le) {
+            Some((_, n)) => *n += s.value,
+            None => out.push((le, s.value)),
+        }
+    }
+    out
 }
 
-/// The p99 of the lag between two bucket readings, as the upper bound of
-/// its bucket, ms (None without batches in between).
-fn lag_p99_ms(before: &[(f64, f64)], after: &[(f64, f64)]) -> Option<f64> {
+/// The histograms a step reads: the index's staleness, the server's own
+/// Pick duration (receipt to answer, inside the process) and how long
+/// ingest held the model's lock at a time.
+fn step_buckets(text: &str) -> [Vec<(f64, f64)>; 3] {
+    [
+        buckets(text, "kvgate_event_lag_seconds"),
+        buckets(text, "kvgate_pick_duration_seconds"),
+        buckets(text, "kvgate_ingest_lock_hold_seconds"),
+    ]
+}
+
+/// The quantile `q` of a histogram between two readings, as the upper
+/// bound of its bucket, ms (None without observations in between).
+fn bucket_quantile_ms(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
     let delta: Vec<(f64, f64)> =
         after.iter().map(|(le, n)| (*le, n - before.iter().find(|(l, _)| l == le).map_or(0.0, |(_, m)| *m))).collect();
     let total = delta.iter().map(|(_, n)| *n).fold(0.0, f64::max);
     if total <= 0.0 {
         return None;
     }
-    delta.iter().find(|(_, n)| *n >= 0.99 * total).map(|(le, _)| le * 1000.0)
+    let mut sorted = delta;
+    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    sorted.iter().find(|(_, n)| *n >= q * total).map(|(le, _)| le * 1000.0)
 }
 
 fn kv_messages(text: &str) -> f64 {
@@ -194,11 +228,13 @@ where
     settle(fleet.published).await;
 }
 
-/// Churn at `ops_per_s` until `stop`; returns the block operations sent.
+/// Churn at `ops_per_s` until `stop`, paced every millisecond (a fleet of
+/// relays publishes independently: a smooth stream, not 10 ms bursts);
+/// returns the block operations sent.
 async fn churn(fleet: &mut Fleet, ops_per_s: u64, stop: tokio::sync::watch::Receiver<bool>) -> u64 {
     let start = Instant::now();
     let mut sent = 0u64;
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
     while !*stop.borrow() {
         tick.tick().await;
         let due = (start.elapsed().as_secs_f64() * ops_per_s as f64) as u64;
@@ -382,7 +418,8 @@ fn main() {
         "agreement": agreements,
         "replicas_setup": "n control planes (--replica-id scale-0..n-1) on one nats-server, each ingesting every event and sharing in-flight load over NATS; the client sends each request to the replica its conversation hashes to (as the gateway's ring hash on the conversation), each replica's answers reported to it; replica_capacity = the highest offered DOKS new-turn rate of the ladder answered in full (>= 95 %, nothing refused) with p99 within the bound; agreement = identical DOKS Picks to replicas 0 and 1 (to replica 0 twice with one replica), with the fleet churning: concurrent (both at once) and sequential (150 ms apart, the first reported finished: converged views); same_worker = share of pairs choosing the same worker (ties are broken at random), same_matched_blocks = share whose workers held as many of the prompt's blocks",
         "staleness": "p99 of kvgate_event_lag_seconds during the step, as the upper bound of its bucket",
-        "shared_cores": "client, fleet generator, nats-server and control plane share the machine",
+        "server_pick": "server_pick_p99_ms: p99 of kvgate_pick_duration_seconds during the step (the process's own time from receipt of a Pick to its answer, lock waits included; not the transport, the runtime's queue or the client), as the upper bound of its bucket (buckets 0.5, 1, 2, 5 ms ...); ingest_hold_p99_ms / ingest_hold_p999_ms: the same of kvgate_ingest_lock_hold_seconds (one application of KV batches under the model's lock, which the model's Picks wait for)",
+        "shared_cores": "client, fleet generator, nats-server and control plane share the machine; machine_busy = share of all its cores busy during the step (/proc/stat)",
         "commit": commit,
         "machine": machine,
     });
@@ -480,24 +517,40 @@ async fn over_grpc(
         let admins = admins.clone();
         async move {
             let _ = client.flush().await;
+            let (mut last, mut since) = (-1.0, Instant::now());
             loop {
                 let got = consumed(admins.clone()).await;
-                if got + 20_000.0 >= published as f64 {
+                // (Bounded as the final wait below.)
+                if got + 20_000.0 >= published as f64 || since.elapsed() > Duration::from_secs(30) {
                     break;
+                }
+                if got > last {
+                    (last, since) = (got, Instant::now());
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
     };
     fill(&mut fleet, tk, mixes, a.blocks, settle).await;
+    // Every message consumed; a message lost on the way (NATS core drops
+    // for a slow consumer) must not hang the benchmark: 30 s without
+    // progress ends the wait, and the loss is counted.
     let published = fleet.published as f64;
-    loop {
+    let (mut last, mut since) = (-1.0, Instant::now());
+    let got = loop {
         let got = consumed(admins.clone()).await;
         if got >= published {
-            break;
+            break got;
+        }
+        if got > last {
+            (last, since) = (got, Instant::now());
+        } else if since.elapsed() > Duration::from_secs(30) {
+            eprintln!("fill: {got} of {published} messages consumed, no progress for 30 s; going on");
+            break got;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    };
+    let fill_lost = (published - got).max(0.0);
     let (_, rss) = usage(&pids);
     eprintln!(
         "{workers} workers, {replicas} replica(s): {} block operations in {:.1} s, control plane RSS {rss:.0} MB",
@@ -538,8 +591,9 @@ async fn over_grpc(
             continue;
         }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let lag0: Vec<_> = admins.iter().map(|a| lag_buckets(&metrics(*a))).collect();
+        let hist0: Vec<_> = admins.iter().map(|a| step_buckets(&metrics(*a))).collect();
         let (cpu0, _) = usage(&pids);
+        let machine0 = machine_cpu();
         let ingest = a.ingest;
         let churner = async {
             let t = Instant::now();
@@ -558,9 +612,16 @@ async fn over_grpc(
         };
         let (ops_per_s, step) = tokio::join!(churner, load);
         let (cpu1, rss) = usage(&pids);
-        // The stalest replica's.
-        let lag =
-            admins.iter().zip(&lag0).filter_map(|(a, l0)| lag_p99_ms(l0, &lag_buckets(&metrics(*a)))).reduce(f64::max);
+        let machine_busy = busy_share(machine0, machine_cpu());
+        // The stalest replica's, and the slowest replica's server-side Pick
+        // p99 (what the process itself took; the rest of the client's
+        // latency is transport, scheduling and the client).
+        let hist1: Vec<_> = admins.iter().map(|a| step_buckets(&metrics(*a))).collect();
+        let worst = |h: usize, q: f64| {
+            hist0.iter().zip(&hist1).filter_map(|(b, a)| bucket_quantile_ms(&b[h], &a[h], q)).reduce(f64::max)
+        };
+        let (lag, server_p99_ms) = (worst(0, 0.99), worst(1, 0.99));
+        let (hold_p99_ms, hold_p999_ms) = (worst(2, 0.99), worst(2, 0.999));
         // The next step starts on a drained control plane (a saturated step
         // leaves a backlog of batches that would count against the next).
         let published = fleet.published as f64;
@@ -580,16 +641,16 @@ async fn over_grpc(
                 (cpu1 - cpu0) / a.secs
             );
             rows.push(json!({
-                "workers": workers, "path": "grpc", "mix": "none", "replicas": replicas, "picks_per_s": 0,
+                "workers": workers, "path": "grpc", "mix": "none", "replicas": replicas, "picks_per_s": 0, "fill_lost_messages": fill_lost,
                 "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
-                "cpu_s_per_s": ((cpu1 - cpu0) / a.secs * 100.0).round() / 100.0,
+                "cpu_s_per_s": ((cpu1 - cpu0) / a.secs * 100.0).round() / 100.0, "machine_busy": machine_busy,
             }));
             continue;
         };
         let pps = step.answered as f64 / step.secs;
         let cpu_per_pick = if step.answered > 0 { (cpu1 - cpu0) * 1e6 / step.answered as f64 } else { f64::NAN };
         eprintln!(
-            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, CPU {cpu_per_pick:.0} µs/pick",
+            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick",
             step.latency.quantile(0.5),
             step.latency.quantile(0.99),
             step.latency.quantile(0.999),
@@ -605,6 +666,8 @@ async fn over_grpc(
                 "offered_per_s": rate, "picks_per_s": pps.round(), "failed": step.failed,
                 "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
                 "cpu_us_per_pick": cpu_per_pick.round(), "cpu_s_per_s": ((cpu1 - cpu0) / step.secs * 100.0).round() / 100.0,
+                "server_pick_p99_ms": server_p99_ms,
+                "ingest_hold_p99_ms": hold_p99_ms, "ingest_hold_p999_ms": hold_p999_ms, "machine_busy": machine_busy,
             }),
         ));
         // Past saturation: the answered rate fell behind, or the tail left a second.
