@@ -355,7 +355,7 @@ impl Ends {
     }
 
     /// Reported with the next batch, not after the usual duration.
-    fn ended_now(&self, request_id: String, worker_id: String, endpoint: String) {
+    pub(crate) fn ended_now(&self, request_id: String, worker_id: String, endpoint: String) {
         let back = Instant::now().checked_sub(self.1).unwrap_or_else(Instant::now);
         self.end_at(back, request_id, worker_id, endpoint);
     }

@@ -311,14 +311,23 @@ fn in_process(
     let mut rows = Vec::new();
     // The conversations and documents were seen before (their earlier
     // turns are cached).
-    for i in 0..mixes.conversations.len() as u64 {
-        if let Ok(r) = app.pick(&mixes.request("doks_new_turn", i)) {
-            mixes.retain(&r.retained_chain_hashes);
-        }
-    }
-    for i in 0..mixes.documents.len() as u64 {
-        if let Ok(r) = app.pick(&mixes.request("doc_question", i)) {
-            mixes.retain(&r.retained_chain_hashes);
+    for (mix, n) in
+        [("doks_new_turn", mixes.conversations.len() as u64), ("doc_question", mixes.documents.len() as u64)]
+    {
+        for i in 0..n {
+            let req = mixes.request(mix, i);
+            if let Ok(r) = app.pick(&req) {
+                mixes.retain(&r.retained_chain_hashes);
+                // Finished at once, as every Pick below.
+                let done = kvgate_protocol::pb::CompletionReport {
+                    request_id: req.request_id.clone(),
+                    model: MODEL.into(),
+                    total_us: 1,
+                    ..Default::default()
+                };
+                let _ = app
+                    .report(&kvgate_protocol::pb::CompletionReportBatch { reports: vec![done], ..Default::default() });
+            }
         }
     }
     for mix in &a.mixes {
@@ -568,16 +577,20 @@ async fn over_grpc(
     }
     let mut rows = Vec::new();
     // The conversations and documents were seen before (their earlier
-    // turns are cached), each by the replica it hashes to.
-    let home = |mix: &str, i: u64| group[(mixes.affinity(mix, i) % replicas as u64) as usize].channels[0].clone();
-    for i in 0..mixes.conversations.len() as u64 {
-        if let Ok(r) = home("doks_new_turn", i).pick(mixes.request("doks_new_turn", i)).await {
-            mixes.retain(&r.get_ref().retained_chain_hashes);
-        }
-    }
-    for i in 0..mixes.documents.len() as u64 {
-        if let Ok(r) = home("doc_question", i).pick(mixes.request("doc_question", i)).await {
-            mixes.retain(&r.get_ref().retained_chain_hashes);
+    // turns are cached), each by the replica it hashes to; each of these
+    // Picks is reported finished at once (none stays in flight through
+    // the steps).
+    let warm = [("doks_new_turn", mixes.conversations.len() as u64), ("doc_question", mixes.documents.len() as u64)];
+    for (mix, n) in warm {
+        for i in 0..n {
+            let home = &group[(mixes.affinity(mix, i) % replicas as u64) as usize];
+            let req = mixes.request(mix, i);
+            let id = req.request_id.clone();
+            if let Ok(r) = home.channels[0].clone().pick(req).await {
+                let r = r.into_inner();
+                mixes.retain(&r.retained_chain_hashes);
+                home.ends.ended_now(id, r.worker_id, r.endpoint);
+            }
         }
     }
     let mut next_id = 1_000u64;
