@@ -18,6 +18,15 @@ use crate::shard::Shard;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerIdx(pub u32);
 
+/// A slot of `slots` for a new worker: one freed before (from `free`), or
+/// a new one at the end. Its content is left as it was (`None`).
+pub(crate) fn take_slot<T>(slots: &mut Vec<Option<T>>, free: &mut Vec<WorkerIdx>) -> WorkerIdx {
+    free.pop().unwrap_or_else(|| {
+        slots.push(None);
+        WorkerIdx((slots.len() - 1) as u32)
+    })
+}
+
 /// Settings of one model's index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexConfig {
@@ -245,13 +254,7 @@ impl Index {
         let shard = (0..self.live.len()).min_by_key(|s| self.live.get(*s).copied().unwrap_or(usize::MAX)).unwrap_or(0);
         let Some(s) = self.shards.get_mut(shard) else { return WorkerIdx(u32::MAX) };
         let local = s.add_worker(name);
-        let w = match self.free.pop() {
-            Some(w) => w,
-            None => {
-                self.places.push(None);
-                WorkerIdx((self.places.len() - 1) as u32)
-            }
-        };
+        let w = take_slot(&mut self.places, &mut self.free);
         if let Some(p) = self.places.get_mut(w.0 as usize) {
             *p = Some(Place { shard, local });
         }

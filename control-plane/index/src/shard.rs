@@ -161,13 +161,7 @@ impl Shard {
 
     /// Registers a worker by its id and returns its index in the shard.
     pub(crate) fn add_worker(&mut self, name: &str) -> WorkerIdx {
-        let w = match self.free.pop() {
-            Some(w) => w,
-            None => {
-                self.workers.push(None);
-                WorkerIdx((self.workers.len() - 1) as u32)
-            }
-        };
+        let w = crate::index::take_slot(&mut self.workers, &mut self.free);
         if let Some(slot) = self.workers.get_mut(w.0 as usize) {
             *slot = Some(Worker::new(name.to_owned()));
         }
