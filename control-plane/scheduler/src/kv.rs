@@ -383,12 +383,24 @@ impl KvPolicy {
 struct Scored {
     saturated: bool,
     cost: f64,
-    /// `cost` in `tie_epsilon` buckets (computed once, not per comparison).
-    bucket: f64,
-    requests: u32,
-    active: u64,
+    /// The order among the unsaturated (and among the saturated): `cost` in
+    /// `tie_epsilon` buckets, then requests, then active blocks (as one
+    /// number, computed once, not per comparison; see [`order_key`]).
+    /// (Two halves: a `u128` would align the entry to 16 bytes.)
+    key: (u64, u64),
     tie: u64,
-    idx: usize,
+    idx: u32,
+}
+
+/// The ranking's key: a cost bucket (`total_cmp` order), then requests,
+/// then active blocks. Active blocks count up to 2³² − 1 (beyond, equal:
+/// the random tie decides).
+fn order_key(bucket: f64, requests: u32, active: u64) -> (u64, u64) {
+    // The bits of an f64 as an unsigned number in `total_cmp` order.
+    let b = bucket.to_bits();
+    let bucket = if b >> 63 == 1 { !b } else { b | (1 << 63) };
+    let active = u32::try_from(active).unwrap_or(u32::MAX);
+    (bucket, (u64::from(requests) << 32) | u64::from(active))
 }
 
 impl Policy for KvPolicy {
@@ -409,15 +421,14 @@ impl Policy for KvPolicy {
             .filter_map(|i| {
                 let c = candidates.get(i)?;
                 let cost = self.cost_in(request, c, unit);
+                // Bucketing by eps keeps the order transitive.
+                let bucket = if eps > 0.0 { (cost / eps).floor() } else { cost };
                 Some(Scored {
                     saturated: self.saturated(request, c),
                     cost,
-                    // Bucketing by eps keeps the order transitive.
-                    bucket: if eps > 0.0 { (cost / eps).floor() } else { cost },
-                    requests: c.load.effective_requests(),
-                    active: c.load.effective_active_blocks(),
+                    key: order_key(bucket, c.load.effective_requests(), c.load.effective_active_blocks()),
                     tie: rng.u64(..),
-                    idx: i,
+                    idx: u32::try_from(i).ok()?,
                 })
             })
             .collect();
@@ -427,19 +438,12 @@ impl Policy for KvPolicy {
         // Saturated last; then cost, where costs within eps of each other are
         // ordered by load. The random tie makes every key distinct: an unstable sort orders
         // as a stable one would.
-        scored.sort_unstable_by(|a, b| {
-            a.saturated
-                .cmp(&b.saturated)
-                .then(a.bucket.total_cmp(&b.bucket))
-                .then(a.requests.cmp(&b.requests))
-                .then(a.active.cmp(&b.active))
-                .then(a.tie.cmp(&b.tie))
-        });
+        scored.sort_unstable_by(|a, b| a.saturated.cmp(&b.saturated).then(a.key.cmp(&b.key)).then(a.tie.cmp(&b.tie)));
         if self.config.temperature > 0.0 {
             softmax_promote(&mut scored, self.config.temperature * f64::from(n.max(1)), rng);
         }
-        let chosen = scored.first()?.idx;
-        let fallbacks = scored.iter().skip(1).map(|s| s.idx).collect();
+        let chosen = scored.first()?.idx as usize;
+        let fallbacks = scored.iter().skip(1).map(|s| s.idx as usize).collect();
         // Overlap the cost counted: device, in flight, and host memory
         // unless the host tier is ignored.
         let host = self.config.host_hit_weight > 0.0;
@@ -482,4 +486,41 @@ fn softmax_promote(scored: &mut [Scored], temperature: f64, rng: &mut fastrand::
         pick = i;
     }
     scored.swap(0, pick);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::order_key;
+    use proptest::prelude::*;
+
+    fn any_bucket() -> impl Strategy<Value = f64> {
+        prop_oneof![
+            any::<f64>(),
+            Just(0.0),
+            Just(-0.0),
+            Just(f64::INFINITY),
+            Just(f64::NEG_INFINITY),
+            (-1e6..1e6f64).prop_map(f64::floor),
+        ]
+    }
+
+    proptest! {
+        /// The packed key orders as the comparison it replaces: the bucket
+        /// by `total_cmp`, then requests, then active blocks.
+        #[test]
+        fn the_ranking_key_orders_as_bucket_then_requests_then_active(
+            a in (any_bucket(), any::<u32>(), 0..=u64::from(u32::MAX)),
+            b in (any_bucket(), any::<u32>(), 0..=u64::from(u32::MAX)),
+        ) {
+            let want = a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+            prop_assert_eq!(order_key(a.0, a.1, a.2).cmp(&order_key(b.0, b.1, b.2)), want);
+        }
+    }
+
+    #[test]
+    fn active_blocks_beyond_u32_rank_equal() {
+        assert_eq!(order_key(1.0, 3, u64::MAX), order_key(1.0, 3, u64::from(u32::MAX)));
+        assert!(order_key(1.0, 3, 7) < order_key(1.0, 3, 8));
+        assert!(order_key(-2.0, 9, 9) < order_key(-1.0, 0, 0));
+    }
 }

@@ -228,30 +228,58 @@ impl LoadTracker {
     /// computing (a follower's first token waits for them).
     pub fn inflight_share(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> InflightShare {
         let blocks = self.shared_on(worker, prompt);
-        let computing = if blocks > 0 { self.computing_on(worker, prompt, blocks) } else { 0 };
+        let first = self.holders_at(prompt, 0);
+        let computing = if blocks > 0 { self.computing_on(worker, prompt, blocks, first) } else { 0 };
         InflightShare { blocks: u32::try_from(blocks).unwrap_or(u32::MAX), computing }
     }
 
     /// What the requests in flight on each worker share with `prompt`,
     /// indexed by `WorkerIdx` (workers beyond the vector's end share
     /// nothing; the vector grows to the largest holder of the first block,
-    /// as only those can share anything).
+    /// as only those can share anything). The prompt's checkpoints are
+    /// looked up once for all the workers.
     pub fn inflight_shares(&self, prompt: &[SequenceHash]) -> Vec<InflightShare> {
         let mut out: Vec<InflightShare> = Vec::new();
-        let Some(first) = prompt.first().and_then(|h| self.checkpoints.get(h)) else { return out };
+        let holders = self.prompt_holders(prompt);
+        let Some(first) = holders.first() else { return out };
         let top = first.last().map_or(0, |(w, _)| w.0 as usize + 1);
         out.resize(top, InflightShare::default());
         let mut last = None;
-        for (w, _) in first {
+        for (w, _) in *first {
             if last == Some(*w) {
                 continue;
             }
             last = Some(*w);
             if let Some(s) = out.get_mut(w.0 as usize) {
-                *s = self.inflight_share(*w, prompt);
+                *s = self.share_with(*w, prompt, &holders);
             }
         }
         out
+    }
+
+    /// The requests holding each of `prompt`'s checkpoints (position
+    /// `k · CHECKPOINT` at index k), up to the first one no request holds:
+    /// none holds a later one (chained hashes).
+    fn prompt_holders<'a>(&'a self, prompt: &[SequenceHash]) -> Vec<&'a [(WorkerIdx, u32)]> {
+        prompt
+            .iter()
+            .step_by(CHECKPOINT)
+            .map_while(|h| self.checkpoints.get(h).map(Vec::as_slice).filter(|hs| !hs.is_empty()))
+            .collect()
+    }
+
+    /// [`LoadTracker::inflight_share`] with the prompt's holders looked up
+    /// already.
+    fn share_with(&self, worker: WorkerIdx, prompt: &[SequenceHash], holders: &[&[(WorkerIdx, u32)]]) -> InflightShare {
+        let at = |k: usize| holders.get(k).copied().unwrap_or_default();
+        let blocks = self.shared_along(worker, prompt, at, holders.len());
+        let computing = if blocks > 0 { self.computing_on(worker, prompt, blocks, at(0)) } else { 0 };
+        InflightShare { blocks: u32::try_from(blocks).unwrap_or(u32::MAX), computing }
+    }
+
+    /// The requests holding the prompt's checkpoint k (all workers).
+    fn holders_at(&self, prompt: &[SequenceHash], k: usize) -> &[(WorkerIdx, u32)] {
+        prompt.get(k * CHECKPOINT).and_then(|h| self.checkpoints.get(h)).map_or(&[][..], Vec::as_slice)
     }
 
     fn request(&self, slot: u32) -> Option<&Inflight> {
@@ -261,17 +289,35 @@ impl LoadTracker {
     /// The longest prefix of `prompt` that a request in flight on `worker`
     /// holds (see the module documentation).
     fn shared_on(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> usize {
-        let holds = |i: usize| {
-            prompt.get(i).and_then(|h| self.checkpoints.get(h)).is_some_and(|hs| !run(hs, worker).is_empty())
-        };
-        if !holds(0) {
+        let checkpoints = prompt.len().div_ceil(CHECKPOINT);
+        self.shared_along(worker, prompt, |k| self.holders_at(prompt, k), checkpoints)
+    }
+
+    /// [`LoadTracker::shared_on`], with `at(k)` the requests holding the
+    /// prompt's checkpoint k, for k below `checkpoints` (none holds a later
+    /// one).
+    fn shared_along<'a>(
+        &'a self,
+        worker: WorkerIdx,
+        prompt: &[SequenceHash],
+        at: impl Fn(usize) -> &'a [(WorkerIdx, u32)],
+        checkpoints: usize,
+    ) -> usize {
+        let on = |k: usize| run(at(k), worker);
+        if on(0).is_empty() {
             return 0;
         }
-        let at = last_checkpoint(prompt.len(), holds);
+        // The last checkpoint it holds: it holds checkpoint lo - 1, and none
+        // at hi or later (binary search).
+        let (mut lo, mut hi) = (1, checkpoints);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if on(mid).is_empty() { hi = mid } else { lo = mid + 1 }
+        }
+        let at = (lo - 1) * CHECKPOINT;
         let end = prompt.len().min(at + CHECKPOINT);
-        let holders = prompt.get(at).and_then(|h| self.checkpoints.get(h)).map_or(&[][..], |hs| run(hs, worker));
         let mut best = at + 1;
-        for (_, slot) in holders {
+        for (_, slot) in on(lo - 1) {
             let Some(r) = self.request(*slot) else { continue };
             let mut i = best;
             while i < end && r.prompt.get(i).is_some_and(|x| prompt.get(i) == Some(x)) {
@@ -296,9 +342,15 @@ impl LoadTracker {
     /// requests holding the prompt's first block can share anything: the
     /// worker's prefilling requests or its holders of that block are walked,
     /// whichever list is shorter.
-    fn computing_on(&self, worker: WorkerIdx, prompt: &[SequenceHash], shared: usize) -> u32 {
+    fn computing_on(
+        &self,
+        worker: WorkerIdx,
+        prompt: &[SequenceHash],
+        shared: usize,
+        first: &[(WorkerIdx, u32)],
+    ) -> u32 {
         let Some(Some(w)) = self.workers.get(worker.0 as usize) else { return 0 };
-        let first = prompt.first().and_then(|h| self.checkpoints.get(h)).map_or(&[][..], |hs| run(hs, worker));
+        let first = run(first, worker);
         let span = |slot: u32| {
             let r = self.request(slot)?;
             let agrees = r.prompt.get(r.own_from).is_some_and(|h| prompt.get(r.own_from) == Some(h));

@@ -5,8 +5,6 @@
 //! Cost: O(prompt blocks) hashing + two index lookups + O(W log W) for the
 //! W live workers (the policy's ranking).
 
-use std::collections::HashMap;
-
 use kvgate_index::{Tier, WorkerIdx};
 use kvgate_protocol::pb;
 use kvgate_protocol::{BlockSeed, SequenceHash, sequence_hashes};
@@ -382,16 +380,26 @@ impl ModelState {
     /// `allowed` are excluded, and so are `prefill` workers (they take only
     /// prefill legs).
     fn candidates(&mut self, hashes: &[SequenceHash], allowed: Option<&[String]>, now_ms: u64) -> Candidates {
-        let mut device: HashMap<WorkerIdx, u32> = HashMap::new();
-        let mut any: HashMap<WorkerIdx, u32> = HashMap::new();
+        // Overlaps by worker index (indexes are dense: a vector, not a map).
+        let mut device: Vec<u32> = Vec::new();
+        let mut any: Vec<u32> = Vec::new();
+        let by_worker = |to: &mut Vec<u32>, found: &[kvgate_index::Overlap]| {
+            for o in found {
+                let i = o.worker.0 as usize;
+                if to.len() <= i {
+                    to.resize(i + 1, 0);
+                }
+                to[i] = o.blocks;
+            }
+        };
         if !hashes.is_empty() && self.mode == Mode::Kv {
             self.index.find_matches(hashes, Tier::Device, &mut self.scratch);
-            device.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
+            by_worker(&mut device, &self.scratch);
             // Without host blocks the any-tier overlap is the device one
             // (a second lookup would only repeat it).
             if self.index.distinct_blocks(Tier::Host) > 0 {
                 self.index.find_matches_any_tier(hashes, &mut self.scratch);
-                any.extend(self.scratch.iter().map(|o| (o.worker, o.blocks)));
+                by_worker(&mut any, &self.scratch);
             }
         }
         // What each worker's requests in flight share with the prompt, in
@@ -403,14 +411,15 @@ impl ModelState {
         // Each live worker at its place in the sorted order: no sort per Pick.
         let mut slots: Vec<Option<(Candidate, pb::WorkerRole, bool)>> = vec![None; self.order.len()];
         let mut prefill_registered = false;
+        let mut timing = self.calibration.timings();
         for w in self.workers.values() {
             let prefill_only = w.role == pb::WorkerRole::Prefill;
             prefill_registered |= prefill_only;
             if !self.live(w, now_ms) {
                 continue;
             }
-            let d = device.get(&w.idx).copied().unwrap_or(0);
-            let h = any.get(&w.idx).copied().unwrap_or(0);
+            let d = device.get(w.idx.0 as usize).copied().unwrap_or(0);
+            let h = any.get(w.idx.0 as usize).copied().unwrap_or(0);
             let inflight = shares.get(w.idx.0 as usize).copied().unwrap_or_default();
             let outside = allowed.is_some_and(|a| !w.endpoint.as_ref().is_some_and(|e| a.contains(e)));
             let excluded = prefill_only || outside;
@@ -421,7 +430,7 @@ impl ModelState {
                 inflight_overlap_blocks: inflight.blocks,
                 inflight_computing_blocks: inflight.computing,
                 load: self.tracker.load(w.idx),
-                timing: self.calibration.timing(w.idx),
+                timing: timing(w.idx),
                 decode_running: None,
                 excluded,
             };
@@ -429,6 +438,7 @@ impl ModelState {
                 *slot = Some((cand, w.role, outside));
             }
         }
+        drop(timing);
         let (mut cands, mut ranks, mut prefill, mut both, mut prefill_allowed) =
             (Vec::with_capacity(slots.len()), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let fading = self.config.fading_load && self.mode == Mode::Kv;

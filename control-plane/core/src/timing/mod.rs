@@ -53,6 +53,21 @@ pub fn class_of(load: &Load) -> String {
     }
 }
 
+/// Distinct class names kept for sharing.
+const MAX_NAMES: usize = 64;
+
+/// `name` as one shared string per class (up to [`MAX_NAMES`] names).
+fn intern(names: &mut Vec<Arc<str>>, name: String) -> Arc<str> {
+    if let Some(known) = names.iter().find(|n| ***n == *name) {
+        return Arc::clone(known);
+    }
+    let name: Arc<str> = name.into();
+    if names.len() < MAX_NAMES {
+        names.push(Arc::clone(&name));
+    }
+    name
+}
+
 /// Time-weighted integrals of a worker's load, in the control plane's
 /// clock.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -224,7 +239,11 @@ pub struct Calibration {
     /// Each class's [`EngineFit::timing`], refreshed when it learns.
     timings: BTreeMap<String, EngineTiming>,
     open: HashMap<String, Open>,
-    activity: HashMap<WorkerIdx, Activity>,
+    /// Class names, shared by the workers of a class (at most
+    /// [`MAX_NAMES`]; beyond, a worker's name is its own).
+    names: Vec<Arc<str>>,
+    /// By worker index (a small integer of ours: a fast hash).
+    activity: HashMap<WorkerIdx, Activity, foldhash::fast::RandomState>,
     counters: TimingCounters,
 }
 
@@ -240,7 +259,8 @@ impl Calibration {
             classes: BTreeMap::new(),
             timings: BTreeMap::new(),
             open: HashMap::new(),
-            activity: HashMap::new(),
+            names: Vec::new(),
+            activity: HashMap::default(),
             counters: TimingCounters::default(),
         }
     }
@@ -256,13 +276,40 @@ impl Calibration {
         if !self.learn {
             return None;
         }
-        let class = self.activity.get(&worker).map_or(UNKNOWN_CLASS, |a| &*a.class);
-        Some(
-            self.timings
-                .get(self.class_key(class))
-                .copied()
-                .unwrap_or(EngineTiming::linear(self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq)),
-        )
+        Some(self.class_timing(self.class_name(worker)))
+    }
+
+    /// [`Calibration::timing`] for many workers in a row (a Pick's
+    /// candidates): a class's timing is looked up once for a run of
+    /// workers of that class, not once per worker.
+    pub fn timings(&self) -> impl FnMut(WorkerIdx) -> Option<EngineTiming> + '_ {
+        let mut last: Option<(&str, EngineTiming)> = None;
+        move |worker| {
+            if !self.learn {
+                return None;
+            }
+            let class = self.class_name(worker);
+            // Interned names: the same class is the same string.
+            if let Some((c, t)) = last
+                && std::ptr::eq(c, class)
+            {
+                return Some(t);
+            }
+            let t = self.class_timing(class);
+            last = Some((class, t));
+            Some(t)
+        }
+    }
+
+    fn class_name(&self, worker: WorkerIdx) -> &str {
+        self.activity.get(&worker).map_or(UNKNOWN_CLASS, |a| &*a.class)
+    }
+
+    fn class_timing(&self, class: &str) -> EngineTiming {
+        self.timings
+            .get(self.class_key(class))
+            .copied()
+            .unwrap_or(EngineTiming::linear(self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq))
     }
 
     /// The worker's load changed (or is about to be read): integrates the
@@ -280,7 +327,7 @@ impl Calibration {
         // allocation on every Pick).
         let hardware = (load.capacity_blocks, load.max_running);
         if a.class.is_empty() || (hardware.0.is_some() && hardware != a.hardware) {
-            a.class = class_of(load).into();
+            a.class = intern(&mut self.names, class_of(load));
             a.hardware = hardware;
         }
         let a = &mut a.sums;
