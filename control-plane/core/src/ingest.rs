@@ -32,10 +32,11 @@ impl App {
 
     /// Dispatches NATS messages (subject, payload) in their order. KV
     /// batches in a row for one model whose index has more than one shard
-    /// are applied together ([`crate::model::ModelState::on_batches`]: each
-    /// wave's shards on parallel threads, under one hold of the model's
-    /// lock); everything else one message at a time, each under its own
-    /// hold, as [`App::on_nats`]. Returns snapshot needs (model, worker).
+    /// are applied together (in waves, each wave's shards on parallel
+    /// threads); KV batches are applied under the index's write lock, their
+    /// stream decisions under the model's ([`crate::model::ingest_batches`]);
+    /// everything else one message at a time under the model's lock, as
+    /// [`App::on_nats`]. Returns snapshot needs (model, worker).
     pub fn on_nats_many<'a>(
         &self,
         messages: impl IntoIterator<Item = (&'a str, &'a [u8])>,
@@ -58,9 +59,9 @@ impl App {
                 self.apply_group(group.take(), &mut needs);
                 let now = self.now_ms();
                 let engine_ts = batch.engine_ts_unix_nanos;
-                let need = held(&model, |st| st.on_batch(batch, now));
+                let need = ingest(&model, vec![batch], now);
                 observe_lag(&model, engine_ts);
-                needs.extend(need.map(|Need::Snapshot(w)| (model.clone(), w)));
+                needs.extend(need.into_iter().map(|Need::Snapshot(w)| (model.clone(), w)));
                 continue;
             }
             // Anything else waits for the KV batches before it.
@@ -91,7 +92,7 @@ impl App {
         let Some((model, batches)) = group else { return };
         let now = self.now_ms();
         let stamps: Vec<u64> = batches.iter().map(|b| b.engine_ts_unix_nanos).collect();
-        let got = held(&model, |st| st.on_batches(batches, now));
+        let got = ingest(&model, batches, now);
         for engine_ts in stamps {
             observe_lag(&model, engine_ts);
         }
@@ -211,15 +212,12 @@ impl App {
     }
 }
 
-/// `apply` under the model's lock, the hold observed in
-/// `kvgate_ingest_lock_hold_seconds` (from the lock taken to its release).
-fn held<T>(model: &Model, apply: impl FnOnce(&mut crate::model::ModelState) -> T) -> T {
-    let mut st = model.state.lock();
-    let t = std::time::Instant::now();
-    let out = apply(&mut st);
-    drop(st);
-    model.ingest_hold_seconds.observe(t.elapsed().as_secs_f64());
-    out
+/// KV batches into the model ([`crate::model::ingest_batches`]), each hold
+/// of the index's write lock observed in `kvgate_ingest_lock_hold_seconds`.
+fn ingest(model: &Model, batches: Vec<pb::KvEventBatch>, now: u64) -> Vec<Need> {
+    crate::model::ingest_batches(&model.state, batches, now, |held| {
+        model.ingest_hold_seconds.observe(held.as_secs_f64());
+    })
 }
 
 /// The index's staleness for one applied batch: from the engine's

@@ -228,7 +228,7 @@ impl Global {
         );
         r.register(
             "kvgate_ingest_lock_hold_seconds",
-            "How long one application of KV event batches held the model's lock (its Picks wait meanwhile).",
+            "How long one application of KV event batches held the model's index for writing (Picks wait meanwhile to look their prompt up).",
             ingest_hold_seconds,
         );
         r.register("kvgate_pick_decisions", "Answered picks by mode and reason.", decisions);

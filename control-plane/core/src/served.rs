@@ -2,7 +2,11 @@
 //! histograms.
 
 use kvgate_tokenize::prompt::{PromptTokenizer, TokenCacheConfig};
-use parking_lot::Mutex;
+use std::sync::Arc;
+
+use kvgate_index::Index;
+use kvgate_protocol::BlockSize;
+use parking_lot::{Mutex, RwLock};
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::config::{Config, ModelSettings};
@@ -17,6 +21,10 @@ pub struct Model {
     pub name: String,
     /// Routing state.
     pub state: Mutex<ModelState>,
+    /// Its block index, shared with `state`: Picks look their prompt up
+    /// here before they take `state`'s lock.
+    pub(crate) index: Arc<RwLock<Index>>,
+    pub(crate) block_size: BlockSize,
     /// Tokenizer, when configured.
     pub tokenizer: Option<PromptTokenizer>,
     pub(crate) pick_seconds: Histogram,
@@ -55,9 +63,12 @@ impl Model {
             None => None,
         };
         let label = ModelLabel { model: m.routing.name.clone() };
+        let state = ModelState::new(m.routing.clone(), 0x6b76_6761_7465 ^ i as u64);
         Ok(Model {
             name: m.routing.name.clone(),
-            state: Mutex::new(ModelState::new(m.routing.clone(), 0x6b76_6761_7465 ^ i as u64)),
+            index: state.shared_index(),
+            block_size: m.routing.block_size,
+            state: Mutex::new(state),
             tokenizer,
             pick_seconds: metrics.global.pick_seconds.get_or_create_owned(&label),
             overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),

@@ -22,17 +22,19 @@ impl App {
         let mut out = serde_json::Map::new();
         for (name, m) in &self.models {
             let st = m.state.lock();
-            let c = st.index().counters();
+            // One read of the index for the whole view.
+            let index = st.index();
             let mut v = serde_json::json!({
                 "mode": st.mode().name(),
                 "block_size": st.config().block_size.get(),
-                "workers": st.index().worker_count(),
-                "device_blocks": st.index().distinct_blocks(kvgate_index::Tier::Device),
-                "host_blocks": st.index().distinct_blocks(kvgate_index::Tier::Host),
-                "heap_bytes": st.index().approx_heap_bytes(),
-                "events_applied": c.events_applied,
+                "workers": index.worker_count(),
+                "device_blocks": index.distinct_blocks(kvgate_index::Tier::Device),
+                "host_blocks": index.distinct_blocks(kvgate_index::Tier::Host),
+                "heap_bytes": index.approx_heap_bytes(),
+                "events_applied": index.counters().events_applied,
                 "inflight": st.inflight(),
             });
+            drop(index);
             drop(st);
             if let Some(tk) = &m.tokenizer {
                 let (tokens, entries) = tk.cache_size();

@@ -108,7 +108,7 @@ fn counters_once_kept_but_not_exported_are_exported() {
 }
 
 #[test]
-fn every_ingest_hold_of_the_models_lock_is_observed() {
+fn every_ingest_hold_of_the_index_is_observed() {
     let a = app();
     let count = |a: &App| {
         let text = a.render_metrics();

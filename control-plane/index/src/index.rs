@@ -207,6 +207,9 @@ pub struct Index {
     live: Vec<usize>,
     free: Vec<WorkerIdx>,
     by_name: HashMap<String, WorkerIdx, RandomState>,
+    /// Workers removed so far (a removed worker's index may be handed to
+    /// the next one: an answer read before a removal may name it).
+    removals: u64,
     /// Events for workers that are not registered.
     unknown: Counters,
 }
@@ -223,6 +226,7 @@ impl Index {
             live: vec![0; n],
             free: Vec::new(),
             by_name: HashMap::default(),
+            removals: 0,
             unknown: Counters::default(),
         }
     }
@@ -290,6 +294,13 @@ impl Index {
         (0..self.places.len() as u32).filter_map(|i| Some((WorkerIdx(i), self.worker_name(WorkerIdx(i))?)))
     }
 
+    /// Workers removed since the index was made: answers read at two
+    /// times name the same workers by the same indices when this is the
+    /// same at both.
+    pub fn removals(&self) -> u64 {
+        self.removals
+    }
+
     /// Number of registered workers.
     pub fn worker_count(&self) -> usize {
         self.by_name.len()
@@ -298,6 +309,7 @@ impl Index {
     /// Removes a worker and all its blocks.
     pub fn remove_worker(&mut self, w: WorkerIdx) -> bool {
         let Some(p) = self.place(w) else { return false };
+        self.removals += 1;
         let name = self.worker_name(w).map(str::to_owned);
         if let Some(s) = self.shards.get_mut(p.shard) {
             s.remove_worker(p.local);

@@ -32,8 +32,11 @@ pub mod sync;
 pub mod workers;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Overlap, Stored, Tier, WorkerIdx};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+
+use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Stored, Tier, WorkerIdx};
 use kvgate_protocol::pb;
 use kvgate_protocol::{BlockSeed, BlockSize, SequenceHash};
 use kvgate_scheduler::{KvConfig, KvPolicy, LoadTracker, Mode, Policy};
@@ -43,7 +46,7 @@ use crate::timing::{Calibration, Prior};
 pub use admission::{AdmissionCounters, Admit, Released};
 pub use counters::ModelCounters;
 pub use disagg::DisaggConfig;
-pub use pick::{BY_LOAD, ByLoad, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
+pub use pick::{BY_LOAD, ByLoad, Found, NoWorker, PickInput, PickOutput, reason_label, reason_pb};
 pub use pools::PoolSignals;
 pub use sessions::SessionConfig;
 use sessions::Sessions;
@@ -117,7 +120,13 @@ pub enum Need {
 /// One model's routing state.
 pub struct ModelState {
     config: ModelConfig,
-    index: Index,
+    /// Shared with the model's ingest, which applies KV batches under its
+    /// write lock alone, and with the Picks' lookups, which read it before
+    /// they take the model's lock (see [`ingest_batches`] and [`Found`]).
+    index: Arc<RwLock<Index>>,
+    /// [`Index::removals`] as of the last worker this state removed (the
+    /// index's changes only with it, under this state's lock).
+    removals: u64,
     tracker: LoadTracker,
     calibration: Calibration,
     /// How fast load differences between its workers fade (`fading_load`).
@@ -146,7 +155,6 @@ pub struct ModelState {
     admission: admission::AdmissionCounters,
     rng: fastrand::Rng,
     counters: ModelCounters,
-    scratch: Vec<Overlap>,
     /// Liveness is judged as of this time while NATS is down.
     frozen_at: Option<u64>,
     /// When the newest heartbeat of any worker was processed: the time the
@@ -160,6 +168,82 @@ impl std::fmt::Debug for ModelState {
     }
 }
 
+/// A batch the stream decision let through: worker id, its index, batch.
+type ToApply = (String, WorkerIdx, pb::KvEventBatch);
+
+/// The first batch of each worker (in order), and the rest.
+fn next_wave(batches: Vec<pb::KvEventBatch>) -> (Vec<pb::KvEventBatch>, Vec<pb::KvEventBatch>) {
+    if batches.len() < 2 {
+        return (batches, Vec::new());
+    }
+    let mut seen = std::collections::HashSet::new();
+    batches.into_iter().partition(|b| seen.insert(b.worker_id.clone()))
+}
+
+/// One batch's events into the index (empty events skipped; counted by
+/// [`ModelState::count_applied`]).
+fn apply_to(index: &mut Index, idx: WorkerIdx, batch: &pb::KvEventBatch) {
+    for e in batch.events.iter().filter_map(KvEvent::from_pb) {
+        let _ = index.apply(idx, &e);
+    }
+}
+
+/// A wave's events into the index: one batch directly, several at once
+/// ([`Index::apply_batch`]: an index's shards on parallel threads).
+fn apply_wave(index: &mut Index, applied: &[ToApply]) {
+    if let [(_, idx, b)] = applied {
+        apply_to(index, *idx, b);
+        return;
+    }
+    let events: Vec<(WorkerIdx, KvEvent<'_>)> = applied
+        .iter()
+        .flat_map(|(_, idx, b)| b.events.iter().filter_map(KvEvent::from_pb).map(move |e| (*idx, e)))
+        .collect();
+    let _ = index.apply_batch(&events);
+}
+
+/// KV batches applied as the model's ingest does, with the least of the
+/// model's lock: per wave (see [`ModelState::on_batches`]; one batch is one
+/// wave) the stream decisions under the model's lock, then the events
+/// under the index's write lock alone, then the resync checks (the model's
+/// lock again only when a worker needs one). The index's lock is taken
+/// before the model's is released, so no worker leaves (and no index is
+/// handed to another) between the decision and its events. Picks wait for
+/// the index only for their lookup ([`Found`]), not for the rest of ingest.
+/// Returns the needs and, per wave, how long the index was held.
+pub fn ingest_batches(
+    state: &Mutex<ModelState>,
+    batches: Vec<pb::KvEventBatch>,
+    now_ms: u64,
+    mut held: impl FnMut(std::time::Duration),
+) -> Vec<Need> {
+    let mut needs = Vec::new();
+    let mut rest = batches;
+    while !rest.is_empty() {
+        let (wave, later) = next_wave(rest);
+        rest = later;
+        let mut st = state.lock();
+        let applied = st.accept_wave(wave, now_ms, &mut needs);
+        if applied.is_empty() {
+            continue;
+        }
+        let shared = st.shared_index();
+        let mut index = shared.write();
+        drop(st);
+        let t = std::time::Instant::now();
+        apply_wave(&mut index, &applied);
+        let resync: Vec<&str> =
+            applied.iter().filter(|(_, idx, _)| index.take_resync(*idx)).map(|(id, _, _)| id.as_str()).collect();
+        drop(index);
+        held(t.elapsed());
+        if !resync.is_empty() {
+            let mut st = state.lock();
+            needs.extend(resync.into_iter().filter_map(|id| st.start_snapshot(id, now_ms, None)));
+        }
+    }
+    needs
+}
+
 fn policy_for(mode: Mode, kv: KvConfig) -> Box<dyn Policy> {
     match mode {
         Mode::Kv => Box::new(KvPolicy::new(kv)),
@@ -171,10 +255,11 @@ impl ModelState {
     /// A model with no workers but its static ones.
     pub fn new(config: ModelConfig, seed: u64) -> Self {
         let mut this = Self {
-            index: Index::new(IndexConfig {
+            index: Arc::new(RwLock::new(Index::new(IndexConfig {
                 shards: config.index_shards.max(1),
                 ..IndexConfig::new(config.block_size)
-            }),
+            }))),
+            removals: 0,
             tracker: LoadTracker::new(),
             persistence: kvgate_scheduler::LoadPersistence::new(),
             calibration: Calibration::new(
@@ -200,13 +285,12 @@ impl ModelState {
             admission: Default::default(),
             rng: fastrand::Rng::with_seed(seed),
             counters: ModelCounters::default(),
-            scratch: Vec::new(),
             frozen_at: None,
             newest_heartbeat_ms: None,
             config,
         };
         for (id, endpoint) in this.config.static_workers.clone() {
-            let idx = this.index.add_worker(&id);
+            let idx = this.index.write().add_worker(&id);
             this.names.insert(idx, id.clone());
             let w = Worker::new(idx, Some(endpoint), StreamSync::Static, this.config.block_size.get());
             this.workers.insert(id, w);
@@ -219,9 +303,15 @@ impl ModelState {
         &self.config
     }
 
-    /// The index (read-only).
-    pub fn index(&self) -> &Index {
-        &self.index
+    /// The index (read-only; a read lock of it).
+    pub fn index(&self) -> RwLockReadGuard<'_, Index> {
+        self.index.read()
+    }
+
+    /// The index, shared (the model's ingest and Picks use it without the
+    /// model's lock).
+    pub fn shared_index(&self) -> Arc<RwLock<Index>> {
+        Arc::clone(&self.index)
     }
 
     /// The engine timing learned so far.
@@ -269,7 +359,9 @@ impl ModelState {
         }
     }
 
-    /// A KV event batch from a worker's relay.
+    /// A KV event batch from a worker's relay (all of it under `&mut self`;
+    /// the model's ingest uses [`ingest_batches`], which gives the index
+    /// alone to the events).
     pub fn on_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Option<Need> {
         match self.accept_batch(batch, now_ms) {
             Accepted::Apply(id, idx, b) => {
@@ -290,33 +382,31 @@ impl ModelState {
         let mut needs = Vec::new();
         let mut rest = batches;
         while !rest.is_empty() {
-            let mut seen = std::collections::HashSet::new();
-            let (wave, later): (Vec<_>, Vec<_>) = rest.into_iter().partition(|b| seen.insert(b.worker_id.clone()));
+            let (wave, later) = next_wave(rest);
             rest = later;
-            let mut applied = Vec::with_capacity(wave.len());
-            for batch in wave {
-                match self.accept_batch(batch, now_ms) {
-                    Accepted::Apply(id, idx, b) => applied.push((id, idx, b)),
-                    Accepted::Done(need) => needs.extend(need),
-                }
-            }
-            let mut events = Vec::new();
-            for (_, idx, b) in &applied {
-                for ev in &b.events {
-                    match KvEvent::from_pb(ev) {
-                        Some(e) => events.push((*idx, e)),
-                        None => self.counters.events_empty += 1,
-                    }
-                }
-                self.counters.batches_applied += 1;
-            }
-            let _ = self.index.apply_batch(&events);
-            drop(events);
+            let applied = self.accept_wave(wave, now_ms, &mut needs);
+            apply_wave(&mut self.index.write(), &applied);
             for (id, idx, _) in &applied {
                 needs.extend(self.resync_if_needed(id, *idx, now_ms));
             }
         }
         needs
+    }
+
+    /// The stream decisions of one wave: the batches to apply (counted),
+    /// the needs of the others into `needs`.
+    fn accept_wave(&mut self, wave: Vec<pb::KvEventBatch>, now_ms: u64, needs: &mut Vec<Need>) -> Vec<ToApply> {
+        let mut applied = Vec::with_capacity(wave.len());
+        for batch in wave {
+            match self.accept_batch(batch, now_ms) {
+                Accepted::Apply(id, idx, b) => {
+                    self.count_applied(&b);
+                    applied.push((id, idx, b));
+                }
+                Accepted::Done(need) => needs.extend(need),
+            }
+        }
+        applied
     }
 
     /// The stream decision for one KV batch: to apply (with the worker's
@@ -383,7 +473,8 @@ impl ModelState {
     }
 
     fn replace_blocks(&mut self, idx: WorkerIdx, chunks: &[pb::SnapshotChunk]) {
-        let _ = self.index.apply(idx, &KvEvent::Cleared);
+        let mut index = self.index.write();
+        let _ = index.apply(idx, &KvEvent::Cleared);
         for chunk in chunks {
             let bs = if chunk.block_size > 0 { chunk.block_size } else { self.config.block_size.get() };
             for b in &chunk.blocks {
@@ -398,22 +489,21 @@ impl ModelState {
                     origin: Origin::New,
                 };
                 for _ in 0..b.ref_count.clamp(1, 16) {
-                    let _ = self.index.apply(idx, &KvEvent::Stored(stored));
+                    let _ = index.apply(idx, &KvEvent::Stored(stored));
                 }
             }
         }
-        let _ = self.index.take_resync(idx);
+        let _ = index.take_resync(idx);
     }
 
     fn apply_events(&mut self, idx: WorkerIdx, batch: &pb::KvEventBatch) {
-        for ev in &batch.events {
-            match KvEvent::from_pb(ev) {
-                Some(e) => {
-                    let _ = self.index.apply(idx, &e);
-                }
-                None => self.counters.events_empty += 1,
-            }
-        }
+        self.count_applied(batch);
+        apply_to(&mut self.index.write(), idx, batch);
+    }
+
+    /// A batch about to be applied, in the counters.
+    fn count_applied(&mut self, batch: &pb::KvEventBatch) {
+        self.counters.events_empty += batch.events.iter().filter(|e| e.event.is_none()).count() as u64;
         self.counters.batches_applied += 1;
     }
 
@@ -439,7 +529,8 @@ impl ModelState {
     /// The index met a store whose parent it does not hold: the worker's
     /// blocks are incomplete, so a snapshot is asked for.
     fn resync_if_needed(&mut self, id: &str, idx: WorkerIdx, now_ms: u64) -> Option<Need> {
-        if self.index.take_resync(idx) { self.start_snapshot(id, now_ms, None) } else { None }
+        let resync = self.index.write().take_resync(idx);
+        if resync { self.start_snapshot(id, now_ms, None) } else { None }
     }
 
     /// Workers whose snapshot started before `now_ms - timeout_ms` (the
@@ -562,7 +653,7 @@ impl ModelState {
 
     /// Skip counters of the index by cause, for metrics.
     pub fn skips(&self) -> [(&'static str, u64); 4] {
-        let c = self.index.counters();
+        let c = self.index.read().counters();
         [
             ("unknown_worker", c.skipped_unknown_worker),
             ("malformed", c.skipped_malformed),

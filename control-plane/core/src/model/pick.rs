@@ -5,10 +5,11 @@
 //! Cost: O(prompt blocks) hashing + two index lookups + O(W log W) for the
 //! W live workers (the policy's ranking).
 
-use kvgate_index::{Tier, WorkerIdx};
+use kvgate_index::{Index, Overlap, Tier, WorkerIdx};
 use kvgate_protocol::pb;
-use kvgate_protocol::{BlockSeed, SequenceHash, sequence_hashes};
+use kvgate_protocol::{BlockSeed, BlockSize, SequenceHash, sequence_hashes};
 use kvgate_scheduler::{Candidate, Decision, KvConfig, KvPolicy, Mode, Policy as _, Reason, RequestView};
+use parking_lot::RwLock;
 
 use super::ModelState;
 use super::disagg::LegCandidate;
@@ -186,15 +187,66 @@ fn keep_session(
     (Decision { chosen: p, fallbacks, reason: decision.reason }, true)
 }
 
+/// A prompt's block hashes and which workers hold them, read from the
+/// index before the model's lock is taken: a Pick waits for the model's
+/// ingest only for this lookup ([`super::ingest_batches`]).
+#[derive(Debug, Default)]
+pub struct Found {
+    hashes: Vec<SequenceHash>,
+    device: Vec<Overlap>,
+    /// In either tier; `None` when the index holds no host blocks (the
+    /// device overlap is the answer then).
+    any: Option<Vec<Overlap>>,
+    /// [`Index::removals`] when read: while it is unchanged, the answer's
+    /// worker indices name the same workers.
+    removals: u64,
+}
+
+impl Found {
+    /// Hashes the prompt (not one routed by load) and looks it up.
+    pub fn lookup(index: &RwLock<Index>, input: &PickInput<'_>, block_size: BlockSize) -> Found {
+        if input.by_load.is_some() {
+            return Found::default();
+        }
+        let hashes = sequence_hashes(input.token_ids, block_size, input.seed);
+        let index = index.read();
+        Found::read(&index, hashes)
+    }
+
+    fn read(index: &Index, hashes: Vec<SequenceHash>) -> Found {
+        let mut device = Vec::new();
+        let mut any = None;
+        if !hashes.is_empty() {
+            index.find_matches(&hashes, Tier::Device, &mut device);
+            // Without host blocks the any-tier overlap is the device one
+            // (a second lookup would only repeat it).
+            if index.distinct_blocks(Tier::Host) > 0 {
+                let mut both = Vec::new();
+                index.find_matches_any_tier(&hashes, &mut both);
+                any = Some(both);
+            }
+        }
+        Found { hashes, device, any, removals: index.removals() }
+    }
+}
+
 impl ModelState {
     /// Chooses a worker for a request and records it as in flight.
     pub fn pick(&mut self, input: &PickInput<'_>, now_ms: u64) -> Result<PickOutput, NoWorker> {
+        let found = Found::lookup(&self.index, input, self.config.block_size);
+        self.pick_found(input, found, now_ms)
+    }
+
+    /// [`ModelState::pick`] with the prompt looked up already
+    /// ([`Found::lookup`], without the model's lock). A worker removed since
+    /// the lookup makes it look again.
+    pub fn pick_found(&mut self, input: &PickInput<'_>, found: Found, now_ms: u64) -> Result<PickOutput, NoWorker> {
+        let found = if found.removals == self.removals { found } else { Found::read(&self.index.read(), found.hashes) };
+        let hashes = &found.hashes[..];
         let bs = self.config.block_size;
-        let hashes: Vec<SequenceHash> =
-            if input.by_load.is_some() { Vec::new() } else { sequence_hashes(input.token_ids, bs, input.seed) };
         // Prefill workers' queues as of now (legs end by their estimate).
         self.end_prefill_legs(now_ms);
-        let c = self.candidates(&hashes, input.allowed, now_ms);
+        let c = self.candidates(&found, input.allowed, now_ms);
         let expected_output_tokens = input.max_tokens.unwrap_or(self.config.default_output_tokens);
         let view = RequestView {
             prompt_blocks: hashes.len() as u32,
@@ -238,7 +290,7 @@ impl ModelState {
             let kv = self.config.kv;
             let done_ms = super::disagg::prefill_done_ms(&pc, uncached(held), held * bs.get(), bs.get(), &kv);
             let leg_ms = done_ms.ceil().max(1.0) as u64;
-            if self.tracker.added(&leg, pc.worker, &hashes, held, 1, now_ms).is_ok() {
+            if self.tracker.added(&leg, pc.worker, hashes, held, 1, now_ms).is_ok() {
                 self.prefill_legs.insert(input.request_id, now_ms + leg_ms, pc.worker);
             }
             leg_out = Some(PrefillLeg {
@@ -263,7 +315,7 @@ impl ModelState {
             let role = self.workers.get(c.id(decision.chosen)).map_or(pb::WorkerRole::Both, |w| w.role);
             self.count_prefill(role, uncached(shared), now_ms);
         }
-        let added = self.tracker.added(input.request_id, chosen.worker, &hashes, shared, output_blocks, now_ms);
+        let added = self.tracker.added(input.request_id, chosen.worker, hashes, shared, output_blocks, now_ms);
         // A disaggregated request's first token is not the decode worker's
         // prefill time: the calibration does not learn from it.
         if added.is_ok() && prefill.is_none() {
@@ -283,7 +335,7 @@ impl ModelState {
         if self.mode == Mode::Kv && input.by_load.is_none() && prefill.is_none() {
             self.predicted.insert(input.request_id.to_owned(), (chosen.overlap_blocks * bs.get(), now_ms));
         }
-        let mut out = self.output(input, &c, &decision, &hashes, expected_output_tokens);
+        let mut out = self.output(input, &c, &decision, hashes, expected_output_tokens);
         out.prefill = leg_out;
         if pinned {
             out.reason = pb::PickReason::Session;
@@ -379,11 +431,12 @@ impl ModelState {
     /// The live workers with their overlaps and loads; those outside
     /// `allowed` are excluded, and so are `prefill` workers (they take only
     /// prefill legs).
-    fn candidates(&mut self, hashes: &[SequenceHash], allowed: Option<&[String]>, now_ms: u64) -> Candidates {
+    fn candidates(&mut self, found: &Found, allowed: Option<&[String]>, now_ms: u64) -> Candidates {
+        let hashes = &found.hashes[..];
         // Overlaps by worker index (indexes are dense: a vector, not a map).
         let mut device: Vec<u32> = Vec::new();
         let mut any: Vec<u32> = Vec::new();
-        let by_worker = |to: &mut Vec<u32>, found: &[kvgate_index::Overlap]| {
+        let by_worker = |to: &mut Vec<u32>, found: &[Overlap]| {
             for o in found {
                 let i = o.worker.0 as usize;
                 if to.len() <= i {
@@ -392,15 +445,9 @@ impl ModelState {
                 to[i] = o.blocks;
             }
         };
-        if !hashes.is_empty() && self.mode == Mode::Kv {
-            self.index.find_matches(hashes, Tier::Device, &mut self.scratch);
-            by_worker(&mut device, &self.scratch);
-            // Without host blocks the any-tier overlap is the device one
-            // (a second lookup would only repeat it).
-            if self.index.distinct_blocks(Tier::Host) > 0 {
-                self.index.find_matches_any_tier(hashes, &mut self.scratch);
-                by_worker(&mut any, &self.scratch);
-            }
+        if self.mode == Mode::Kv {
+            by_worker(&mut device, &found.device);
+            by_worker(&mut any, found.any.as_deref().unwrap_or_default());
         }
         // What each worker's requests in flight share with the prompt, in
         // one walk of it.

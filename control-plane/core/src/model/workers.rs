@@ -108,12 +108,12 @@ pub const MAX_STREAM_LAG_MS: u64 = 60_000;
 
 impl ModelState {
     pub(super) fn worker_entry(&mut self, id: &str, now_ms: u64) -> &mut Worker {
-        let index = &mut self.index;
+        let index = &self.index;
         let names = &mut self.names;
         let stale = &mut self.order_stale;
         let w = self.workers.entry(id.to_owned()).or_insert_with(|| {
             *stale = true;
-            let idx = index.add_worker(id);
+            let idx = index.write().add_worker(id);
             names.insert(idx, id.to_owned());
             Worker::new(idx, None, StreamSync::Unknown, 0)
         });
@@ -259,7 +259,7 @@ impl ModelState {
                 self.calibration.engine_counters(idx, totals);
             }
             if hb.capacity_blocks > 0 {
-                self.index.set_capacity(idx, usize::try_from(hb.capacity_blocks).ok());
+                self.index.write().set_capacity(idx, usize::try_from(hb.capacity_blocks).ok());
             }
         } else {
             self.counters.heartbeats_invalid += 1;
@@ -286,7 +286,10 @@ impl ModelState {
         for id in &dead {
             if let Some(w) = self.workers.remove(id) {
                 self.order_stale = true;
-                self.index.remove_worker(w.idx);
+                let mut index = self.index.write();
+                index.remove_worker(w.idx);
+                self.removals = index.removals();
+                drop(index);
                 self.tracker.remove_worker(w.idx);
                 self.calibration.remove_worker(w.idx);
                 self.policy.forget_worker(w.idx);
@@ -311,12 +314,13 @@ impl ModelState {
 
     /// Every worker, for the admin endpoint and metrics.
     pub fn worker_views(&self, now_ms: u64) -> Vec<WorkerView> {
-        let mut v: Vec<WorkerView> = self.workers.iter().map(|(id, w)| self.view(id, w, now_ms)).collect();
+        let index = self.index.read();
+        let mut v: Vec<WorkerView> = self.workers.iter().map(|(id, w)| self.view(&index, id, w, now_ms)).collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v
     }
 
-    fn view(&self, id: &str, w: &Worker, now_ms: u64) -> WorkerView {
+    fn view(&self, index: &kvgate_index::Index, id: &str, w: &Worker, now_ms: u64) -> WorkerView {
         let load = self.tracker.load(w.idx);
         WorkerView {
             id: id.to_owned(),
@@ -325,8 +329,8 @@ impl ModelState {
             role: role_label(w.role),
             live: self.live(w, now_ms),
             sync: w.sync.describe(),
-            device_blocks: self.index.worker_blocks(w.idx, Tier::Device),
-            host_blocks: self.index.worker_blocks(w.idx, Tier::Host),
+            device_blocks: index.worker_blocks(w.idx, Tier::Device),
+            host_blocks: index.worker_blocks(w.idx, Tier::Host),
             inflight: load.inflight,
             prefilling_blocks: load.prefill_pending_blocks,
             running: load.measured_running,
