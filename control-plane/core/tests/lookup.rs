@@ -9,19 +9,22 @@ use kvgate_core::model::{Found, ModelState};
 use kvgate_protocol::BlockSize;
 use kvgate_scheduler::Mode;
 
-fn doc() -> Vec<u32> {
-    (0..16 * 16).collect()
+/// Workers w1 and w2; w1 holds a 16-block document, looked up (`Found`)
+/// as a Pick of it does before it takes the model's lock.
+fn looked_up() -> (ModelState, Vec<u32>, Found) {
+    let doc: Vec<u32> = (0..16 * 16).collect();
+    let mut st = ModelState::new(config(Mode::Kv), 1);
+    st.on_heartbeat(&heartbeat("w1"), 0);
+    st.on_heartbeat(&heartbeat("w2"), 0);
+    st.on_batch(stored("w1", 1, &doc), 0);
+    let found = Found::lookup(&st.shared_index(), &input("r1", &doc, None), BlockSize::new(16).unwrap());
+    (st, doc, found)
 }
 
 /// The lookup made outside the lock is what the decision uses.
 #[test]
 fn a_pick_decides_with_the_lookup_made_before_it() {
-    let mut st = ModelState::new(config(Mode::Kv), 1);
-    st.on_heartbeat(&heartbeat("w1"), 0);
-    st.on_heartbeat(&heartbeat("w2"), 0);
-    st.on_batch(stored("w1", 1, &doc()), 0);
-    let doc = doc();
-    let found = Found::lookup(&st.shared_index(), &input("r1", &doc, None), BlockSize::new(16).unwrap());
+    let (mut st, doc, found) = looked_up();
     let out = st.pick_found(&input("r1", &doc, None), found, 10).unwrap();
     assert_eq!((out.worker_id.as_str(), out.matched_blocks), ("w1", 16));
 }
@@ -31,12 +34,7 @@ fn a_pick_decides_with_the_lookup_made_before_it() {
 /// with the blocks of the worker that left.
 #[test]
 fn a_lookup_made_before_a_worker_left_is_made_again() {
-    let mut st = ModelState::new(config(Mode::Kv), 1);
-    st.on_heartbeat(&heartbeat("w1"), 0);
-    st.on_heartbeat(&heartbeat("w2"), 0);
-    st.on_batch(stored("w1", 1, &doc()), 0);
-    let doc = doc();
-    let found = Found::lookup(&st.shared_index(), &input("r1", &doc, None), BlockSize::new(16).unwrap());
+    let (mut st, doc, found) = looked_up();
     // w1 goes silent and is reaped; w3 joins and gets its index.
     for t in (100..=2_000).step_by(100) {
         st.on_heartbeat(&heartbeat("w2"), t);
