@@ -227,10 +227,8 @@ impl LoadTracker {
     /// blocks a request on `worker` that has no first token yet is still
     /// computing (a follower's first token waits for them).
     pub fn inflight_share(&self, worker: WorkerIdx, prompt: &[SequenceHash]) -> InflightShare {
-        let blocks = self.shared_on(worker, prompt);
-        let first = self.holders_at(prompt, 0);
-        let computing = if blocks > 0 { self.computing_on(worker, prompt, blocks, first) } else { 0 };
-        InflightShare { blocks: u32::try_from(blocks).unwrap_or(u32::MAX), computing }
+        let checkpoints = prompt.len().div_ceil(CHECKPOINT);
+        self.share_along(worker, prompt, |k| self.holders_at(prompt, k), checkpoints)
     }
 
     /// What the requests in flight on each worker share with `prompt`,
@@ -251,7 +249,7 @@ impl LoadTracker {
             }
             last = Some(*w);
             if let Some(s) = out.get_mut(w.0 as usize) {
-                *s = self.share_with(*w, prompt, &holders);
+                *s = self.share_along(*w, prompt, |k| holders.get(k).copied().unwrap_or_default(), holders.len());
             }
         }
         out
@@ -268,11 +266,16 @@ impl LoadTracker {
             .collect()
     }
 
-    /// [`LoadTracker::inflight_share`] with the prompt's holders looked up
-    /// already.
-    fn share_with(&self, worker: WorkerIdx, prompt: &[SequenceHash], holders: &[&[(WorkerIdx, u32)]]) -> InflightShare {
-        let at = |k: usize| holders.get(k).copied().unwrap_or_default();
-        let blocks = self.shared_along(worker, prompt, at, holders.len());
+    /// [`LoadTracker::inflight_share`], with `at(k)` the requests holding
+    /// the prompt's checkpoint k, for k below `checkpoints`.
+    fn share_along<'a>(
+        &'a self,
+        worker: WorkerIdx,
+        prompt: &[SequenceHash],
+        at: impl Fn(usize) -> &'a [(WorkerIdx, u32)],
+        checkpoints: usize,
+    ) -> InflightShare {
+        let blocks = self.shared_along(worker, prompt, &at, checkpoints);
         let computing = if blocks > 0 { self.computing_on(worker, prompt, blocks, at(0)) } else { 0 };
         InflightShare { blocks: u32::try_from(blocks).unwrap_or(u32::MAX), computing }
     }
@@ -303,21 +306,14 @@ impl LoadTracker {
         at: impl Fn(usize) -> &'a [(WorkerIdx, u32)],
         checkpoints: usize,
     ) -> usize {
-        let on = |k: usize| run(at(k), worker);
+        let on = |pos: usize| run(at(pos / CHECKPOINT), worker);
         if on(0).is_empty() {
             return 0;
         }
-        // The last checkpoint it holds: it holds checkpoint lo - 1, and none
-        // at hi or later (binary search).
-        let (mut lo, mut hi) = (1, checkpoints);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if on(mid).is_empty() { hi = mid } else { lo = mid + 1 }
-        }
-        let at = (lo - 1) * CHECKPOINT;
+        let at = last_checkpoint(checkpoints * CHECKPOINT, |pos| !on(pos).is_empty());
         let end = prompt.len().min(at + CHECKPOINT);
         let mut best = at + 1;
-        for (_, slot) in on(lo - 1) {
+        for (_, slot) in on(at) {
             let Some(r) = self.request(*slot) else { continue };
             let mut i = best;
             while i < end && r.prompt.get(i).is_some_and(|x| prompt.get(i) == Some(x)) {

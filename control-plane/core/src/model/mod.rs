@@ -363,13 +363,8 @@ impl ModelState {
     /// the model's ingest uses [`ingest_batches`], which gives the index
     /// alone to the events).
     pub fn on_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Option<Need> {
-        match self.accept_batch(batch, now_ms) {
-            Accepted::Apply(id, idx, b) => {
-                self.apply_events(idx, &b);
-                self.resync_if_needed(&id, idx, now_ms)
-            }
-            Accepted::Done(need) => need,
-        }
+        // One batch is one wave, with at most one need.
+        self.on_batches(vec![batch], now_ms).pop()
     }
 
     /// KV event batches that arrived together, in order, each with the
