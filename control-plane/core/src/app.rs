@@ -335,7 +335,8 @@ impl App {
     /// and records its metrics.
     fn decide(&self, model: &Model, input: &PickInput<'_>, t0: Instant) -> Result<pb::PickResponse, PickError> {
         let now = self.now_ms();
-        let found = crate::model::Found::lookup(&model.index, input, model.block_size);
+        let kv = model.looks_up.load(std::sync::atomic::Ordering::Relaxed);
+        let found = crate::model::Found::lookup(&model.index, input, model.block_size, kv);
         let out = model.state.lock().pick_found(input, found, now).map_err(|why| {
             self.metrics.global.pick_error(PickErrorCause::NoWorkers);
             PickError::NoWorkers { model: model.name.clone(), why }

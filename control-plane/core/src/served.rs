@@ -3,6 +3,7 @@
 
 use kvgate_tokenize::prompt::{PromptTokenizer, TokenCacheConfig};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use kvgate_index::Index;
 use kvgate_protocol::BlockSize;
@@ -25,6 +26,10 @@ pub struct Model {
     /// here before they take `state`'s lock.
     pub(crate) index: Arc<RwLock<Index>>,
     pub(crate) block_size: BlockSize,
+    /// The mode looks prompts up in the index (`kv`): Picks of other modes
+    /// skip the lookup. A Pick that read it while the mode switched looks
+    /// up under the model's lock ([`ModelState::pick_found`]).
+    pub(crate) looks_up: AtomicBool,
     /// Tokenizer, when configured.
     pub tokenizer: Option<PromptTokenizer>,
     pub(crate) pick_seconds: Histogram,
@@ -68,6 +73,7 @@ impl Model {
             name: m.routing.name.clone(),
             index: state.shared_index(),
             block_size: m.routing.block_size,
+            looks_up: AtomicBool::new(m.routing.mode == kvgate_scheduler::Mode::Kv),
             state: Mutex::new(state),
             tokenizer,
             pick_seconds: metrics.global.pick_seconds.get_or_create_owned(&label),

@@ -104,7 +104,10 @@ impl App {
     pub fn set_mode(&self, model: &str, mode: &str) -> Result<(), String> {
         let m = self.models.get(model).ok_or_else(|| format!("unknown model {model:?}"))?;
         let mode: kvgate_scheduler::Mode = mode.parse()?;
-        m.state.lock().set_mode(mode);
+        let mut st = m.state.lock();
+        st.set_mode(mode);
+        m.looks_up.store(mode == kvgate_scheduler::Mode::Kv, std::sync::atomic::Ordering::Relaxed);
+        drop(st);
         tracing::info!(model, mode = mode.name(), "routing mode switched");
         Ok(())
     }

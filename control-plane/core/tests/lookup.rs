@@ -17,7 +17,7 @@ fn looked_up() -> (ModelState, Vec<u32>, Found) {
     st.on_heartbeat(&heartbeat("w1"), 0);
     st.on_heartbeat(&heartbeat("w2"), 0);
     st.on_batch(stored("w1", 1, &doc), 0);
-    let found = Found::lookup(&st.shared_index(), &input("r1", &doc, None), BlockSize::new(16).unwrap());
+    let found = Found::lookup(&st.shared_index(), &input("r1", &doc, None), BlockSize::new(16).unwrap(), true);
     (st, doc, found)
 }
 
@@ -43,4 +43,14 @@ fn a_lookup_made_before_a_worker_left_is_made_again() {
     st.on_heartbeat(&heartbeat("w3"), 2_000);
     let out = st.pick_found(&input("r1", &doc, None), found, 2_000).unwrap();
     assert_eq!(out.matched_blocks, 0, "chose {} as if it held the prompt", out.worker_id);
+}
+
+/// A lookup skipped because the mode was not `kv` (it switched to `kv`
+/// meanwhile) is made when `kv` decides.
+#[test]
+fn a_lookup_skipped_for_another_mode_is_made_when_kv_decides() {
+    let (mut st, doc, _) = looked_up();
+    let skipped = Found::lookup(&st.shared_index(), &input("r1", &doc, None), BlockSize::new(16).unwrap(), false);
+    let out = st.pick_found(&input("r1", &doc, None), skipped, 10).unwrap();
+    assert_eq!((out.worker_id.as_str(), out.matched_blocks), ("w1", 16));
 }

@@ -200,15 +200,21 @@ pub struct Found {
     /// [`Index::removals`] when read: while it is unchanged, the answer's
     /// worker indices name the same workers.
     removals: u64,
+    /// The index was asked (only for `kv`).
+    looked_up: bool,
 }
 
 impl Found {
-    /// Hashes the prompt (not one routed by load) and looks it up.
-    pub fn lookup(index: &RwLock<Index>, input: &PickInput<'_>, block_size: BlockSize) -> Found {
+    /// Hashes the prompt (not one routed by load) and, for the `kv` mode
+    /// (`kv`), looks it up.
+    pub fn lookup(index: &RwLock<Index>, input: &PickInput<'_>, block_size: BlockSize, kv: bool) -> Found {
         if input.by_load.is_some() {
             return Found::default();
         }
         let hashes = sequence_hashes(input.token_ids, block_size, input.seed);
+        if !kv {
+            return Found { hashes, ..Found::default() };
+        }
         let index = index.read();
         Found::read(&index, hashes)
     }
@@ -226,22 +232,25 @@ impl Found {
                 any = Some(both);
             }
         }
-        Found { hashes, device, any, removals: index.removals() }
+        Found { hashes, device, any, removals: index.removals(), looked_up: true }
     }
 }
 
 impl ModelState {
     /// Chooses a worker for a request and records it as in flight.
     pub fn pick(&mut self, input: &PickInput<'_>, now_ms: u64) -> Result<PickOutput, NoWorker> {
-        let found = Found::lookup(&self.index, input, self.config.block_size);
+        let found = Found::lookup(&self.index, input, self.config.block_size, self.mode == Mode::Kv);
         self.pick_found(input, found, now_ms)
     }
 
     /// [`ModelState::pick`] with the prompt looked up already
     /// ([`Found::lookup`], without the model's lock). A worker removed since
-    /// the lookup makes it look again.
+    /// the lookup, or a lookup `kv` needs and was not made (the mode
+    /// switched), makes it look (again).
     pub fn pick_found(&mut self, input: &PickInput<'_>, found: Found, now_ms: u64) -> Result<PickOutput, NoWorker> {
-        let found = if found.removals == self.removals { found } else { Found::read(&self.index.read(), found.hashes) };
+        let kv = self.mode == Mode::Kv && input.by_load.is_none();
+        let current = found.removals == self.removals && found.looked_up;
+        let found = if kv && !current { Found::read(&self.index.read(), found.hashes) } else { found };
         let hashes = &found.hashes[..];
         let bs = self.config.block_size;
         // Prefill workers' queues as of now (legs end by their estimate).
