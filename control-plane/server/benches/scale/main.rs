@@ -20,7 +20,9 @@
 //! two replicas asked the same request choose alike (`agreement`).
 //!
 //! Everything shares this machine's cores: the client, the fleet's
-//! generator, nats-server and the control plane. Results:
+//! generator, nats-server and the control plane. The generator's churn
+//! runs on a thread of its own, not on the client's runtime, so that its
+//! work does not delay the answers the client times. Results:
 //! `bench/results/scale.json`.
 
 mod fleet;
@@ -249,6 +251,23 @@ async fn churn(fleet: &mut Fleet, ops_per_s: u64, stop: tokio::sync::watch::Rece
     sent
 }
 
+/// [`churn`] on a thread of its own (a current-thread runtime): the
+/// generator stands for relays on other machines, so its work must not
+/// queue on the client's runtime and delay the answers the client times.
+/// Returns the fleet and the block operations sent.
+async fn churn_apart(mut fleet: Fleet, ops_per_s: u64, stop: tokio::sync::watch::Receiver<bool>) -> (Fleet, u64) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("fleet-churn".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("fleet runtime");
+            let ops = rt.block_on(churn(&mut fleet, ops_per_s, stop));
+            let _ = tx.send((fleet, ops));
+        })
+        .expect("fleet thread");
+    rx.await.expect("the fleet thread ended")
+}
+
 fn row(workers: usize, replicas: usize, path: &str, mix: &str, lat: &Samples, extra: Value) -> Value {
     let mut r = json!({
         "workers": workers, "path": path, "mix": mix, "replicas": replicas,
@@ -428,7 +447,7 @@ fn main() {
         "replicas_setup": "n control planes (--replica-id scale-0..n-1) on one nats-server, each ingesting every event and sharing in-flight load over NATS; the client sends each request to the replica its conversation hashes to (as the gateway's ring hash on the conversation), each replica's answers reported to it; replica_capacity = the highest offered DOKS new-turn rate of the ladder answered in full (>= 95 %, nothing refused) with p99 within the bound; agreement = identical DOKS Picks to replicas 0 and 1 (to replica 0 twice with one replica), with the fleet churning: concurrent (both at once) and sequential (150 ms apart, the first reported finished: converged views); same_worker = share of pairs choosing the same worker (ties are broken at random), same_matched_blocks = share whose workers held as many of the prompt's blocks",
         "staleness": "p99 of kvgate_event_lag_seconds during the step, as the upper bound of its bucket",
         "server_pick": "server_pick_p99_ms: p99 of kvgate_pick_duration_seconds during the step (the process's own time from receipt of a Pick to its answer, lock waits included; not the transport, the runtime's queue or the client), as the upper bound of its bucket (buckets 0.5, 1, 2, 5 ms ...); ingest_hold_p99_ms / ingest_hold_p999_ms: the same of kvgate_ingest_lock_hold_seconds (one application of KV batches under the index's write lock, which a Pick's lookup waits for)",
-        "shared_cores": "client, fleet generator, nats-server and control plane share the machine; machine_busy = share of all its cores busy during the step (/proc/stat)",
+        "shared_cores": "client, fleet generator, nats-server and control plane share the machine (the generator's churn on a thread of its own, not on the client's runtime); machine_busy = share of all its cores busy during the step (/proc/stat)",
         "commit": commit,
         "machine": machine,
     });
@@ -610,8 +629,8 @@ async fn over_grpc(
         let ingest = a.ingest;
         let churner = async {
             let t = Instant::now();
-            let ops = churn(&mut fleet, ingest, stop_rx).await;
-            ops as f64 / t.elapsed().as_secs_f64()
+            let (f, ops) = churn_apart(fleet, ingest, stop_rx).await;
+            (f, ops as f64 / t.elapsed().as_secs_f64())
         };
         let load = async {
             let step = if rate > 0.0 {
@@ -623,7 +642,8 @@ async fn over_grpc(
             let _ = stop_tx.send(true);
             step
         };
-        let (ops_per_s, step) = tokio::join!(churner, load);
+        let ((f, ops_per_s), step) = tokio::join!(churner, load);
+        fleet = f;
         let (cpu1, rss) = usage(&pids);
         let machine_busy = busy_share(machine0, machine_cpu());
         // The stalest replica's, and the slowest replica's server-side Pick
@@ -690,7 +710,7 @@ async fn over_grpc(
     }
     // Decision agreement, with the fleet churning and no other load.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let churner = churn(&mut fleet, a.ingest, stop_rx);
+    let churner = churn_apart(fleet, a.ingest, stop_rx);
     let probe = async {
         let pair = (0, 1 % replicas);
         let c = load::agreement(&group, pair, true, mixes, 100, next_id).await;
