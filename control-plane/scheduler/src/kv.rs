@@ -117,9 +117,10 @@
 //!
 //! # Complexity
 //!
-//! O(W log W) for W candidates (the sort, which also ranks every runner-up
-//! for the caller's fallbacks); no allocation beyond the ranking vector and
-//! the runners-up's indices.
+//! O(W + k log k) for W candidates: the best k = 1 + [`RANKED_FALLBACKS`]
+//! are selected (O(W)) and sorted; the other runners-up follow unordered
+//! (with `temperature > 0`, all are sorted: O(W log W)). No allocation beyond
+//! the ranking vector and the runners-up's indices.
 
 use crate::policy::{Candidate, Decision, EngineTiming, Policy, Reason, RequestView, eligible};
 
@@ -379,7 +380,12 @@ impl KvPolicy {
     }
 }
 
-#[derive(Clone, Copy)]
+/// Runners-up `kv` returns in rank order ([`Decision::fallbacks`]); those
+/// beyond follow in no particular order. At 1,000 candidates sorting them
+/// all was a fifth of a Pick, for fallbacks of which the caller keeps a few.
+pub const RANKED_FALLBACKS: usize = 32;
+
+#[derive(Clone, Copy, Debug)]
 struct Scored {
     saturated: bool,
     cost: f64,
@@ -435,12 +441,13 @@ impl Policy for KvPolicy {
         if scored.is_empty() {
             return None;
         }
-        // Saturated last; then cost, where costs within eps of each other are
-        // ordered by load. The random tie makes every key distinct: an unstable sort orders
-        // as a stable one would.
-        scored.sort_unstable_by(|a, b| a.saturated.cmp(&b.saturated).then(a.key.cmp(&b.key)).then(a.tie.cmp(&b.tie)));
         if self.config.temperature > 0.0 {
+            // The softmax draws from every non-saturated worker: all ranked.
+            let all = scored.len();
+            rank(&mut scored, all);
             softmax_promote(&mut scored, self.config.temperature * f64::from(n.max(1)), rng);
+        } else {
+            rank(&mut scored, 1 + RANKED_FALLBACKS);
         }
         let chosen = scored.first()?.idx as usize;
         let fallbacks = scored.iter().skip(1).map(|s| s.idx as usize).collect();
@@ -454,6 +461,22 @@ impl Policy for KvPolicy {
         let chosen_overlap = candidates.get(chosen).map_or(0, seen);
         let reason = if chosen_overlap > 0 && Some(chosen_overlap) == best_overlap { Reason::Kv } else { Reason::Load };
         Some(Decision { chosen, fallbacks, reason })
+    }
+}
+
+/// Puts the best `head` entries first, in order: saturated last; then
+/// cost, where costs within eps of each other are ordered by load. The
+/// random tie makes every key distinct, so an unstable sort orders as a
+/// stable one would, and a selection picks the same `head` as a full sort.
+fn rank(scored: &mut [Scored], head: usize) {
+    let order = |a: &Scored, b: &Scored| a.saturated.cmp(&b.saturated).then(a.key.cmp(&b.key)).then(a.tie.cmp(&b.tie));
+    if head > 0 && head < scored.len() {
+        scored.select_nth_unstable_by(head - 1, order);
+        if let Some(best) = scored.get_mut(..head) {
+            best.sort_unstable_by(order);
+        }
+    } else {
+        scored.sort_unstable_by(order);
     }
 }
 
@@ -490,8 +513,24 @@ fn softmax_promote(scored: &mut [Scored], temperature: f64, rng: &mut fastrand::
 
 #[cfg(test)]
 mod tests {
-    use super::order_key;
+    use super::{Scored, order_key, rank};
     use proptest::prelude::*;
+
+    fn any_scored() -> impl Strategy<Value = Vec<Scored>> {
+        // Few distinct values, so that saturation, buckets and loads tie often.
+        prop::collection::vec((any::<bool>(), 0..4u64, 0..4u64, any::<u64>()), 0..120).prop_map(|v| {
+            v.into_iter()
+                .enumerate()
+                .map(|(i, (saturated, bucket, load, tie))| Scored {
+                    saturated,
+                    cost: bucket as f64,
+                    key: (bucket, load),
+                    tie,
+                    idx: i as u32,
+                })
+                .collect()
+        })
+    }
 
     fn any_bucket() -> impl Strategy<Value = f64> {
         prop_oneof![
@@ -505,6 +544,23 @@ mod tests {
     }
 
     proptest! {
+        /// Ranking the best `head` gives the first `head` of a full sort,
+        /// and keeps every entry.
+        #[test]
+        fn a_partial_ranking_starts_as_the_full_one(mut v in any_scored(), head in 0..40usize) {
+            let mut full = v.clone();
+            let all = full.len();
+            rank(&mut full, all);
+            rank(&mut v, head);
+            let idx = |s: &[Scored]| s.iter().map(|x| x.idx).collect::<Vec<_>>();
+            let n = head.min(v.len());
+            prop_assert_eq!(idx(&v[..n]), idx(&full[..n]));
+            let (mut a, mut b) = (idx(&v), idx(&full));
+            a.sort_unstable();
+            b.sort_unstable();
+            prop_assert_eq!(a, b);
+        }
+
         /// The packed key orders as the comparison it replaces: the bucket
         /// by `total_cmp`, then requests, then active blocks.
         #[test]

@@ -175,7 +175,9 @@ pub struct Decision {
     /// Every other eligible candidate, best first: the caller keeps as many
     /// as it retries on, after its own filters (a data-parallel rank's
     /// fallbacks must run that rank), so that a filter never leaves it with
-    /// fewer than it wants while usable runners-up exist.
+    /// fewer than it wants while usable runners-up exist. A policy may rank
+    /// only the first few and leave the rest in no order (`kv` ranks
+    /// [`crate::kv::RANKED_FALLBACKS`]).
     pub fallbacks: Vec<usize>,
     /// Why.
     pub reason: Reason,

@@ -17,7 +17,7 @@
 //!
 //! | operation | cost |
 //! |---|---|
-//! | [`ModelState::pick`] | O(prompt blocks) hashing + index lookup + O(W log W) policy |
+//! | [`ModelState::pick`] | O(prompt blocks) hashing + index lookup + policy (`kv`: O(W)) |
 //! | [`ModelState::on_batch`] | O(events in the batch) |
 //! | [`ModelState::on_snapshot`] | O(blocks in the snapshot + events held meanwhile) |
 //! | [`ModelState::reap`] | O(workers + requests in flight) |

@@ -2,8 +2,8 @@
 //! each tier, in-flight overlap and load), the policy's decision, and its
 //! bookkeeping (in flight, prediction for the accuracy metric).
 //!
-//! Cost: O(prompt blocks) hashing + two index lookups + O(W log W) for the
-//! W live workers (the policy's ranking).
+//! Cost: O(prompt blocks) hashing + two index lookups + the policy's ranking
+//! of the W live workers (`kv`: O(W), the best 33 sorted).
 
 use kvgate_index::{Index, Overlap, Tier, WorkerIdx};
 use kvgate_protocol::pb;
