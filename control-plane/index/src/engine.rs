@@ -6,10 +6,14 @@
 //! key itself is read from the slab when the tag matches). Per held block
 //! that is 32 bytes of entry plus 8 bytes per bucket, against 33 per bucket
 //! for a `HashMap<u64, Entry>` with a parent hash in the entry. The table is
-//! open addressing with linear probing, doubling above 3/4 full, with
-//! backward-shift deletion; the home bucket is the top bits of the hash, so
-//! the tag alone places an entry (growing and deleting never read the slab),
-//! and a key's home bucket can be prefetched before its use. Pages instead of one vector keep growth waste under one page
+//! open addressing with linear probing, with backward-shift deletion where
+//! a removal probed for its bucket anyway ([`Engine::remove_at`]). A removal
+//! by slot ([`Engine::remove`], which a removal found by its child's parent
+//! link uses) leaves its bucket behind, stale: a probe passes over a bucket
+//! whose slot no longer holds its key. When live and stale buckets fill 3/4
+//! of the table it is rebuilt from the slab at a size the entries fill at
+//! most 3/8 of. The home bucket is the top bits of the hash, so the tag alone
+//! places an entry, and a key's home bucket can be prefetched before its use. Pages instead of one vector keep growth waste under one page
 //! (a doubling vector just past a power of two would leave half of it
 //! empty). Freed slots form a list threaded through their `parent` field and
 //! are reused first, most recently freed first: a chain removed leaf first
@@ -17,7 +21,9 @@
 //!
 //! | operation | time |
 //! |---|---|
-//! | `find`, `insert`, `remove` | O(1) expected (a few adjacent buckets, one slab access) |
+//! | `find`, `insert`, `remove_at` | O(1) expected (a few adjacent buckets, one slab access) |
+//! | `remove` by slot | O(1), no probe |
+//! | rebuild | O(slots ever used), amortized over ≥ 3/8 of the table's size in inserts |
 //! | `prefetch_bucket`, `prefetch_entry` | O(1), no wait |
 //! | `get`, `get_mut` by slot | O(1) |
 //! | `iter` | O(slots ever used) |
@@ -25,9 +31,9 @@
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
-use kvgate_protocol::SequenceHash;
 
 use crate::probing::{delete_shift, prefetch_read};
+use crate::runs::{Loc, NO_LOC};
 
 /// No slot: an entry stored without a held parent, or the end of the free list.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
@@ -40,7 +46,9 @@ const PAGE: usize = 1 << PAGE_BITS;
 pub(crate) struct Entry {
     /// The engine's hash of the block (the table's key).
     pub(crate) engine: u64,
-    pub(crate) seq: SequenceHash,
+    /// Where the block is in the shard's prefix tree (its sequence hash is
+    /// read there).
+    pub(crate) loc: Loc,
     /// Slot of the entry it was stored under, when that was held then
     /// (else [`NO_SLOT`]). The link is only trusted while that slot holds an
     /// entry born earlier than this one. In a free slot: the next free slot.
@@ -56,8 +64,7 @@ pub(crate) struct Entry {
     pub(crate) has_parent: bool,
 }
 
-const FREE: Entry =
-    Entry { engine: 0, seq: SequenceHash(0), parent: NO_SLOT, born: 0, children: 0, refs: 0, has_parent: false };
+const FREE: Entry = Entry { engine: 0, loc: NO_LOC, parent: NO_SLOT, born: 0, children: 0, refs: 0, has_parent: false };
 
 /// One bucket of the slot table: the top 32 bits of the key's hash and the
 /// entry's slot ([`NO_SLOT`]: empty).
@@ -94,6 +101,9 @@ pub(crate) struct Engine {
     /// Head of the free list.
     free: Option<u32>,
     len: usize,
+    /// Occupied buckets: `len` plus the stale ones that entries removed by
+    /// slot left behind ([`Engine::remove`]).
+    used: usize,
     hasher: RandomState,
 }
 
@@ -111,6 +121,7 @@ impl Default for Engine {
             next: 0,
             free: None,
             len: 0,
+            used: 0,
             hasher: RandomState::default(),
         }
     }
@@ -184,22 +195,28 @@ impl Engine {
         }
     }
 
-    fn grow(&mut self) {
-        let doubled = vec![EMPTY_BUCKET; self.buckets.len() * 2];
-        let old = std::mem::replace(&mut self.buckets, doubled);
-        self.bits += 1;
+    /// Rebuilds the buckets from the held entries, dropping stale ones, at
+    /// a size where the entries fill at most 3/8 of it (doubling when they
+    /// have grown, the same size when stale buckets filled it).
+    fn rebuild(&mut self) {
+        let mut bits = MIN_BUCKETS.trailing_zeros();
+        while self.len * 8 > (3usize << bits) && bits < 32 {
+            bits += 1;
+        }
+        let tags: Vec<(u32, u32)> = self.iter().map(|(slot, e)| (self.tag(e.engine), slot)).collect();
+        self.buckets = vec![EMPTY_BUCKET; 1 << bits];
+        self.bits = bits;
         let mask = self.mask();
-        for b in old {
-            if b.slot != NO_SLOT {
-                let mut i = self.home(b.tag);
-                while self.buckets.get(i).is_some_and(|x| x.slot != NO_SLOT) {
-                    i = (i + 1) & mask;
-                }
-                if let Some(x) = self.buckets.get_mut(i) {
-                    *x = b;
-                }
+        for (tag, slot) in tags {
+            let mut i = self.home(tag);
+            while self.buckets.get(i).is_some_and(|x| x.slot != NO_SLOT) {
+                i = (i + 1) & mask;
+            }
+            if let Some(x) = self.buckets.get_mut(i) {
+                *x = Bucket { tag, slot };
             }
         }
+        self.used = self.len;
     }
 
     /// Held entries.
@@ -261,33 +278,41 @@ impl Engine {
             *x = Bucket { tag: at.tag, slot };
         }
         self.len += 1;
-        if self.len * 4 > self.buckets.len() * 3 && self.bits < 32 {
-            self.grow();
+        self.used += 1;
+        if self.used * 4 > self.buckets.len() * 3 && self.bits < 32 {
+            self.rebuild();
         }
         slot
     }
 
-    /// Deletes the entry in `slot` and returns it.
+    /// Deletes the entry in `slot` and returns it, without looking for its
+    /// bucket: the bucket stays, stale (a probe passes over a bucket whose
+    /// slot no longer holds its key), until the next rebuild. Removals that
+    /// find their entry by a parent link save the probe this way.
     pub(crate) fn remove(&mut self, slot: u32) -> Option<Entry> {
-        let at = self.probe(self.get(slot)?.engine);
-        if at.slot != Some(slot) {
-            return None;
-        }
-        self.remove_at(at)
+        let entry = self.free_slot(slot)?;
+        Some(entry)
     }
 
-    /// Deletes the entry `at` found (a probe taken since the table last
-    /// changed) and returns it.
-    pub(crate) fn remove_at(&mut self, at: Probe) -> Option<Entry> {
-        let slot = at.slot?;
+    /// Frees `slot` and returns the entry it held.
+    fn free_slot(&mut self, slot: u32) -> Option<Entry> {
         let entry = *self.get(slot)?;
-        self.delete_bucket(at.bucket);
         let (p, i) = split(slot);
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
             *e = Entry { parent: self.free.unwrap_or(NO_SLOT), ..FREE };
         }
         self.free = Some(slot);
         self.len -= 1;
+        Some(entry)
+    }
+
+    /// Deletes the entry `at` found (a probe taken since the table last
+    /// changed) and returns it.
+    pub(crate) fn remove_at(&mut self, at: Probe) -> Option<Entry> {
+        let slot = at.slot?;
+        let entry = self.free_slot(slot)?;
+        self.delete_bucket(at.bucket);
+        self.used -= 1;
         Some(entry)
     }
 
@@ -325,7 +350,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn entry(engine: u64) -> Entry {
-        Entry { engine, seq: SequenceHash(engine.wrapping_mul(3)), refs: 1, ..FREE }
+        Entry { engine, loc: Loc { run: 0, off: engine as u32 }, refs: 1, ..FREE }
     }
 
     proptest! {

@@ -1,5 +1,5 @@
 //! The per-model index: its workers spread over shards, each shard single-owner
-//! with its own engine and prefix tables (`shard.rs`). One shard is the whole
+//! with its own engine tables and prefix tree (`shard.rs`). One shard is the whole
 //! index as it always was; with more, [`Index::apply_batch`] applies a batch's
 //! events shard by shard on parallel threads (a worker's events stay in order,
 //! on one thread), and a lookup asks every shard and joins their answers.
@@ -39,7 +39,7 @@ pub struct IndexConfig {
     /// long such a block outlives its last real removal. Default 4.
     pub max_refs: u16,
     /// Shards the workers are spread over (at least 1; default 1). Each
-    /// shard has its own prefix tables, so [`Index::apply_batch`] applies
+    /// shard has its own prefix tree, so [`Index::apply_batch`] applies
     /// the events of workers in different shards on different threads, and
     /// every lookup asks each shard.
     pub shards: u16,

@@ -10,9 +10,9 @@
 //! |---|---|
 //! | [`event`] | [`KvEvent`] borrowed from protobuf batches; [`Tier`], [`Origin`] |
 //! | [`index`] | [`Index`]: workers spread over shards, apply events (a batch's shards in parallel), [`Index::find_matches`], counters, invariants |
-//! | `shard` | one shard: its workers' engine tables and the prefix tables of what they hold |
+//! | `shard` | one shard: its workers' engine tables and the prefix tree of what they hold |
 //! | `engine` | one worker's engine hash → entry table: a slab of fixed pages and a table of 4-byte slots |
-//! | `seq_table` | the prefix table: sequence hash → worker set, open addressing that can be prefetched |
+//! | `runs` | the prefix tree: every distinct block in runs of consecutive blocks, with its holders per tier |
 //! | `worker_set` | the worker set of one block in 8 bytes, with an O(1) equality fingerprint |
 //!
 //! See `README.md` for the layout, the policies and the complexity table.
@@ -22,7 +22,7 @@ mod engine;
 pub mod event;
 pub mod index;
 mod probing;
-mod seq_table;
+mod runs;
 mod shard;
 mod worker_set;
 

@@ -1,5 +1,5 @@
-//! What the two open-addressing tables (`engine.rs`, `seq_table.rs`) share:
-//! backward-shift deletion and the cache prefetch hint.
+//! What the open-addressing engine table (`engine.rs`) and the prefix tree
+//! (`runs.rs`) use: backward-shift deletion and the cache prefetch hint.
 
 /// Empties `slots[hole]` of a linear-probing table, moving back every
 /// following occupied slot whose home is not cyclically in `(hole, j]` (its

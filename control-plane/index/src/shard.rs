@@ -1,5 +1,5 @@
 //! One shard of the index: a set of workers, their engine tables, and the
-//! prefix tables of the blocks they hold. A shard is single-owner; the
+//! prefix tree of the blocks they hold (`runs.rs`). A shard is single-owner; the
 //! [`crate::Index`] spreads workers over shards and applies a batch of events
 //! to its shards in parallel. See the crate README for the data layout and
 //! the complexity of each operation.
@@ -13,13 +13,13 @@ use kvgate_protocol::{EngineBlockHash, SequenceHash, local_block_hash, next_sequ
 use crate::engine::{Engine, Entry, NO_SLOT, Probe};
 use crate::event::{KvEvent, Origin, Stored, Tier};
 use crate::index::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
-use crate::seq_table::SeqTable;
-use crate::worker_set::{ManySets, SetRef, WorkerSet, member_fp};
+use crate::runs::{Loc, Path, Runs};
+use crate::worker_set::{SetRef, member_fp};
 
 type Map<K, V> = HashMap<K, V, RandomState>;
 
 /// How many blocks of an event ahead of the one being applied their
-/// prefix-table slots are prefetched.
+/// engine buckets are prefetched.
 const LOOKAHEAD: usize = 4;
 
 #[derive(Debug)]
@@ -82,40 +82,6 @@ impl Worker {
     }
 }
 
-/// The workers holding each distinct block of one tier.
-#[derive(Debug, Default)]
-struct Sets {
-    table: SeqTable,
-    many: ManySets,
-}
-
-impl Sets {
-    #[inline]
-    fn get(&self, seq: &SequenceHash) -> Option<SetRef<'_>> {
-        self.table.get(*seq).map(|s| self.many.view(s))
-    }
-
-    /// Adds `w` to the set of `seq`; returns false when it was already there.
-    fn add(&mut self, seq: SequenceHash, w: WorkerIdx) -> bool {
-        match self.table.get_mut(seq) {
-            Some(set) => self.many.insert(set, w),
-            None => {
-                self.table.insert(seq, WorkerSet::one(w));
-                true
-            }
-        }
-    }
-
-    /// Removes `w` from the set of `seq` (the entry goes when it empties).
-    fn remove(&mut self, seq: SequenceHash, w: WorkerIdx) {
-        if let Some(set) = self.table.get_mut(seq)
-            && self.many.remove(set, w).is_none()
-        {
-            self.table.remove(seq);
-        }
-    }
-}
-
 /// One block of a stored chain, as `apply` hands it to `store_ref`.
 #[derive(Debug, Clone, Copy)]
 struct NewBlock {
@@ -127,14 +93,16 @@ struct NewBlock {
     parent: Option<u64>,
     /// Where the parent was just stored (a hint, checked before use).
     parent_slot: Option<u32>,
+    /// The parent block's place in the prefix tree (`None`: the chain's first block).
+    parent_loc: Option<Loc>,
 }
 
-/// One shard of a model's index: some of its workers, and the prefix tables
+/// One shard of a model's index: some of its workers, and the prefix tree
 /// of the blocks they hold.
 #[derive(Debug)]
 pub(crate) struct Shard {
     config: IndexConfig,
-    tiers: [Sets; 2],
+    runs: Runs,
     workers: Vec<Option<Worker>>,
     free: Vec<WorkerIdx>,
     counters: Counters,
@@ -146,7 +114,7 @@ impl Shard {
     pub(crate) fn new(config: IndexConfig) -> Self {
         Self {
             config,
-            tiers: [Sets::default(), Sets::default()],
+            runs: Runs::default(),
             workers: Vec::new(),
             free: Vec::new(),
             counters: Counters::default(),
@@ -179,6 +147,7 @@ impl Shard {
             return false;
         }
         self.clear_worker(w);
+        self.runs.trim();
         if let Some(slot) = self.workers.get_mut(w.0 as usize) {
             *slot = None;
         }
@@ -193,6 +162,7 @@ impl Shard {
             s.capacity = blocks;
         }
         self.enforce_capacity(w);
+        self.runs.trim();
     }
 
     /// Whether a worker lost track of a parent since the last
@@ -213,7 +183,7 @@ impl Shard {
 
     /// Distinct sequence hashes in a tier (over all workers).
     pub(crate) fn distinct_blocks(&self, tier: Tier) -> usize {
-        self.tiers.get(tier.idx()).map_or(0, |t| t.table.len())
+        self.runs.live(tier)
     }
 
     /// Approximate heap bytes of the index (hash-table slots and worker sets).
@@ -223,11 +193,7 @@ impl Shard {
             let buckets = m.capacity() * 8 / 7;
             buckets * (std::mem::size_of::<(K, V)>() + 1)
         }
-        let mut total = 0;
-        for t in &self.tiers {
-            total += t.table.heap_bytes();
-            total += t.many.heap_bytes();
-        }
+        let mut total = self.runs.heap_bytes();
         for s in self.workers.iter().flatten() {
             total += s.engine.iter().map(Engine::heap_bytes).sum::<usize>();
             total += s.aliases.iter().map(table).sum::<usize>();
@@ -254,9 +220,12 @@ impl Shard {
         let r = match event {
             KvEvent::Stored(s) => self.apply_stored(w, s),
             KvEvent::Removed { engine_hashes, tier } => {
+                let mut hint = None;
                 for (i, h) in engine_hashes.iter().enumerate() {
-                    self.prefetch_removal(w, *tier, engine_hashes, i);
-                    self.remove_ref(w, *tier, *h);
+                    if hint.is_none() {
+                        self.prefetch_removal(w, *tier, engine_hashes, i);
+                    }
+                    hint = self.remove_ref(w, *tier, *h, hint);
                 }
                 Ok(())
             }
@@ -273,6 +242,7 @@ impl Shard {
             Err(Skip::UnknownParent) => self.counters.skipped_unknown_parent += 1,
             Err(Skip::UnknownWorker) => self.counters.skipped_unknown_worker += 1,
         }
+        self.runs.trim();
         r
     }
 
@@ -284,13 +254,15 @@ impl Shard {
         if s.engine_hashes.is_empty() || s.token_ids.len() != s.engine_hashes.len() * bs.as_usize() {
             return Err(Skip::Malformed);
         }
-        let Some(worker) = self.slot_mut(w) else { return Err(Skip::UnknownWorker) };
-        let mut prev = match s.parent {
-            None => None,
+        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else {
+            return Err(Skip::UnknownWorker);
+        };
+        let (mut prev, mut prev_loc) = match s.parent {
+            None => (None, None),
             Some(p) => {
-                let held = worker.engine.iter().find_map(|m| m.find(p).and_then(|s| m.get(s))).map(|e| e.seq);
-                match held {
-                    Some(seq) => Some(seq),
+                let held = worker.engine.iter().find_map(|m| m.find(p).and_then(|s| m.get(s))).map(|e| e.loc);
+                match held.and_then(|loc| Some((self.runs.hash(loc)?, loc))) {
+                    Some((seq, loc)) => (Some(seq), Some(loc)),
                     None => {
                         worker.needs_resync = true;
                         return Err(Skip::UnknownParent);
@@ -308,9 +280,11 @@ impl Shard {
         let mut parent = s.parent;
         let mut parent_slot = None;
         for (i, (h, seq)) in s.engine_hashes.iter().zip(&seqs).enumerate() {
-            self.prefetch_store(w, s.tier, s.engine_hashes, &seqs, i);
-            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot };
-            parent_slot = self.store_ref(w, s.tier, block, s.origin);
+            self.prefetch_store(w, s.tier, s.engine_hashes, i);
+            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot, parent_loc: prev_loc };
+            // Unreachable `else`: the worker and its tier exist.
+            let Some((slot, loc)) = self.store_ref(w, s.tier, block, s.origin) else { break };
+            (parent_slot, prev_loc) = (Some(slot), Some(loc));
             parent = Some(*h);
         }
         self.seq_scratch = seqs;
@@ -321,17 +295,15 @@ impl Shard {
     }
 
     /// Software pipeline of a removal batch, run before removing block
-    /// `i`: the bucket of block `i + 3L` is prefetched, the entry of block
-    /// `i + 2L` (its bucket is in by now), and the prefix-table slot of
+    /// `i` when the block before it left no parent-link hint (at the start
+    /// of an event and where a removal batch leaves a chain): the bucket of block `i + 3L` is prefetched, the entry of block
+    /// `i + 2L` (its bucket is in by now), and the prefix-tree block of
     /// block `i + L` (its entry is in by now), L = [`LOOKAHEAD`]. By the time
     /// a block is removed, the three dependent misses of its removal have
     /// been started one after the other, overlapping with other blocks' work.
     #[inline]
     fn prefetch_removal(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], i: usize) {
-        let (Some(map), Some(sets)) = (self.slot(w).and_then(|s| s.engine.get(tier.idx())), self.tiers.get(tier.idx()))
-        else {
-            return;
-        };
+        let Some(map) = self.slot(w).and_then(|s| s.engine.get(tier.idx())) else { return };
         for j in ahead(i, 3 * LOOKAHEAD, hashes.len()) {
             map.prefetch_bucket(hashes[j]);
         }
@@ -340,28 +312,24 @@ impl Shard {
         }
         for j in ahead(i, LOOKAHEAD, hashes.len()) {
             if let Some(e) = map.prefetch_entry(hashes[j]).and_then(|slot| map.get(slot)) {
-                sets.table.prefetch(e.seq);
+                self.runs.prefetch(e.loc, tier);
             }
         }
     }
 
     /// Prefetch for a stored chain, run before storing block `i`: the
-    /// engine bucket and the prefix-table slot of block `i + L` (both
-    /// addresses follow from hashes already known).
+    /// engine bucket of block `i + L` (the prefix tree is walked in memory
+    /// order).
     #[inline]
-    fn prefetch_store(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], seqs: &[SequenceHash], i: usize) {
-        let (Some(map), Some(sets)) = (self.slot(w).and_then(|s| s.engine.get(tier.idx())), self.tiers.get(tier.idx()))
-        else {
-            return;
-        };
-        for j in ahead(i, LOOKAHEAD, hashes.len().min(seqs.len())) {
+    fn prefetch_store(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], i: usize) {
+        let Some(map) = self.slot(w).and_then(|s| s.engine.get(tier.idx())) else { return };
+        for j in ahead(i, LOOKAHEAD, hashes.len()) {
             map.prefetch_bucket(hashes[j]);
-            sets.table.prefetch(seqs[j]);
         }
     }
 
-    /// Adds a reference to `block`; returns its entry's slot.
-    fn store_ref(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, origin: Origin) -> Option<u32> {
+    /// Adds a reference to `block`; returns its entry's slot and its place.
+    fn store_ref(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, origin: Origin) -> Option<(u32, Loc)> {
         let NewBlock { engine, seq, .. } = block;
         let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
         let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
@@ -371,7 +339,7 @@ impl Shard {
         if let Some(slot) = probe.slot
             && let Some(e) = map.get_mut(slot)
         {
-            if e.seq == seq {
+            if self.runs.hash(e.loc) == Some(seq) {
                 match origin {
                     Origin::Reused => self.counters.reused_reports += 1,
                     _ if e.refs >= max_refs => self.counters.refs_capped += 1,
@@ -380,7 +348,7 @@ impl Shard {
                         self.counters.blocks_stored += 1;
                     }
                 }
-                return Some(slot);
+                return Some((slot, e.loc));
             }
             // Same engine hash, other content: replace the old entry.
             self.counters.hash_conflicts += 1;
@@ -397,10 +365,12 @@ impl Shard {
     }
 
     /// Creates a worker's entry and its membership, with parent accounting;
-    /// returns its slot. `vacant`: the probe that found its engine hash
-    /// absent, when the table has not changed since (saves a second probe).
-    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, vacant: Option<Probe>) -> Option<u32> {
-        let NewBlock { engine, seq, parent, parent_slot } = block;
+    /// returns its slot and place. `vacant`: the probe that found its engine
+    /// hash absent, when the table has not changed since (saves a second
+    /// probe).
+    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, vacant: Option<Probe>) -> Option<(u32, Loc)> {
+        let NewBlock { engine, seq, parent, parent_slot, parent_loc } = block;
+        let loc = self.runs.place(parent_loc, seq);
         let t = tier.idx();
         let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
         let born = worker.tick();
@@ -423,7 +393,7 @@ impl Shard {
         }
         let entry = Entry {
             engine,
-            seq,
+            loc,
             parent: pslot.unwrap_or(NO_SLOT),
             born,
             children: 0,
@@ -434,8 +404,8 @@ impl Shard {
             Some(at) => map.insert_at(at, entry),
             None => map.insert(entry),
         };
-        self.add_membership(w, tier, seq);
-        Some(slot)
+        self.add_membership(w, tier, loc, seq);
+        Some((slot, loc))
     }
 
     /// Deletes a worker's entry (all references) and its membership, with
@@ -462,43 +432,55 @@ impl Shard {
                 _ => *holes = holes.saturating_sub(1),
             }
         }
-        self.drop_membership(w, tier, e.seq);
+        self.drop_membership(w, tier, e.loc);
         true
     }
 
-    fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64) {
-        let Some(map) =
-            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.engine.get_mut(tier.idx()))
-        else {
-            return;
+    /// Drops one reference to `engine`. `hint`: the slot it is probably in
+    /// (the parent slot of the block removed before it: vLLM evicts a chain
+    /// leaf first), checked before use, which saves the table probe.
+    /// Returns the hint for the next removal.
+    fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64, hint: Option<u32>) -> Option<u32> {
+        let map =
+            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.engine.get_mut(tier.idx()))?;
+        let (slot, probe) = match hint.filter(|s| map.get(*s).is_some_and(|e| e.engine == engine)) {
+            Some(slot) => (slot, None),
+            None => {
+                let probe = map.probe(engine);
+                let Some(slot) = probe.slot else {
+                    self.counters.unknown_removals += 1;
+                    return None;
+                };
+                (slot, Some(probe))
+            }
         };
-        let probe = map.probe(engine);
-        let Some((slot, e)) = probe.slot.and_then(|s| Some(s).zip(map.get_mut(s))) else {
-            self.counters.unknown_removals += 1;
-            return;
-        };
+        let e = map.get_mut(slot)?;
         self.counters.blocks_removed += 1;
+        let next = (e.has_parent && e.parent != NO_SLOT).then_some(e.parent);
         if e.refs > 1 {
             e.refs -= 1;
-            return;
+            return next;
         }
-        self.remove_entry(w, tier, slot, Some(probe));
+        self.remove_entry(w, tier, slot, probe);
+        next
     }
 
-    /// Records that `w` holds `seq` under one more engine hash.
-    fn add_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
-        let Some(sets) = self.tiers.get_mut(tier.idx()) else { return };
-        if !sets.add(seq, w)
+    /// Records that `w` holds `seq` (at `loc`) under one more engine hash.
+    fn add_membership(&mut self, w: WorkerIdx, tier: Tier, loc: Loc, seq: SequenceHash) {
+        if !self.runs.add(loc, tier, w)
             && let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
         {
             *aliases.entry(seq).or_insert(0) += 1;
         }
     }
 
-    /// Records that `w` holds `seq` under one engine hash fewer.
-    fn drop_membership(&mut self, w: WorkerIdx, tier: Tier, seq: SequenceHash) {
-        if let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
+    /// Records that `w` holds the block at `loc` under one engine hash fewer.
+    fn drop_membership(&mut self, w: WorkerIdx, tier: Tier, loc: Loc) {
+        let seq = self.runs.hash(loc);
+        if let Some(aliases) =
+            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.aliases.get_mut(tier.idx()))
             && !aliases.is_empty()
+            && let Some(seq) = seq
             && let MapEntry::Occupied(mut a) = aliases.entry(seq)
         {
             *a.get_mut() -= 1;
@@ -507,9 +489,7 @@ impl Shard {
             }
             return;
         }
-        if let Some(sets) = self.tiers.get_mut(tier.idx()) {
-            sets.remove(seq, w);
-        }
+        self.runs.remove(loc, tier, w);
     }
 
     fn clear_worker(&mut self, w: WorkerIdx) {
@@ -521,9 +501,8 @@ impl Shard {
         worker.holes = [0; 2];
         worker.holes_unreliable = [false; 2];
         for (tier, map) in Tier::ALL.iter().zip(maps) {
-            let Some(sets) = self.tiers.get_mut(tier.idx()) else { continue };
             for (_, e) in map.iter() {
-                sets.remove(e.seq, w);
+                self.runs.remove(e.loc, *tier, w);
             }
         }
     }
@@ -559,26 +538,25 @@ impl Shard {
     /// matching workers; with no host blocks at all it is
     /// [`Shard::find_matches`] on the device tier.
     pub(crate) fn find_matches_any_tier(&self, hashes: &[SequenceHash], out: &mut Vec<Overlap>) {
-        let [Some(device), Some(host)] = [self.tiers.first(), self.tiers.get(1)] else { return };
-        if host.table.len() == 0 {
+        if self.runs.live(Tier::Host) == 0 {
             return self.find_matches(hashes, Tier::Device, out);
         }
-        let holders = |h: &SequenceHash| [device.get(h), host.get(h)];
+        let mut path = Path::default();
+        self.runs.path(hashes, &mut path);
+        let holders = |j: usize| [self.runs.at(&path, j, Tier::Device), self.runs.at(&path, j, Tier::Host)];
         let mut active: Vec<WorkerIdx> = Vec::new();
-        if let Some(first) = hashes.first() {
-            for set in holders(first).into_iter().flatten() {
-                set.for_each(|w| {
-                    if !active.contains(&w) {
-                        active.push(w);
-                    }
-                });
-            }
+        for set in holders(0).into_iter().flatten() {
+            set.for_each(|w| {
+                if !active.contains(&w) {
+                    active.push(w);
+                }
+            });
         }
-        for (i, h) in hashes.iter().enumerate().skip(1) {
+        for i in 1..hashes.len() {
             if active.is_empty() {
                 return;
             }
-            let [d, o] = holders(h);
+            let [d, o] = holders(i);
             active.retain(|w| {
                 let keep = d.is_some_and(|s| s.contains(*w)) || o.is_some_and(|s| s.contains(*w));
                 if !keep {
@@ -594,28 +572,30 @@ impl Shard {
     /// For every worker holding at least the first block of `hashes` in
     /// `tier`, the number of leading blocks it holds, appended to `out`.
     ///
-    /// When every matching worker's holdings are prefix-closed (no holes),
-    /// the workers holding block `j` can only shrink as `j` grows, so the
-    /// walk gallops: exponential then binary search for the last block whose
-    /// worker set still equals the matching set (same size and fingerprint),
-    /// then an exact membership check at the next block. That is
-    /// O(d · log n) lookups for d points where the set shrinks, instead of
-    /// O(n). Otherwise it walks block by block (exact in every case).
+    /// The prompt's blocks are first found in the prefix tree (a few runs,
+    /// [`Runs::path`]). When every matching worker's holdings are
+    /// prefix-closed (no holes), the workers holding block `j` can only
+    /// shrink as `j` grows, so the walk gallops: exponential then binary
+    /// search for the last block whose worker set still equals the matching
+    /// set (same size and fingerprint), then an exact membership check at the
+    /// next block. That is O(d · log n) set reads for d points where the set
+    /// shrinks, instead of O(n). Otherwise it walks block by block (exact in
+    /// every case).
     pub(crate) fn find_matches(&self, hashes: &[SequenceHash], tier: Tier, out: &mut Vec<Overlap>) {
-        let Some(table) = self.tiers.get(tier.idx()) else { return };
-        let Some(first) = hashes.first().and_then(|h| table.get(h)) else { return };
+        let mut path = Path::default();
+        self.runs.path(hashes, &mut path);
+        let at = |j: usize| self.runs.at(&path, j, tier);
+        let Some(first) = at(0) else { return };
         let mut active: Vec<WorkerIdx> = Vec::with_capacity(first.len());
         first.for_each(|w| active.push(w));
         let mut fp = first.fingerprint();
+        let n = path.len();
         let closed = active.iter().all(|w| self.slot(*w).is_some_and(|s| s.prefix_closed(tier)));
         if !closed {
-            walk(table, hashes, 1, active, fp, out);
+            walk(&at, n, 1, active, fp, out);
             return;
         }
-        let n = hashes.len();
-        let same = |j: usize, len: usize, fp: u64| {
-            hashes.get(j).and_then(|h| table.get(h)).is_some_and(|s| s.len() == len && s.fingerprint() == fp)
-        };
+        let same = |j: usize, len: usize, fp: u64| at(j).is_some_and(|s| s.len() == len && s.fingerprint() == fp);
         let mut good = 0usize; // every active worker holds blocks 0..=good
         loop {
             let mut step = 1usize;
@@ -633,7 +613,7 @@ impl Shard {
                 }
             }
             let next = good + 1;
-            let Some(set) = hashes.get(next).and_then(|h| table.get(h)) else {
+            let Some(set) = at(next) else {
                 let depth = next.min(n) as u32;
                 out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
                 return;
@@ -646,7 +626,7 @@ impl Shard {
             if dropped == 0 || set.len() != active.len() || set.fingerprint() != fp {
                 // The set at `next` has members outside the matching set
                 // (workers with holes): finish block by block.
-                walk(table, hashes, next + 1, active, fp, out);
+                walk(&at, n, next + 1, active, fp, out);
                 return;
             }
             good = next;
@@ -658,8 +638,8 @@ impl Shard {
     /// hash, and alias counts match. Returns a description of the first
     /// violation.
     pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        self.runs.check()?;
         for tier in Tier::ALL {
-            let table = &self.tiers[tier.idx()];
             // From workers to the table.
             for (i, slot) in self.workers.iter().enumerate() {
                 let Some(worker) = slot else { continue };
@@ -674,16 +654,19 @@ impl Shard {
                     if map.find(e.engine) != Some(slot) {
                         return Err(format!("worker {i}: engine hash {} not found at its slot {slot}", e.engine));
                     }
-                    *per_seq.entry(e.seq).or_insert(0) += 1;
+                    let Some(seq) = self.runs.hash(e.loc) else {
+                        return Err(format!("worker {i}: engine hash {} at {:?}, not a block", e.engine, e.loc));
+                    };
+                    if !self.runs.set(e.loc, tier).contains(w) {
+                        return Err(format!("worker {i} holds {seq} but the tree does not list it"));
+                    }
+                    *per_seq.entry(seq).or_insert(0) += 1;
                     held += 1;
                 }
                 if held != map.len() {
                     return Err(format!("worker {i}: {held} entries held but len {}", map.len()));
                 }
                 for (seq, n) in &per_seq {
-                    if !table.get(seq).is_some_and(|s| s.contains(w)) {
-                        return Err(format!("worker {i} holds {seq} but the table does not list it"));
-                    }
                     let aliases = worker.aliases[tier.idx()].get(seq).copied().unwrap_or(0);
                     if aliases != n - 1 {
                         return Err(format!("worker {i}: {seq} has {n} engine hashes but {aliases} aliases"));
@@ -721,11 +704,11 @@ impl Shard {
                     }
                 }
             }
-            // From the table to workers.
-            for (seq, set) in table.table.iter() {
+            // From the tree to workers.
+            for (loc, seq, set) in self.runs.held(tier) {
                 let mut err = None;
-                table.many.view(set).for_each(|w| {
-                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].iter().any(|(_, e)| e.seq == seq));
+                set.for_each(|w| {
+                    let holds = self.slot(w).is_some_and(|s| s.engine[tier.idx()].iter().any(|(_, e)| e.loc == loc));
                     if !holds {
                         err = Some(format!("table lists worker {} for {seq}, which it does not hold", w.0));
                     }
@@ -746,7 +729,7 @@ impl Shard {
         engine: EngineBlockHash,
     ) -> Option<(SequenceHash, u16)> {
         let map = self.slot(w)?.engine.get(tier.idx())?;
-        map.get(map.find(engine.0)?).map(|e| (e.seq, u16::from(e.refs)))
+        map.get(map.find(engine.0)?).and_then(|e| Some((self.runs.hash(e.loc)?, u16::from(e.refs))))
     }
 }
 
@@ -757,19 +740,20 @@ fn ahead(i: usize, k: usize, n: usize) -> std::ops::Range<usize> {
     if i == 0 { 0..(k + 1).min(n) } else { (i + k).min(n)..(i + k + 1).min(n) }
 }
 
-/// The block-by-block walk of `find_matches` from block `start`, with
-/// `active` the workers holding every block before it.
-fn walk(
-    table: &Sets,
-    hashes: &[SequenceHash],
+/// The block-by-block walk of `find_matches` from block `start` of the `n`
+/// the prefix tree has, with `active` the workers holding every block
+/// before it; `at(j)` is the holders of block `j`.
+fn walk<'a>(
+    at: &impl Fn(usize) -> Option<SetRef<'a>>,
+    n: usize,
     start: usize,
     mut active: Vec<WorkerIdx>,
     mut fp: u64,
     out: &mut Vec<Overlap>,
 ) {
-    let mut depth = hashes.len();
-    for (i, h) in hashes.iter().enumerate().skip(start) {
-        let Some(set) = table.get(h) else {
+    let mut depth = n;
+    for i in start..n {
+        let Some(set) = at(i) else {
             depth = i;
             break;
         };
@@ -783,7 +767,7 @@ fn walk(
             fp = fingerprint(&active);
         }
     }
-    let depth = depth.max(start.min(hashes.len())) as u32;
+    let depth = depth.max(start.min(n)) as u32;
     out.extend(active.into_iter().map(|worker| Overlap { worker, blocks: depth }));
 }
 
