@@ -140,14 +140,15 @@ pub(crate) struct Runs {
 impl Runs {
     /// The position of block `seq` whose parent block is at `parent`
     /// (`None`: the first block of a chain), created when absent. `parent`
-    /// must be a position the caller holds.
-    pub(crate) fn place(&mut self, parent: Option<Loc>, seq: SequenceHash) -> Loc {
+    /// must be a position the caller holds. `rest`: blocks of the chain from
+    /// this one on, room for which a run that grows is given at once.
+    pub(crate) fn place(&mut self, parent: Option<Loc>, seq: SequenceHash, rest: usize) -> Loc {
         let Some(p) = parent.filter(|p| self.runs.get(p.run as usize).is_some_and(|r| (p.off as usize) < r.len()))
         else {
             if let Some(&r) = self.heads.get(&seq) {
                 return Loc { run: r, off: 0 };
             }
-            return self.new_run(None, seq);
+            return self.new_run(None, seq, rest);
         };
         let next = p.off + 1;
         let (append, branches) = match self.runs.get(p.run as usize) {
@@ -163,14 +164,24 @@ impl Runs {
             return Loc { run: r, off: 0 };
         }
         if append && let Some(run) = self.runs.get_mut(p.run as usize) {
+            if run.hashes.len() == run.hashes.capacity() {
+                run.hashes.reserve(rest);
+                run.device.reserve(rest);
+            }
             run.push(seq);
             return Loc { run: p.run, off: next };
         }
-        self.new_run(Some(p), seq)
+        self.new_run(Some(p), seq, rest)
     }
 
-    fn new_run(&mut self, parent: Option<Loc>, seq: SequenceHash) -> Loc {
-        let mut run = Run { parent, head: seq, ..Run::default() };
+    fn new_run(&mut self, parent: Option<Loc>, seq: SequenceHash, rest: usize) -> Loc {
+        let mut run = Run {
+            hashes: Vec::with_capacity(rest.max(1)),
+            device: Vec::with_capacity(rest.max(1)),
+            parent,
+            head: seq,
+            ..Run::default()
+        };
         run.push(seq);
         let id = match self.free.pop() {
             Some(id) => {
@@ -486,7 +497,7 @@ mod tests {
     fn chain(r: &mut Runs, mut parent: Option<Loc>, hashes: &[u64], w: u32) -> Vec<Loc> {
         let mut out = Vec::new();
         for x in hashes {
-            let loc = r.place(parent, h(*x));
+            let loc = r.place(parent, h(*x), 1);
             r.add(loc, Tier::Device, WorkerIdx(w));
             out.push(loc);
             parent = Some(loc);
@@ -505,7 +516,7 @@ mod tests {
         let b = chain(&mut r, Some(a[1]), &[30, 40], 0);
         assert_ne!(b[0].run, a[0].run);
         assert_eq!(b[1].run, b[0].run);
-        assert_eq!(r.place(Some(a[1]), h(30)), b[0]);
+        assert_eq!(r.place(Some(a[1]), h(30), 1), b[0]);
         r.check().unwrap();
         let mut p = Path::default();
         r.path(&[h(1), h(2), h(30), h(40), h(50)], &mut p);

@@ -95,6 +95,8 @@ struct NewBlock {
     parent_slot: Option<u32>,
     /// The parent block's place in the prefix tree (`None`: the chain's first block).
     parent_loc: Option<Loc>,
+    /// Blocks of the event from this one on.
+    rest: usize,
 }
 
 /// One shard of a model's index: some of its workers, and the prefix tree
@@ -281,7 +283,8 @@ impl Shard {
         let mut parent_slot = None;
         for (i, (h, seq)) in s.engine_hashes.iter().zip(&seqs).enumerate() {
             self.prefetch_store(w, s.tier, s.engine_hashes, i);
-            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot, parent_loc: prev_loc };
+            let rest = seqs.len() - i;
+            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot, parent_loc: prev_loc, rest };
             // Unreachable `else`: the worker and its tier exist.
             let Some((slot, loc)) = self.store_ref(w, s.tier, block, s.origin) else { break };
             (parent_slot, prev_loc) = (Some(slot), Some(loc));
@@ -369,8 +372,8 @@ impl Shard {
     /// hash absent, when the table has not changed since (saves a second
     /// probe).
     fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, vacant: Option<Probe>) -> Option<(u32, Loc)> {
-        let NewBlock { engine, seq, parent, parent_slot, parent_loc } = block;
-        let loc = self.runs.place(parent_loc, seq);
+        let NewBlock { engine, seq, parent, parent_slot, parent_loc, rest } = block;
+        let loc = self.runs.place(parent_loc, seq, rest);
         let t = tier.idx();
         let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
         let born = worker.tick();
@@ -476,11 +479,10 @@ impl Shard {
 
     /// Records that `w` holds the block at `loc` under one engine hash fewer.
     fn drop_membership(&mut self, w: WorkerIdx, tier: Tier, loc: Loc) {
-        let seq = self.runs.hash(loc);
         if let Some(aliases) =
             self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.aliases.get_mut(tier.idx()))
             && !aliases.is_empty()
-            && let Some(seq) = seq
+            && let Some(seq) = self.runs.hash(loc)
             && let MapEntry::Occupied(mut a) = aliases.entry(seq)
         {
             *a.get_mut() -= 1;
