@@ -13,11 +13,13 @@
 //! whose slot no longer holds its key. When live and stale buckets fill 3/4
 //! of the table it is rebuilt from the slab at a size the entries fill at
 //! most 3/8 of. The home bucket is the top bits of the hash, so the tag alone
-//! places an entry, and a key's home bucket can be prefetched before its use. Pages instead of one vector keep growth waste under one page
-//! (a doubling vector just past a power of two would leave half of it
-//! empty). Freed slots form a list threaded through their `parent` field and
-//! are reused first, most recently freed first: a chain removed leaf first
-//! is handed back in its original order to the next chain stored.
+//! places an entry, and a key's home bucket can be prefetched before its use.
+//! Pages instead of one vector keep growth waste under one page (a doubling
+//! vector just past a power of two would leave half of it empty). Freed
+//! slots are kept on a stack (4 bytes each) and reused first, most recently
+//! freed first: a chain removed leaf first is handed back in its original
+//! order to the next chain stored, and the slot an insert a few blocks ahead
+//! will take can be prefetched.
 //!
 //! | operation | time |
 //! |---|---|
@@ -35,7 +37,7 @@ use foldhash::fast::RandomState;
 use crate::probing::{delete_shift, prefetch_read};
 use crate::runs::{Loc, NO_LOC};
 
-/// No slot: an entry stored without a held parent, or the end of the free list.
+/// No slot: an entry stored without a held parent, or an empty bucket.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
 const PAGE_BITS: u32 = 10;
@@ -51,7 +53,7 @@ pub(crate) struct Entry {
     pub(crate) loc: Loc,
     /// Slot of the entry it was stored under, when that was held then
     /// (else [`NO_SLOT`]). The link is only trusted while that slot holds an
-    /// entry born earlier than this one. In a free slot: the next free slot.
+    /// entry born earlier than this one.
     pub(crate) parent: u32,
     /// The worker's store clock when the entry was created: its identity for
     /// parent/child accounting, and its age for capacity trimming.
@@ -98,8 +100,10 @@ pub(crate) struct Engine {
     pages: Vec<Box<[Entry]>>,
     /// Slots handed out so far (the slab's high-water mark).
     next: u32,
-    /// Head of the free list.
-    free: Option<u32>,
+    /// Freed slots, the most recently freed last (a stack, so that the slot
+    /// an insert a few blocks ahead will take is known and can be
+    /// prefetched).
+    free: Vec<u32>,
     len: usize,
     /// Occupied buckets: `len` plus the stale ones that entries removed by
     /// slot left behind ([`Engine::remove`]).
@@ -119,7 +123,7 @@ impl Default for Engine {
             bits: MIN_BUCKETS.trailing_zeros(),
             pages: Vec::new(),
             next: 0,
-            free: None,
+            free: Vec::new(),
             len: 0,
             used: 0,
             hasher: RandomState::default(),
@@ -169,6 +173,17 @@ impl Engine {
     pub(crate) fn prefetch_bucket(&self, engine: u64) {
         if let Some(b) = self.buckets.get(self.home(self.tag(engine))) {
             prefetch_read(b);
+        }
+    }
+
+    /// Starts loading the slot the `k`-th insert from now will take (a
+    /// freed one; new slots are taken in memory order).
+    #[inline]
+    pub(crate) fn prefetch_free(&self, k: usize) {
+        let Some(&slot) = self.free.len().checked_sub(k + 1).and_then(|i| self.free.get(i)) else { return };
+        let (p, i) = split(slot);
+        if let Some(e) = self.pages.get(p).and_then(|page| page.get(i)) {
+            prefetch_read(e);
         }
     }
 
@@ -254,13 +269,8 @@ impl Engine {
     /// Stores `entry` where `at`, a probe of its engine hash that found
     /// nothing, taken since the table last changed, says it goes.
     pub(crate) fn insert_at(&mut self, at: Probe, entry: Entry) -> u32 {
-        let slot = match self.free {
-            Some(s) => {
-                let (p, i) = split(s);
-                let next = self.pages.get(p).and_then(|page| page.get(i)).map_or(NO_SLOT, |e| e.parent);
-                self.free = (next != NO_SLOT).then_some(next);
-                s
-            }
+        let slot = match self.free.pop() {
+            Some(s) => s,
             None => {
                 let s = self.next;
                 if (s as usize).is_multiple_of(PAGE) {
@@ -299,9 +309,9 @@ impl Engine {
         let entry = *self.get(slot)?;
         let (p, i) = split(slot);
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
-            *e = Entry { parent: self.free.unwrap_or(NO_SLOT), ..FREE };
+            *e = FREE;
         }
-        self.free = Some(slot);
+        self.free.push(slot);
         self.len -= 1;
         Some(entry)
     }
@@ -340,6 +350,7 @@ impl Engine {
         self.buckets.capacity() * std::mem::size_of::<Bucket>()
             + self.pages.len() * PAGE * std::mem::size_of::<Entry>()
             + self.pages.capacity() * std::mem::size_of::<Box<[Entry]>>()
+            + self.free.capacity() * std::mem::size_of::<u32>()
     }
 }
 

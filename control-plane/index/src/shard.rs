@@ -321,13 +321,14 @@ impl Shard {
     }
 
     /// Prefetch for a stored chain, run before storing block `i`: the
-    /// engine bucket of block `i + L` (the prefix tree is walked in memory
-    /// order).
+    /// engine bucket of block `i + L` and the free slot its entry will
+    /// probably take (the prefix tree is walked in memory order).
     #[inline]
     fn prefetch_store(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], i: usize) {
         let Some(map) = self.slot(w).and_then(|s| s.engine.get(tier.idx())) else { return };
         for j in ahead(i, LOOKAHEAD, hashes.len()) {
             map.prefetch_bucket(hashes[j]);
+            map.prefetch_free(j - i);
         }
     }
 
