@@ -99,6 +99,17 @@ struct NewBlock {
     rest: usize,
 }
 
+/// Where the next block of a removal batch probably is, from the one
+/// removed before it: its parent's slot (a chain evicted leaf first, as
+/// vLLM does) or the slot after it (a chain removed root first, its
+/// entries stored one after the other). A guess saves the engine-table
+/// probe; it is checked by engine hash before use.
+#[derive(Debug, Clone, Copy, Default)]
+struct Hint {
+    parent: Option<u32>,
+    after: Option<u32>,
+}
+
 /// One shard of a model's index: some of its workers, and the prefix tree
 /// of the blocks they hold.
 #[derive(Debug)]
@@ -222,12 +233,13 @@ impl Shard {
         let r = match event {
             KvEvent::Stored(s) => self.apply_stored(w, s),
             KvEvent::Removed { engine_hashes, tier } => {
-                let mut hint = None;
+                let mut hint = Hint::default();
                 for (i, h) in engine_hashes.iter().enumerate() {
-                    if hint.is_none() {
+                    let found = self.hinted(w, *tier, *h, hint);
+                    if found.is_none() {
                         self.prefetch_removal(w, *tier, engine_hashes, i);
                     }
-                    hint = self.remove_ref(w, *tier, *h, hint);
+                    hint = self.remove_ref(w, *tier, *h, found);
                 }
                 Ok(())
             }
@@ -298,8 +310,8 @@ impl Shard {
     }
 
     /// Software pipeline of a removal batch, run before removing block
-    /// `i` when the block before it left no parent-link hint (at the start
-    /// of an event and where a removal batch leaves a chain): the bucket of block `i + 3L` is prefetched, the entry of block
+    /// `i` when no [`Hint`] found it (at the start of an event, and where
+    /// a removal batch leaves a chain or follows no stored order): the bucket of block `i + 3L` is prefetched, the entry of block
     /// `i + 2L` (its bucket is in by now), and the prefix-tree block of
     /// block `i + L` (its entry is in by now), L = [`LOOKAHEAD`]. By the time
     /// a block is removed, the three dependent misses of its removal have
@@ -440,33 +452,43 @@ impl Shard {
         true
     }
 
-    /// Drops one reference to `engine`. `hint`: the slot it is probably in
-    /// (the parent slot of the block removed before it: vLLM evicts a chain
-    /// leaf first), checked before use, which saves the table probe.
-    /// Returns the hint for the next removal.
-    fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64, hint: Option<u32>) -> Option<u32> {
-        let map =
-            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.engine.get_mut(tier.idx()))?;
-        let (slot, probe) = match hint.filter(|s| map.get(*s).is_some_and(|e| e.engine == engine)) {
+    /// The slot of `engine` if one of `hint`'s guesses holds it (checked by
+    /// engine hash).
+    fn hinted(&self, w: WorkerIdx, tier: Tier, engine: u64, hint: Hint) -> Option<u32> {
+        let map = self.slot(w)?.engine.get(tier.idx())?;
+        [hint.parent, hint.after].into_iter().flatten().find(|s| map.get(*s).is_some_and(|e| e.engine == engine))
+    }
+
+    /// Drops one reference to `engine`; `found`: its slot, when a hint
+    /// found it (else it is probed for). Returns the guesses for the next
+    /// removal of the batch.
+    fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64, found: Option<u32>) -> Hint {
+        let Some(map) =
+            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.engine.get_mut(tier.idx()))
+        else {
+            return Hint::default();
+        };
+        let (slot, probe) = match found {
             Some(slot) => (slot, None),
             None => {
                 let probe = map.probe(engine);
                 let Some(slot) = probe.slot else {
                     self.counters.unknown_removals += 1;
-                    return None;
+                    return Hint::default();
                 };
                 (slot, Some(probe))
             }
         };
-        let e = map.get_mut(slot)?;
+        let Some(e) = map.get_mut(slot) else { return Hint::default() };
         self.counters.blocks_removed += 1;
-        let next = (e.has_parent && e.parent != NO_SLOT).then_some(e.parent);
+        let hint =
+            Hint { parent: (e.has_parent && e.parent != NO_SLOT).then_some(e.parent), after: slot.checked_add(1) };
         if e.refs > 1 {
             e.refs -= 1;
-            return next;
+            return hint;
         }
         self.remove_entry(w, tier, slot, probe);
-        next
+        hint
     }
 
     /// Records that `w` holds `seq` (at `loc`) under one more engine hash.
