@@ -101,13 +101,15 @@ struct NewBlock {
 
 /// Where the next block of a removal batch probably is, from the one
 /// removed before it: its parent's slot (a chain evicted leaf first, as
-/// vLLM does) or the slot after it (a chain removed root first, its
-/// entries stored one after the other). A guess saves the engine-table
-/// probe; it is checked by engine hash before use.
+/// vLLM does), else a slot next to it (a chain removed root first: a
+/// chain's entries take consecutive slots, in one order or the other as
+/// freed slots come back). A guess saves the engine-table probe; it is
+/// checked by engine hash before use.
 #[derive(Debug, Clone, Copy, Default)]
 struct Hint {
     parent: Option<u32>,
     after: Option<u32>,
+    before: Option<u32>,
 }
 
 /// One shard of a model's index: some of its workers, and the prefix tree
@@ -456,7 +458,10 @@ impl Shard {
     /// engine hash).
     fn hinted(&self, w: WorkerIdx, tier: Tier, engine: u64, hint: Hint) -> Option<u32> {
         let map = self.slot(w)?.engine.get(tier.idx())?;
-        [hint.parent, hint.after].into_iter().flatten().find(|s| map.get(*s).is_some_and(|e| e.engine == engine))
+        [hint.parent, hint.after, hint.before]
+            .into_iter()
+            .flatten()
+            .find(|s| map.get(*s).is_some_and(|e| e.engine == engine))
     }
 
     /// Drops one reference to `engine`; `found`: its slot, when a hint
@@ -481,8 +486,11 @@ impl Shard {
         };
         let Some(e) = map.get_mut(slot) else { return Hint::default() };
         self.counters.blocks_removed += 1;
-        let hint =
-            Hint { parent: (e.has_parent && e.parent != NO_SLOT).then_some(e.parent), after: slot.checked_add(1) };
+        let hint = Hint {
+            parent: (e.has_parent && e.parent != NO_SLOT).then_some(e.parent),
+            after: slot.checked_add(1),
+            before: slot.checked_sub(1),
+        };
         if e.refs > 1 {
             e.refs -= 1;
             return hint;
