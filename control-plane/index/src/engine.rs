@@ -300,12 +300,6 @@ impl Engine {
     /// slot no longer holds its key), until the next rebuild. Removals that
     /// find their entry by a parent link save the probe this way.
     pub(crate) fn remove(&mut self, slot: u32) -> Option<Entry> {
-        let entry = self.free_slot(slot)?;
-        Some(entry)
-    }
-
-    /// Frees `slot` and returns the entry it held.
-    fn free_slot(&mut self, slot: u32) -> Option<Entry> {
         let entry = *self.get(slot)?;
         let (p, i) = split(slot);
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
@@ -320,7 +314,7 @@ impl Engine {
     /// changed) and returns it.
     pub(crate) fn remove_at(&mut self, at: Probe) -> Option<Entry> {
         let slot = at.slot?;
-        let entry = self.free_slot(slot)?;
+        let entry = self.remove(slot)?;
         self.delete_bucket(at.bucket);
         self.used -= 1;
         Some(entry)

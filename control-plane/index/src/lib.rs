@@ -28,3 +28,9 @@ mod worker_set;
 
 pub use event::{KvEvent, Origin, Stored, Tier};
 pub use index::{Counters, Index, IndexConfig, Overlap, Skip, WorkerIdx};
+
+/// Approximate heap bytes of a `HashMap` (hashbrown: buckets = capacity ·
+/// 8 / 7, one control byte each), for memory accounting.
+pub(crate) fn map_heap_bytes<K, V, S>(m: &std::collections::HashMap<K, V, S>) -> usize {
+    m.capacity() * 8 / 7 * (std::mem::size_of::<(K, V)>() + 1)
+}

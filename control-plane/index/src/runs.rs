@@ -143,23 +143,19 @@ impl Runs {
     /// must be a position the caller holds. `rest`: blocks of the chain from
     /// this one on, room for which a run that grows is given at once.
     pub(crate) fn place(&mut self, parent: Option<Loc>, seq: SequenceHash, rest: usize) -> Loc {
-        let Some(p) = parent.filter(|p| self.runs.get(p.run as usize).is_some_and(|r| (p.off as usize) < r.len()))
-        else {
+        let held =
+            parent.and_then(|p| Some((p, self.runs.get(p.run as usize).filter(|r| (p.off as usize) < r.len())?)));
+        let Some((p, run)) = held else {
             if let Some(&r) = self.heads.get(&seq) {
                 return Loc { run: r, off: 0 };
             }
             return self.new_run(None, seq, rest);
         };
         let next = p.off + 1;
-        let (append, branches) = match self.runs.get(p.run as usize) {
-            Some(run) => {
-                if run.hashes.get(next as usize) == Some(&seq) {
-                    return Loc { run: p.run, off: next };
-                }
-                (next as usize == run.len(), run.branches_at(p.off))
-            }
-            None => (false, false),
-        };
+        if run.hashes.get(next as usize) == Some(&seq) {
+            return Loc { run: p.run, off: next };
+        }
+        let (append, branches) = (next as usize == run.len(), run.branches_at(p.off));
         if branches && let Some(&r) = self.heads.get(&seq) {
             return Loc { run: r, off: 0 };
         }
@@ -373,7 +369,7 @@ impl Runs {
 
     /// Heap bytes of the tree (runs, heads, large sets).
     pub(crate) fn heap_bytes(&self) -> usize {
-        let heads = self.heads.capacity() * 8 / 7 * (std::mem::size_of::<(SequenceHash, u32)>() + 1);
+        let heads = crate::map_heap_bytes(&self.heads);
         self.runs.iter().map(Run::heap_bytes).sum::<usize>()
             + self.runs.capacity() * std::mem::size_of::<Run>()
             + heads

@@ -203,15 +203,10 @@ impl Shard {
 
     /// Approximate heap bytes of the index (hash-table slots and worker sets).
     pub(crate) fn approx_heap_bytes(&self) -> usize {
-        fn table<K, V, S>(m: &HashMap<K, V, S>) -> usize {
-            // hashbrown: buckets = capacity * 8 / 7, one control byte each.
-            let buckets = m.capacity() * 8 / 7;
-            buckets * (std::mem::size_of::<(K, V)>() + 1)
-        }
         let mut total = self.runs.heap_bytes();
         for s in self.workers.iter().flatten() {
             total += s.engine.iter().map(Engine::heap_bytes).sum::<usize>();
-            total += s.aliases.iter().map(table).sum::<usize>();
+            total += s.aliases.iter().map(crate::map_heap_bytes).sum::<usize>();
             total += s.name.capacity();
         }
         total
