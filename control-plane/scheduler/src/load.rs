@@ -160,6 +160,14 @@ fn union_len(mut spans: Vec<(usize, usize)>) -> usize {
     total
 }
 
+/// `x.round() as u64` (halves away from zero; negative and NaN give 0,
+/// beyond `u64::MAX` saturates), without the libm call that the baseline
+/// x86-64 target makes of `round`: read for every candidate of a Pick.
+fn round_to_u64(x: f64) -> u64 {
+    let t = x as u64;
+    if x - t as f64 >= 0.5 { t.saturating_add(1) } else { t }
+}
+
 /// `worker`'s entry in a by-index table, made when it has none.
 fn worker_mut(workers: &mut Vec<Option<WorkerLoad>>, worker: WorkerIdx) -> &mut WorkerLoad {
     let i = worker.0 as usize;
@@ -546,9 +554,29 @@ impl LoadTracker {
             active_blocks: w.distinct_prompt_blocks + w.counted_prompt_blocks + w.output_blocks,
             measured_running: m.map(|m| m.running),
             measured_waiting: m.map(|m| m.waiting),
-            measured_active_blocks: m.map(|m| (f64::from(m.kv_usage) * m.capacity_blocks as f64).round() as u64),
+            measured_active_blocks: m.map(|m| round_to_u64(f64::from(m.kv_usage) * m.capacity_blocks as f64)),
             max_running: m.and_then(|m| (m.max_num_seqs > 0).then_some(m.max_num_seqs)),
             capacity_blocks: m.and_then(|m| (m.capacity_blocks > 0).then_some(m.capacity_blocks)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_to_u64;
+
+    #[test]
+    fn round_to_u64_is_round_as_u64() {
+        let edges = [0.0, -0.0, 0.49999999999999994, 0.5, 1.5, 2.5, -0.5, -0.7, 1e15 + 0.5, 9.007e15, 1.9e19, 1e30];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let randoms = (0..10_000).map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 11) as f64 / (1u64 << 53) as f64 * 50_000.0
+        });
+        for x in edges.into_iter().chain(randoms).chain([f64::NAN, f64::INFINITY, f64::NEG_INFINITY]) {
+            assert_eq!(round_to_u64(x), x.round() as u64, "{x}");
         }
     }
 }

@@ -24,6 +24,11 @@
 //! runs on a thread of its own, not on the client's runtime, so that its
 //! work does not delay the answers the client times. Results:
 //! `bench/results/scale.json`.
+//!
+//! For an A/B of one step: `--rates 2000` replaces every mix's ladder,
+//! `--grpc false` keeps only the in-process rows (e.g. `make bench-scale
+//! BENCH_ARGS="--workers 1000 --mixes doks_new_turn --grpc false --out
+//! bench/results/tmp.json"`).
 
 mod fleet;
 mod load;
@@ -54,6 +59,7 @@ struct Args {
     elide: bool,
     mixes: Vec<&'static str>,
     replicas: Vec<usize>,
+    grpc: bool,
     out: PathBuf,
 }
 
@@ -69,6 +75,7 @@ fn args() -> Args {
         elide: true,
         mixes: MIXES.to_vec(),
         replicas: vec![1, 2, 4],
+        grpc: true,
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/scale.json"),
     };
     let v: Vec<String> = std::env::args().skip(1).filter(|x| x != "--bench").collect();
@@ -83,6 +90,12 @@ fn args() -> Args {
             "--request-secs" => a.request_secs = val.parse().unwrap_or(a.request_secs),
             "--elide" => a.elide = val != "false",
             "--replicas" => a.replicas = val.split(',').filter_map(|x| x.parse().ok()).filter(|r| *r > 0).collect(),
+            // Offered rates for every mix instead of its ladder (an A/B of one step).
+            "--rates" => {
+                let _ = RATES.set(val.split(',').filter_map(|x| x.parse().ok()).collect());
+            }
+            // `--grpc false`: the in-process rows only (an A/B of the core).
+            "--grpc" => a.grpc = val != "false",
             "--mixes" => a.mixes = MIXES.iter().copied().filter(|m| val.split(',').any(|x| x == *m)).collect(),
             // Relative to the repository (cargo runs benches in the crate's directory).
             "--out" => a.out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(val),
@@ -92,8 +105,15 @@ fn args() -> Args {
     a
 }
 
-/// Offered rates (Picks/s) per mix, low to past saturation on 2 cores.
+/// `--rates`, when given.
+static RATES: std::sync::OnceLock<Vec<f64>> = std::sync::OnceLock::new();
+
+/// Offered rates (Picks/s) per mix, low to past saturation on 2 cores
+/// (or `--rates`).
 fn ladder(mix: &str) -> &'static [f64] {
+    if let Some(r) = RATES.get().filter(|r| !r.is_empty()) {
+        return r;
+    }
     match mix {
         "doks_new_turn" => &[250.0, 500.0, 1000.0, 2000.0, 4000.0],
         "doc_question" => &[50.0, 100.0, 250.0, 500.0, 1000.0],
@@ -420,12 +440,15 @@ fn main() {
     let mut agreements = Vec::new();
     for &workers in &a.workers {
         rows.extend(in_process(&rt, &a, workers, &tk_dir, &mixes));
+        if !a.grpc {
+            continue;
+        }
         let (r, agree) = rt.block_on(over_grpc(&a, workers, 1, &a.mixes, &tk, &tk_dir, &mixes));
         rows.extend(r);
         agreements.extend(agree);
     }
     // Replicas: the smallest fleet, the DOKS new-turn mix.
-    if let Some(&workers) = a.workers.iter().min() {
+    if let Some(&workers) = a.workers.iter().min().filter(|_| a.grpc) {
         for &n in a.replicas.iter().filter(|n| **n > 1) {
             let (r, agree) = rt.block_on(over_grpc(&a, workers, n, &["doks_new_turn"], &tk, &tk_dir, &mixes));
             rows.extend(r);
