@@ -212,23 +212,31 @@ impl Engine {
 
     /// Rebuilds the buckets from the held entries, dropping stale ones, at
     /// a size where the entries fill at most 3/8 of it (doubling when they
-    /// have grown, the same size when stale buckets filled it).
+    /// have grown, the same size when stale buckets filled it). At the same
+    /// size the table is cleared in place: a new one would be fresh pages
+    /// the kernel zeroes on first touch.
     fn rebuild(&mut self) {
         let mut bits = MIN_BUCKETS.trailing_zeros();
         while self.len * 8 > (3usize << bits) && bits < 32 {
             bits += 1;
         }
-        let tags: Vec<(u32, u32)> = self.iter().map(|(slot, e)| (self.tag(e.engine), slot)).collect();
-        self.buckets = vec![EMPTY_BUCKET; 1 << bits];
-        self.bits = bits;
+        if bits == self.bits {
+            self.buckets.fill(EMPTY_BUCKET);
+        } else {
+            self.buckets = vec![EMPTY_BUCKET; 1 << bits];
+            self.bits = bits;
+        }
         let mask = self.mask();
-        for (tag, slot) in tags {
-            let mut i = self.home(tag);
-            while self.buckets.get(i).is_some_and(|x| x.slot != NO_SLOT) {
+        let Self { buckets, pages, next, hasher, .. } = self;
+        let held = pages.iter().flat_map(|page| page.iter()).take(*next as usize).enumerate().filter(|(_, e)| e.refs > 0);
+        for (slot, e) in held {
+            let tag = (hasher.hash_one(e.engine) >> 32) as u32;
+            let mut i = (tag >> (32 - bits)) as usize;
+            while buckets.get(i).is_some_and(|x| x.slot != NO_SLOT) {
                 i = (i + 1) & mask;
             }
-            if let Some(x) = self.buckets.get_mut(i) {
-                *x = Bucket { tag, slot };
+            if let Some(x) = buckets.get_mut(i) {
+                *x = Bucket { tag, slot: slot as u32 };
             }
         }
         self.used = self.len;
