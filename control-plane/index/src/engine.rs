@@ -228,7 +228,8 @@ impl Engine {
         }
         let mask = self.mask();
         let Self { buckets, pages, next, hasher, .. } = self;
-        let held = pages.iter().flat_map(|page| page.iter()).take(*next as usize).enumerate().filter(|(_, e)| e.refs > 0);
+        let held =
+            pages.iter().flat_map(|page| page.iter()).take(*next as usize).enumerate().filter(|(_, e)| e.refs > 0);
         for (slot, e) in held {
             let tag = (hasher.hash_one(e.engine) >> 32) as u32;
             let mut i = (tag >> (32 - bits)) as usize;
