@@ -116,6 +116,30 @@ fn split(slot: u32) -> (usize, usize) {
     ((slot >> PAGE_BITS) as usize, slot as usize & (PAGE - 1))
 }
 
+/// The bucket tag of `engine`: the top 32 bits of its hash.
+#[inline]
+fn tag_of(hasher: &RandomState, engine: u64) -> u32 {
+    (hasher.hash_one(engine) >> 32) as u32
+}
+
+/// The home bucket of `tag` in a table of `1 << bits` buckets.
+#[inline]
+fn home_of(tag: u32, bits: u32) -> usize {
+    (tag >> (32 - bits)) as usize
+}
+
+/// The held entries of a slab whose first `next` slots were handed out,
+/// with their slots, in slot order.
+fn held(pages: &[Box<[Entry]>], next: u32) -> impl Iterator<Item = (u32, &Entry)> + '_ {
+    pages
+        .iter()
+        .flat_map(|page| page.iter())
+        .take(next as usize)
+        .enumerate()
+        .filter(|(_, e)| e.refs > 0)
+        .map(|(s, e)| (s as u32, e))
+}
+
 impl Default for Engine {
     fn default() -> Self {
         Self {
@@ -134,12 +158,12 @@ impl Default for Engine {
 impl Engine {
     #[inline]
     fn tag(&self, engine: u64) -> u32 {
-        (self.hasher.hash_one(engine) >> 32) as u32
+        tag_of(&self.hasher, engine)
     }
 
     #[inline]
     fn home(&self, tag: u32) -> usize {
-        (tag >> (32 - self.bits)) as usize
+        home_of(tag, self.bits)
     }
 
     #[inline]
@@ -228,16 +252,14 @@ impl Engine {
         }
         let mask = self.mask();
         let Self { buckets, pages, next, hasher, .. } = self;
-        let held =
-            pages.iter().flat_map(|page| page.iter()).take(*next as usize).enumerate().filter(|(_, e)| e.refs > 0);
-        for (slot, e) in held {
-            let tag = (hasher.hash_one(e.engine) >> 32) as u32;
-            let mut i = (tag >> (32 - bits)) as usize;
+        for (slot, e) in held(pages, *next) {
+            let tag = tag_of(hasher, e.engine);
+            let mut i = home_of(tag, bits);
             while buckets.get(i).is_some_and(|x| x.slot != NO_SLOT) {
                 i = (i + 1) & mask;
             }
             if let Some(x) = buckets.get_mut(i) {
-                *x = Bucket { tag, slot: slot as u32 };
+                *x = Bucket { tag, slot };
             }
         }
         self.used = self.len;
@@ -339,13 +361,7 @@ impl Engine {
 
     /// Held entries with their slots, in slot order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Entry)> + '_ {
-        self.pages
-            .iter()
-            .flat_map(|page| page.iter())
-            .take(self.next as usize)
-            .enumerate()
-            .filter(|(_, e)| e.refs > 0)
-            .map(|(s, e)| (s as u32, e))
+        held(&self.pages, self.next)
     }
 
     /// Heap bytes (table and slab).
