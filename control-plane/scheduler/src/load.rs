@@ -12,8 +12,8 @@
 //! | [`LoadTracker::done`] | O(n / K) table updates + one share |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
-//! | share of one worker | O(log(n / K)) lookups + O(h · K) comparisons + O(p · (log(n / K) + K)) |
-//! | [`LoadTracker::inflight_shares`] (every worker at once) | one share per worker holding the prompt's first block |
+//! | share of one worker | O(log(n / K)) lookups + O(h · log K) comparisons + O(p · (log(n / K) + K)) |
+//! | [`LoadTracker::inflight_shares`] (every worker at once) | the prompt's checkpoints looked up once; each holder's last one found by one walk of their holders from the last back (at most what the binary searches would cost, which take over beyond), then one extension and share per worker holding the prompt's first block |
 //!
 //! Active blocks are deduplicated per worker, as the engine's prefix cache
 //! does: ten requests sharing a 4,000-token system prompt count its blocks
@@ -128,6 +128,53 @@ fn last_checkpoint(n: usize, holds: impl Fn(usize) -> bool) -> usize {
         if holds(mid * CHECKPOINT) { lo = mid + 1 } else { hi = mid }
     }
     (lo - 1) * CHECKPOINT
+}
+
+/// A worker [`last_held`] did not place.
+const UNPLACED: u32 = u32::MAX;
+
+/// Entries [`last_held`] may walk before it leaves the rest to binary
+/// searches: about what those searches would cost for every holder of the
+/// first checkpoint (`first` entries, `lists` checkpoints held by someone).
+fn walk_budget(first: usize, lists: usize) -> usize {
+    let bits = |n: usize| (usize::BITS - n.leading_zeros()) as usize;
+    first.saturating_mul(bits(lists)).saturating_mul(2 * bits(first))
+}
+
+/// By worker index below `top`: the last checkpoint (its index in
+/// `holders`) that the worker's requests hold, for the holders of the first
+/// one. Chained hashes: a request holding checkpoint k holds every earlier
+/// one, so walking the lists from the last one back, a worker's first
+/// appearance is its last checkpoint. The walk ends when every holder of
+/// the first is placed, or after `budget` entries; the workers not placed
+/// then are [`UNPLACED`] (and others are 0).
+fn last_held(holders: &[&[(WorkerIdx, u32)]], top: usize, budget: usize) -> Vec<u32> {
+    let mut last = vec![UNPLACED; top];
+    let Some(first) = holders.first() else { return last };
+    let mut left = 0usize;
+    let mut prev = None;
+    for (w, _) in *first {
+        if prev != Some(*w) {
+            left += 1;
+        }
+        prev = Some(*w);
+    }
+    let mut walked = 0usize;
+    for (k, list) in holders.iter().enumerate().rev() {
+        if left == 0 || walked.saturating_add(list.len()) > budget && k > 0 {
+            break;
+        }
+        walked += list.len();
+        for (w, _) in *list {
+            if let Some(l) = last.get_mut(w.0 as usize)
+                && *l == UNPLACED
+            {
+                *l = k as u32;
+                left = left.saturating_sub(1);
+            }
+        }
+    }
+    last
 }
 
 /// Positions of `a` and `b`'s common prefix: by checkpoints (chained hashes
@@ -250,14 +297,25 @@ impl LoadTracker {
         let Some(first) = holders.first() else { return out };
         let top = first.last().map_or(0, |(w, _)| w.0 as usize + 1);
         out.resize(top, InflightShare::default());
-        let mut last = None;
+        let last = last_held(&holders, top, walk_budget(first.len(), holders.len()));
+        let mut prev = None;
         for (w, _) in *first {
-            if last == Some(*w) {
+            if prev == Some(*w) {
                 continue;
             }
-            last = Some(*w);
+            prev = Some(*w);
+            let at = |k: usize| holders.get(k).copied().unwrap_or_default();
+            let k = match last.get(w.0 as usize) {
+                Some(k) if *k != UNPLACED => *k as usize,
+                _ => {
+                    last_checkpoint(holders.len() * CHECKPOINT, |pos| !run(at(pos / CHECKPOINT), *w).is_empty())
+                        / CHECKPOINT
+                }
+            };
             if let Some(s) = out.get_mut(w.0 as usize) {
-                *s = self.share_along(*w, prompt, |k| holders.get(k).copied().unwrap_or_default(), holders.len());
+                let blocks = self.extend_from(*w, prompt, k * CHECKPOINT, at(k));
+                let computing = if blocks > 0 { self.computing_on(*w, prompt, blocks, first) } else { 0 };
+                *s = InflightShare { blocks: u32::try_from(blocks).unwrap_or(u32::MAX), computing };
             }
         }
         out
@@ -318,18 +376,28 @@ impl LoadTracker {
         if on(0).is_empty() {
             return 0;
         }
-        let at = last_checkpoint(checkpoints * CHECKPOINT, |pos| !on(pos).is_empty());
+        let last = last_checkpoint(checkpoints * CHECKPOINT, |pos| !on(pos).is_empty());
+        self.extend_from(worker, prompt, last, at(last / CHECKPOINT))
+    }
+
+    /// The longest prefix of `prompt` that `worker`'s requests holding its
+    /// checkpoint at position `at` share, given that none holds the next
+    /// checkpoint: `held` are that checkpoint's holders (all workers).
+    fn extend_from(&self, worker: WorkerIdx, prompt: &[SequenceHash], at: usize, held: &[(WorkerIdx, u32)]) -> usize {
         let end = prompt.len().min(at + CHECKPOINT);
         let mut best = at + 1;
-        for (_, slot) in on(at) {
+        for (_, slot) in run(held, worker) {
             let Some(r) = self.request(*slot) else { continue };
-            let mut i = best;
-            while i < end && r.prompt.get(i).is_some_and(|x| prompt.get(i) == Some(x)) {
-                i += 1;
-            }
             // Starting at `best` is enough: a request that agrees at a
-            // position agrees at every one before it (chained hashes).
-            best = best.max(i);
+            // position agrees at every one before it (chained hashes), so
+            // the first disagreement is found by bisection.
+            let same = |i: usize| r.prompt.get(i).is_some_and(|x| prompt.get(i) == Some(x));
+            let (mut lo, mut hi) = (best, end);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if same(mid) { lo = mid + 1 } else { hi = mid }
+            }
+            best = lo;
             if best == end {
                 break;
             }
@@ -563,7 +631,40 @@ impl LoadTracker {
 
 #[cfg(test)]
 mod tests {
-    use super::round_to_u64;
+    use super::{UNPLACED, WorkerIdx, last_held, round_to_u64};
+
+    /// Every budget places a worker at its last checkpoint or leaves it to
+    /// the binary search; a budget as large as the lists places them all.
+    #[test]
+    fn last_held_places_each_worker_at_its_last_checkpoint_or_not_at_all() {
+        // Worker w holds checkpoints 0..=depth[w] (two requests on w 3).
+        let depth = [0usize, 4, 2, 4, 1, 0, 3];
+        let lists: Vec<Vec<(WorkerIdx, u32)>> = (0..5)
+            .map(|k| {
+                let mut l: Vec<(WorkerIdx, u32)> = Vec::new();
+                for (w, d) in depth.iter().enumerate().filter(|(_, d)| **d >= k) {
+                    l.push((WorkerIdx(w as u32), 2 * w as u32));
+                    if w == 3 {
+                        l.push((WorkerIdx(3), 7));
+                    }
+                }
+                l
+            })
+            .collect();
+        let holders: Vec<&[(WorkerIdx, u32)]> = lists.iter().map(Vec::as_slice).collect();
+        let total: usize = lists.iter().map(Vec::len).sum();
+        for budget in 0..=total {
+            let last = last_held(&holders, depth.len() + 2, budget);
+            for (w, d) in depth.iter().enumerate() {
+                let l = last[w];
+                assert!(l == UNPLACED || l as usize == *d, "budget {budget}, worker {w}: {l}");
+                if budget == total {
+                    assert_eq!(l as usize, *d, "worker {w}");
+                }
+            }
+            assert_eq!(last[depth.len()..], [UNPLACED, UNPLACED]);
+        }
+    }
 
     #[test]
     fn round_to_u64_is_round_as_u64() {
