@@ -642,7 +642,7 @@ mod tests {
         let lists: Vec<Vec<(WorkerIdx, u32)>> = (0..5)
             .map(|k| {
                 let mut l: Vec<(WorkerIdx, u32)> = Vec::new();
-                for (w, d) in depth.iter().enumerate().filter(|(_, d)| **d >= k) {
+                for (w, _) in depth.iter().enumerate().filter(|(_, d)| **d >= k) {
                     l.push((WorkerIdx(w as u32), 2 * w as u32));
                     if w == 3 {
                         l.push((WorkerIdx(3), 7));
