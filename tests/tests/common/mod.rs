@@ -190,7 +190,11 @@ impl Fleet {
             procs.push(Proc::spawn(&format!("sim-{w}"), kvgate_args(&sim_args), dir).unwrap());
             args.push(sim_args);
             let engine: SocketAddr = ([127, 0, 0, 1], hp).into();
-            wait_for_tcp(engine, Duration::from_secs(30)).unwrap();
+            if let Err(e) = wait_for_tcp(engine, Duration::from_secs(30)) {
+                // Say why (a port taken since it was picked, a crash): the log goes with the test's directory.
+                let log = procs.last().map(Proc::log).unwrap_or_default();
+                panic!("sim-{w}: {e}; its log:\n{log}");
+            }
             engines.push(engine);
             let role = roles.get(w).copied().unwrap_or("");
             let addr = if pd_sidecar && (role == "decode" || role == "both") {
