@@ -161,7 +161,7 @@ fn last_held(holders: &[&[(WorkerIdx, u32)]], top: usize, budget: usize) -> Vec<
     }
     let mut walked = 0usize;
     for (k, list) in holders.iter().enumerate().rev() {
-        if left == 0 || walked.saturating_add(list.len()) > budget && k > 0 {
+        if left == 0 || (walked.saturating_add(list.len()) > budget && k > 0) {
             break;
         }
         walked += list.len();
@@ -305,15 +305,12 @@ impl LoadTracker {
             }
             prev = Some(*w);
             let at = |k: usize| holders.get(k).copied().unwrap_or_default();
-            let k = match last.get(w.0 as usize) {
-                Some(k) if *k != UNPLACED => *k as usize,
-                _ => {
-                    last_checkpoint(holders.len() * CHECKPOINT, |pos| !run(at(pos / CHECKPOINT), *w).is_empty())
-                        / CHECKPOINT
-                }
+            let blocks = match last.get(w.0 as usize) {
+                Some(k) if *k != UNPLACED => self.extend_from(*w, prompt, *k as usize * CHECKPOINT, at(*k as usize)),
+                // Beyond the walk's budget: the binary search.
+                _ => self.shared_along(*w, prompt, at, holders.len()),
             };
             if let Some(s) = out.get_mut(w.0 as usize) {
-                let blocks = self.extend_from(*w, prompt, k * CHECKPOINT, at(k));
                 let computing = if blocks > 0 { self.computing_on(*w, prompt, blocks, first) } else { 0 };
                 *s = InflightShare { blocks: u32::try_from(blocks).unwrap_or(u32::MAX), computing };
             }
