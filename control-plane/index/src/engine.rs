@@ -10,9 +10,13 @@
 //! a removal probed for its bucket anyway ([`Engine::remove_at`]). A removal
 //! by slot ([`Engine::remove`], which a removal found by its child's parent
 //! link uses) leaves its bucket behind, stale: a probe passes over a bucket
-//! whose slot no longer holds its key. When live and stale buckets fill 3/4
-//! of the table it is rebuilt from the slab at a size the entries fill at
-//! most 3/8 of. The home bucket is the top bits of the hash, so the tag alone
+//! whose slot no longer holds its key. When live and stale buckets fill the
+//! table's load limit it is rebuilt from the slab at a size the entries fill
+//! at most 3/8 of. The limit is drawn anew at each rebuild, between 5/8 and
+//! 3/4 of the buckets: the workers of a fleet fill and churn alike, and with
+//! one fixed limit a thousand tables reached it within seconds of each
+//! other, a burst of rebuilds that stalled ingest for seconds
+//! (`docs/DECISIONS.md`, "Rebuilds of a fleet's tables spread out"). The home bucket is the top bits of the hash, so the tag alone
 //! places an entry, and a key's home bucket can be prefetched before its use.
 //! Pages instead of one vector keep growth waste under one page (a doubling
 //! vector just past a power of two would leave half of it empty). Freed
@@ -25,7 +29,7 @@
 //! |---|---|
 //! | `find`, `insert`, `remove_at` | O(1) expected (a few adjacent buckets, one slab access) |
 //! | `remove` by slot | O(1), no probe |
-//! | rebuild | O(slots ever used), amortized over ≥ 3/8 of the table's size in inserts |
+//! | rebuild | O(slots ever used), amortized over ≥ 1/4 of the table's size in inserts |
 //! | `prefetch_bucket`, `prefetch_entry` | O(1), no wait |
 //! | `get`, `get_mut` by slot | O(1) |
 //! | `iter` | O(slots ever used) |
@@ -108,6 +112,8 @@ pub(crate) struct Engine {
     /// Occupied buckets: `len` plus the stale ones that entries removed by
     /// slot left behind ([`Engine::remove`]).
     used: usize,
+    /// `used` above this rebuilds the table ([`load_limit`]).
+    limit: usize,
     hasher: RandomState,
 }
 
@@ -140,8 +146,15 @@ fn held(pages: &[Box<[Entry]>], next: u32) -> impl Iterator<Item = (u32, &Entry)
         .map(|(s, e)| (s as u32, e))
 }
 
+/// The load limit of a table of `buckets` buckets: between 5/8 and 3/4 of
+/// them, by `draw` (any number: its top 10 bits place the limit).
+fn load_limit(buckets: usize, draw: u64) -> usize {
+    buckets * 5 / 8 + (buckets / 8) * (draw >> 54) as usize / 1024
+}
+
 impl Default for Engine {
     fn default() -> Self {
+        let hasher = RandomState::default();
         Self {
             buckets: vec![EMPTY_BUCKET; MIN_BUCKETS],
             bits: MIN_BUCKETS.trailing_zeros(),
@@ -150,7 +163,8 @@ impl Default for Engine {
             free: Vec::new(),
             len: 0,
             used: 0,
-            hasher: RandomState::default(),
+            limit: load_limit(MIN_BUCKETS, hasher.hash_one(0u64)),
+            hasher,
         }
     }
 }
@@ -263,6 +277,10 @@ impl Engine {
             }
         }
         self.used = self.len;
+        // Each rebuild draws its own limit: the table's hasher (random per
+        // table) of its state now.
+        let draw = self.hasher.hash_one((u64::from(self.next) << 32) | self.len as u64);
+        self.limit = load_limit(self.buckets.len(), draw);
     }
 
     /// Held entries.
@@ -320,7 +338,7 @@ impl Engine {
         }
         self.len += 1;
         self.used += 1;
-        if self.used * 4 > self.buckets.len() * 3 && self.bits < 32 {
+        if self.used > self.limit && self.bits < 32 {
             self.rebuild();
         }
         slot
@@ -425,5 +443,46 @@ mod tests {
         assert_eq!(again, slots);
         assert_eq!(e.find(12), Some(slots[2]));
         assert_eq!(e.find(2), None);
+    }
+
+    #[test]
+    fn load_limits_lie_between_five_eighths_and_three_quarters() {
+        for buckets in [16usize, 1 << 10, 1 << 17] {
+            assert_eq!(load_limit(buckets, 0), buckets * 5 / 8);
+            assert_eq!(load_limit(buckets, u64::MAX), buckets * 5 / 8 + (buckets / 8) * 1023 / 1024);
+            assert!(load_limit(buckets, u64::MAX) <= buckets * 3 / 4);
+        }
+    }
+
+    /// Tables filled and churned alike rebuild at different points: the
+    /// point a fleet's tables were rebuilt at all at once (a burst of
+    /// rebuilds) is spread out.
+    #[test]
+    fn tables_filled_alike_rebuild_apart() {
+        let mut limits = Vec::new();
+        for _ in 0..32 {
+            let mut e = Engine::default();
+            for k in 0..20_000 {
+                e.insert(entry(k));
+            }
+            assert_eq!(e.buckets.len(), 1 << 15);
+            assert!(e.used <= e.limit && e.limit <= e.buckets.len() * 3 / 4, "{} {}", e.used, e.limit);
+            // Churn by slot (stale buckets) until the next rebuild.
+            let mut k = 20_000;
+            let mut churned = 0usize;
+            while e.used > e.len || churned == 0 {
+                let slot = e.find(k - 20_000).unwrap_or(0);
+                e.remove(slot);
+                e.insert(entry(k));
+                (k, churned) = (k + 1, churned + 1);
+            }
+            assert_eq!(e.len(), 20_000);
+            limits.push(churned);
+        }
+        let (lo, hi) = (limits.iter().min().copied().unwrap_or(0), limits.iter().max().copied().unwrap_or(0));
+        // Limits spread over 1/8 of 32,768 buckets (4,096 operations): 32
+        // tables do not all rebuild within 1,000 operations of each other
+        // (with one fixed limit they all rebuild at the same one).
+        assert!(hi - lo > 1_000, "{limits:?}");
     }
 }
