@@ -16,7 +16,8 @@
 //! 3/4 of the buckets: the workers of a fleet fill and churn alike, and with
 //! one fixed limit a thousand tables reached it within seconds of each
 //! other, a burst of rebuilds that stalled ingest for seconds
-//! (`docs/DECISIONS.md`, "Rebuilds of a fleet's tables spread out"). The home bucket is the top bits of the hash, so the tag alone
+//! (`docs/DECISIONS.md`, "Rebuilds of a fleet's tables spread out").
+//! The home bucket is the top bits of the hash, so the tag alone
 //! places an entry, and a key's home bucket can be prefetched before its use.
 //! Pages instead of one vector keep growth waste under one page (a doubling
 //! vector just past a power of two would leave half of it empty). Freed
@@ -112,7 +113,7 @@ pub(crate) struct Engine {
     /// Occupied buckets: `len` plus the stale ones that entries removed by
     /// slot left behind ([`Engine::remove`]).
     used: usize,
-    /// `used` above this rebuilds the table ([`load_limit`]).
+    /// `used` above this rebuilds the table ([`Engine::draw_limit`]).
     limit: usize,
     hasher: RandomState,
 }
@@ -154,8 +155,7 @@ fn load_limit(buckets: usize, draw: u64) -> usize {
 
 impl Default for Engine {
     fn default() -> Self {
-        let hasher = RandomState::default();
-        Self {
+        let mut e = Self {
             buckets: vec![EMPTY_BUCKET; MIN_BUCKETS],
             bits: MIN_BUCKETS.trailing_zeros(),
             pages: Vec::new(),
@@ -163,9 +163,11 @@ impl Default for Engine {
             free: Vec::new(),
             len: 0,
             used: 0,
-            limit: load_limit(MIN_BUCKETS, hasher.hash_one(0u64)),
-            hasher,
-        }
+            limit: 0,
+            hasher: RandomState::default(),
+        };
+        e.draw_limit();
+        e
     }
 }
 
@@ -277,8 +279,12 @@ impl Engine {
             }
         }
         self.used = self.len;
-        // Each rebuild draws its own limit: the table's hasher (random per
-        // table) of its state now.
+        self.draw_limit();
+    }
+
+    /// Draws the load limit for the buckets as they are now
+    /// ([`load_limit`]): the table's hasher (random per table) of its state.
+    fn draw_limit(&mut self) {
         let draw = self.hasher.hash_one((u64::from(self.next) << 32) | self.len as u64);
         self.limit = load_limit(self.buckets.len(), draw);
     }
@@ -459,7 +465,7 @@ mod tests {
     /// rebuilds) is spread out.
     #[test]
     fn tables_filled_alike_rebuild_apart() {
-        let mut limits = Vec::new();
+        let mut churns = Vec::new();
         for _ in 0..32 {
             let mut e = Engine::default();
             for k in 0..20_000 {
@@ -477,12 +483,12 @@ mod tests {
                 (k, churned) = (k + 1, churned + 1);
             }
             assert_eq!(e.len(), 20_000);
-            limits.push(churned);
+            churns.push(churned);
         }
-        let (lo, hi) = (limits.iter().min().copied().unwrap_or(0), limits.iter().max().copied().unwrap_or(0));
+        let (lo, hi) = (churns.iter().min().copied().unwrap_or(0), churns.iter().max().copied().unwrap_or(0));
         // Limits spread over 1/8 of 32,768 buckets (4,096 operations): 32
         // tables do not all rebuild within 1,000 operations of each other
         // (with one fixed limit they all rebuild at the same one).
-        assert!(hi - lo > 1_000, "{limits:?}");
+        assert!(hi - lo > 1_000, "{churns:?}");
     }
 }
