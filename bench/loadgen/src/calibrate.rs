@@ -252,6 +252,11 @@ struct Errors {
     prefill_from: Option<String>,
     /// Engine intervals the matched fit has learned from.
     matched_samples: u64,
+    /// Each of the fit's readings (`readings` in `/admin/timing`: the first
+    /// token's, the decode steps', the two as one, the matched fit's), as a
+    /// flat price: the same comparison as `prefill` (reported, not in
+    /// [`Errors::within`]), to tell which estimate a miss came from.
+    readings: serde_json::Map<String, Value>,
 }
 
 impl Errors {
@@ -262,7 +267,7 @@ impl Errors {
     fn json(&self) -> Value {
         json!({"ttft": self.ttft, "step": self.step, "prefill": self.prefill, "prefill_fit": self.prefill_fit,
             "prefill_matched": self.prefill_matched, "prefill_from": self.prefill_from,
-            "matched_samples": self.matched_samples})
+            "matched_samples": self.matched_samples, "readings": self.readings})
     }
 }
 
@@ -300,6 +305,12 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
         if class["engine_matched"]["samples"].as_u64().is_some_and(|s| s > 0) {
             let m = matched_prefill_ms(class, n, c) - matched_prefill_ms(class, nl, cl);
             e.prefill_matched = Some(e.prefill_matched.unwrap_or(0.0).max(rel(m, want)));
+        }
+        for (name, reading) in class["readings"].as_object().into_iter().flatten().filter(|(k, _)| *k != "warm") {
+            let Some(rate) = reading.get(0).and_then(Value::as_f64) else { continue };
+            let x = rel(rate * (n - nl) * speedup, want);
+            let was = e.readings.get(name).and_then(Value::as_f64).unwrap_or(0.0);
+            e.readings.insert(name.clone(), json!(was.max(x)));
         }
     }
     e

@@ -902,13 +902,19 @@ impl EngineFit {
         // with the prompt, and its growth then belongs to that bias. The
         // growth with the chunk is read with its rate along the prompts
         // ([`along`]) and kept beside the mean used by moving the rate by
-        // their difference.
+        // their difference, and only when clearly above zero (three
+        // standard errors), as the growth with the context below: on
+        // `h200-llama70b-fp8`, whose prefill is linear in the prompt, a
+        // growth of 0.0015 ± 0.0020 ms a token per 1,000 tokens (the
+        // engine queue's wait growing with the prompt) priced the
+        // uncached range 9–27 % off for 50 requests.
         let agrees = match (first, indirect_mean) {
             (Some(f), Some((p, pe))) => (f.mean - p).abs() <= 2.0 * (f.se * f.se + pe * pe).sqrt(),
             _ => false,
         };
+        let chunk_growth_clear = clearly_positive(&self.first, 2, p_prior).is_some();
         let indirect = indirect_mean.map(|(p, se)| match first {
-            Some(f) if agrees && f.rate + p - f.mean > 0.0 => {
+            Some(f) if agrees && chunk_growth_clear && f.rate + p - f.mean > 0.0 => {
                 Along { mean: p, se, rate: f.rate + p - f.mean, growth: f.growth, context: 0.0 }
             }
             _ => Along::flat(p, se),
@@ -1394,6 +1400,46 @@ mod tests {
         assert_eq!(t.prefill_ms_per_token_per_ktok, 0.0, "{t:?}");
     }
 
+    /// First tokens of `30 + rate·n + growth·n²` ms with `noise` ms of
+    /// noise (no matched engine intervals), and decode steps priced at
+    /// `steps` ms a prefill token: the price the indirect estimates give.
+    fn indirect_price(seed: u64, (rate, growth, noise_ms): (f64, f64, f64), steps: f64) -> EngineTiming {
+        let mut fit = EngineFit::new(PRIOR);
+        let mut rng = fastrand::Rng::with_seed(seed);
+        for _ in 0..400 {
+            let (n, running) = (rng.f64() * 8000.0, rng.f64() * 40.0);
+            let ttft = 30.0 + rate * n + growth * n * n + 0.3 * running + noise(&mut rng, noise_ms);
+            let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
+            assert!(fit.observe_first_token(&o));
+            let d = Decode { itl_ms: 0.0, running, kv_fill: rng.f64(), prefill_tokens_per_step: rng.f64() * 400.0 };
+            let itl = 8.0 + 0.3 * running + steps * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
+            assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
+        }
+        fit.timing()
+    }
+
+    /// The first token's growth with the chunk is priced beside the
+    /// indirect estimates only when clearly above zero. A prefill that
+    /// grows with the prompt (`0.02 n + 2e-6 n²` ms; the decode steps at
+    /// its mean rate over the prompts, 0.036) is priced with its growth,
+    /// right at both ends of the range; a linear one (0.06 ms a token, the
+    /// steps' rate) whose first tokens carry a wait growing as little and
+    /// 150 ms of noise is priced flat at the rate, as it was not before
+    /// (0.0015 ms per token per 1,000 tokens on `h200-llama70b-fp8`, whose
+    /// prefill is linear, priced its range 9–27 % off).
+    #[test]
+    fn the_first_tokens_growth_is_priced_only_when_clearly_above_zero() {
+        let t = indirect_price(21, (0.02, 2e-6, 5.0), 0.036);
+        assert!(near(t.prefill_ms_per_token_per_ktok, 0.002, 0.2), "{t:?}");
+        let cost = |t: &EngineTiming, n: f64| t.prefill_ms_per_token_at(n, 0.0) * n;
+        for n in [1_000.0, 8_000.0] {
+            assert!(near(cost(&t, n), 0.02 * n + 2e-6 * n * n, 0.1), "{n}: {} {t:?}", cost(&t, n));
+        }
+        let t = indirect_price(22, (0.06, 2e-6, 150.0), 0.06);
+        assert_eq!(t.prefill_ms_per_token_per_ktok, 0.0, "{t:?}");
+        assert!(near(t.prefill_ms_per_token, 0.06, 0.05), "{t:?}");
+    }
+
     /// The decode steps' rate is the more precise but a quarter high (0.075
     /// ms a token against the engine's 0.06), the first token's is right
     /// and noisier. Averaged by precision the steps' wins; once the two
@@ -1527,8 +1573,13 @@ mod tests {
     /// extrapolation these prompts hardly pin down (its standard error
     /// twice the one at the choice); read at the choice `kv` makes (the
     /// worker holding the conversation, or one holding only its document)
-    /// the price of a cached token is known, and the price gets that choice
-    /// right beside indirect estimates 20 % high.
+    /// the price of a cached token is known. The price of that choice is
+    /// within a quarter beside indirect estimates 20 % high: the matched
+    /// fit's own curve prices the 700 tokens moved 21 % high too (its
+    /// growth with the chunk ten times the engine's, against a rate a
+    /// tenth low). Within 15 %, as this test asked until the first token's
+    /// growth was kept only when clearly above zero, it was through that
+    /// growth, 0.0010 ± 0.0011 ms a token per 1,000 tokens: noise.
     #[test]
     fn the_matched_fit_is_known_by_the_choice_kv_makes_for_a_warm_prompt() {
         let mut fit = EngineFit::new(PRIOR);
@@ -1562,7 +1613,7 @@ mod tests {
         let priced = |n: f64, c: f64| t.prefill_ms_per_token_at(n, c) * n;
         let (got, want) =
             (priced(1_600.0, 4_300.0) - priced(900.0, 5_000.0), truth(1_600.0, 4_300.0) - truth(900.0, 5_000.0));
-        assert!(near(got, want, 0.15), "the prefix priced {got} ms, the engine's {want}: {t:?}");
+        assert!(near(got, want, 0.25), "the prefix priced {got} ms, the engine's {want}: {t:?}");
         assert!(at_choice.is_some_and(|se| se < alone / 1.5), "{at_choice:?} against {alone} read along");
     }
 
