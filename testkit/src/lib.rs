@@ -372,7 +372,12 @@ pub fn spawn_serve(name: &str, cmd: Command, dir: &Path) -> Result<(Proc, ServeA
     let t = Instant::now();
     loop {
         p.ensure_running()?;
-        if let Some(line) = p.log().lines().find(|l| l.starts_with("kvgate serve: grpc=")) {
+        // Whole lines only: stderr is unbuffered, so a line can be read
+        // while half of it is written (a calibration run failed on
+        // `kvgate serve: grpc=127.0.0.1`, the port not yet there).
+        let log = p.log();
+        let whole = log.rsplit_once('\n').map_or("", |(lines, _)| lines);
+        if let Some(line) = whole.lines().find(|l| l.starts_with("kvgate serve: grpc=")) {
             let field =
                 |k: &str| line.split_whitespace().find_map(|f| f.strip_prefix(k)).unwrap_or_default().to_owned();
             let grpc = field("grpc=").parse().with_context(|| format!("grpc address in {line:?}"))?;

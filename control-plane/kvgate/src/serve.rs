@@ -195,8 +195,12 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     crate::init_logging();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(kvgate_server::run(config, kvgate_server::server::shutdown_signal(), |b, _| {
-        // One machine-readable line for launchers and tests.
-        eprintln!("kvgate serve: grpc={} admin={}", b.grpc, b.admin.map(|a| a.to_string()).unwrap_or_default());
+        // One machine-readable line for launchers and tests, in one write
+        // (stderr is unbuffered: `eprintln!` with arguments writes piece
+        // by piece, and a launcher may read the line half written).
+        let admin = b.admin.map(|a| a.to_string()).unwrap_or_default();
+        let line = format!("kvgate serve: grpc={} admin={admin}\n", b.grpc);
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
     }))?;
     Ok(())
 }
