@@ -1021,10 +1021,13 @@ impl EngineFit {
     /// class of the same model with both rates learned) when there is one,
     /// else the priors' ratio; one not clearly above zero sets no clock,
     /// and the other is then held at its last known value. With neither
-    /// known, the last known values, else the priors. The growth terms (with the chunk, with the cached
-    /// context) are the first-token fit's, used only beside a learned
-    /// prefill rate that agrees with that fit's own and only when each is
-    /// known and clearly above zero; otherwise 0.
+    /// known, the last known values, else the priors. The growth terms (with
+    /// the chunk, with the cached context) are the price's
+    /// ([`EngineFit::rates_now`]): the matched fit's where the engine's times
+    /// price prefill; beside the indirect estimates alone the first-token
+    /// fit's, while its mean rate agrees with theirs, the growth with the
+    /// chunk shrunk by how well it is known ([`shrunk`]) and the one with the
+    /// context only when clearly above zero; otherwise 0.
     pub fn timing_with(&self, reference: Option<Reference>) -> EngineTiming {
         let r = self.rates;
         // A workload whose prompts are all cached never pins the prefill
