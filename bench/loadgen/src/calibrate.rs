@@ -48,6 +48,8 @@ use crate::runner::{self, Windows};
 use crate::stack::{FleetSpec, Frontend, MODEL, PRESETS, Stack};
 use crate::workload::Doks;
 
+pub mod replay;
+
 /// Relative error below which a learned model counts as right.
 pub const WITHIN: f64 = 0.10;
 
@@ -129,7 +131,7 @@ impl Truth {
 }
 
 /// Where a class ran in one phase, as measured.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 struct Operating {
     /// (running, KV fill) at the 10th, 50th and 90th percentile of running.
     points: Vec<(f64, f64)>,
@@ -294,6 +296,9 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
     }
     // Prefill: how much longer a longer uncached prompt takes, from the
     // shortest grid point to each one at least PREFILL_SPAN longer.
+    if let Some(scores) = class["readings"].get("scores") {
+        e.readings.insert("scores".into(), scores.clone());
+    }
     let Some(&(nl, cl)) = grid.iter().min_by_key(|p| p.0) else { return e };
     for &(n, c) in grid.iter().filter(|p| p.0 >= nl + PREFILL_SPAN) {
         let want = truth.prefill_ms(n, c, r, f) - truth.prefill_ms(nl, cl, r, f);
@@ -306,7 +311,9 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
             let m = matched_prefill_ms(class, n, c) - matched_prefill_ms(class, nl, cl);
             e.prefill_matched = Some(e.prefill_matched.unwrap_or(0.0).max(rel(m, want)));
         }
-        for (name, reading) in class["readings"].as_object().into_iter().flatten().filter(|(k, _)| *k != "warm") {
+        for (name, reading) in
+            class["readings"].as_object().into_iter().flatten().filter(|(k, _)| *k != "warm" && *k != "scores")
+        {
             let Some(rate) = reading.get(0).and_then(Value::as_f64) else { continue };
             let x = rel(rate * (n - nl) * speedup, want);
             let was = e.readings.get(name).and_then(Value::as_f64).unwrap_or(0.0);
@@ -406,6 +413,10 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     let fleet = FleetSpec::preset(name, a.speedup, 8)?;
     let mut stack = Stack::start(dir, &fleet, &Frontend::Kvgate("kv".into()))?;
     let admin = stack.cp_admin.context("the kv stack has a control plane")?;
+    // Every observation the fits learn from, for `calibration-replay`
+    // (the first take starts the journal).
+    take_journal(admin)?;
+    let mut journal = String::new();
     let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / a.speedup);
     let windows = Windows { warmup: wall(20.0), measure: wall(2.0 * a.phase_s), drain: wall(120.0) };
     let (front, workers, pids, conc) = (stack.front, stack.workers.clone(), stack.pids.clone(), a.concurrency);
@@ -435,6 +446,14 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             }
             slowed = true;
         }
+        // The journal up to here, then the snapshot (which may have learned
+        // a little more): a replay reads its fits at each poll's mark.
+        for r in take_journal(admin)? {
+            journal.push_str(&r.to_string());
+            journal.push('\n');
+        }
+        journal.push_str(&json!({"poll": snaps.len(), "slowed": slowed}).to_string());
+        journal.push('\n');
         if let Ok(v) = get_json(admin, "/admin/timing") {
             snaps.push(Snapshot { slowed, timing: v[MODEL].clone() });
         }
@@ -449,20 +468,10 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     // Every poll of the learned timing, for a look at how it moved.
     let polls: Vec<Value> = snaps.iter().map(|s| json!({"slowed": s.slowed, "timing": s.timing})).collect();
     std::fs::write(dir.join("timing-polls.json"), serde_json::to_vec(&polls)?)?;
+    std::fs::write(dir.join(replay::JOURNAL), &journal)?;
     let g = grid(&run.records);
     let kinds = fleet.kinds();
-    let truth_of = |class: &str, slowdown: f64| -> Result<Truth> {
-        let blocks = class_blocks(class);
-        let (timing, _) = kinds.iter().find(|(_, b)| Some(*b) == blocks).cloned().unwrap_or_else(|| kinds[0].clone());
-        let timing = Timing::preset(&timing).with_context(|| format!("timing {timing}"))?;
-        let blocks = blocks.unwrap_or(kinds[0].1);
-        Ok(Truth {
-            timing,
-            budget: fleet.max_num_batched_tokens,
-            slowdown,
-            capacity_tokens: (blocks * fleet.block_size as usize) as f64,
-        })
-    };
+    let truth_of = |class: &str, slowdown: f64| truth_of(&fleet, class, slowdown);
     // Per class: the workers of its kind.
     let members = |class: &str| -> Vec<usize> {
         let blocks = class_blocks(class);
@@ -563,11 +572,6 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     for (class, pts) in &series {
         let before: Vec<_> = pts.iter().filter(|p| !p.2).collect();
         let after: Vec<_> = pts.iter().filter(|p| p.2).collect();
-        // The first snapshot from which every later one (in its phase) is within.
-        let settled = |v: &[&(u64, Errors, bool)]| -> Option<u64> {
-            let i = v.iter().rposition(|p| !p.1.within()).map_or(0, |i| i + 1);
-            v.get(i).map(|p| p.0)
-        };
         let change_samples = before.last().map_or(0, |p| p.0);
         let mut truth = serde_json::Map::new();
         for (key, slowed, slowdown) in [("before", false, 1.0), ("after", true, a.slowdown)] {
@@ -646,8 +650,44 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             .map(|(k, v)| (k.clone(), json!(v.iter().map(|p| json!([p.0, p.1.json(), p.2])).collect::<Vec<_>>())))
             .collect::<serde_json::Map<_, _>>(),
     });
+    replay::save_context(dir, &replay::Context::new(name, a, &g, &ops, &last["prior"], &doc))?;
     let svg = chart(name, &series, a.slowdown);
     Ok((doc, svg))
+}
+
+/// The first snapshot from which every later one (in its phase) is within.
+fn settled(v: &[&(u64, Errors, bool)]) -> Option<u64> {
+    let i = v.iter().rposition(|p| !p.1.within()).map_or(0, |i| i + 1);
+    v.get(i).map(|p| p.0)
+}
+
+/// The truth of a class (named by its KV blocks) of `fleet` at `slowdown`.
+fn truth_of(fleet: &FleetSpec, class: &str, slowdown: f64) -> Result<Truth> {
+    let kinds = fleet.kinds();
+    let first = kinds.first().cloned().context("a fleet of no workers")?;
+    let blocks = class_blocks(class);
+    let (timing, _) = kinds.iter().find(|(_, b)| Some(*b) == blocks).cloned().unwrap_or_else(|| first.clone());
+    let timing = Timing::preset(&timing).with_context(|| format!("timing {timing}"))?;
+    let blocks = blocks.unwrap_or(first.1);
+    Ok(Truth {
+        timing,
+        budget: fleet.max_num_batched_tokens,
+        slowdown,
+        capacity_tokens: (blocks * fleet.block_size as usize) as f64,
+    })
+}
+
+/// Takes the control plane's timing journal: its records for the model.
+fn take_journal(admin: SocketAddr) -> Result<Vec<Value>> {
+    let r = http_request(admin, "POST", "/admin/timing/journal", &[], b"")?;
+    if r.status != 200 {
+        bail!("POST /admin/timing/journal: {}", r.status);
+    }
+    let v: Value = serde_json::from_slice(&r.body)?;
+    if v[MODEL]["dropped"].as_u64().unwrap_or(0) > 0 {
+        bail!("the timing journal dropped {} records", v[MODEL]["dropped"]);
+    }
+    Ok(v[MODEL]["records"].as_array().cloned().unwrap_or_default())
 }
 
 type Series = std::collections::BTreeMap<String, Vec<(u64, Errors, bool)>>;

@@ -76,6 +76,10 @@ enum Cli {
     /// model against each preset's truth, before and after the fleet slows
     /// down; bench/results/calibration.json and a plot per preset.
     Calibration(kvgate_bench::calibrate::CalibrationArgs),
+    /// A calibration run's learning replayed offline from its journal
+    /// through this build's estimator: requests to within 10 % per class,
+    /// next to the live run's.
+    CalibrationReplay(kvgate_bench::calibrate::replay::ReplayArgs),
     /// The live dashboard: every mode's stack under the same DOKS load, a
     /// web page with a concurrency slider and rolling metrics per mode.
     Dashboard(DashArgs),
@@ -501,6 +505,7 @@ fn main() -> Result<()> {
         Cli::Aiperf(a) => aiperf(a),
         Cli::Vllm(a) => kvgate_bench::vllm_cell::run(&a),
         Cli::Calibration(a) => kvgate_bench::calibrate::run(&a),
+        Cli::CalibrationReplay(a) => kvgate_bench::calibrate::replay::run(&a),
         Cli::Report { files } => {
             for f in files {
                 rewrite_report(&f)?;

@@ -61,24 +61,8 @@ impl App {
             let st = m.state.lock();
             let c = st.calibration();
             let kv = &st.config().kv;
-            let classes: serde_json::Map<String, serde_json::Value> = c
-                .classes()
-                .map(|(class, fit)| {
-                    let used: serde_json::Map<String, serde_json::Value> =
-                        fit.timing().params().iter().map(|(k, v)| ((*k).to_owned(), (*v).into())).collect();
-                    let v = serde_json::json!({
-                        "first_token": fit.first_token(),
-                        "decode": fit.decode(),
-                        "engine_prefill": fit.engine_prefill(),
-                        "engine_matched": fit.engine_matched(),
-                        "clock_ratio": fit.clock_ratio(),
-                        "used": used,
-                        "prefill_from": fit.prefill_from(),
-                        "readings": fit.readings(),
-                    });
-                    (class.to_owned(), v)
-                })
-                .collect();
+            let classes: serde_json::Map<String, serde_json::Value> =
+                c.classes().map(|(class, fit)| (class.to_owned(), fit.admin_json())).collect();
             let counters: serde_json::Map<String, serde_json::Value> =
                 c.counters().by_kind().iter().map(|(k, v)| ((*k).to_owned(), (*v).into())).collect();
             out.insert(
@@ -96,6 +80,21 @@ impl App {
                     },
                 }),
             );
+        }
+        serde_json::Value::Object(out)
+    }
+
+    /// Takes every model's timing journal ([`crate::timing::Calibration::journal_take`]):
+    /// per model, the observations its fits learned from since the last
+    /// take (`{"class", "obs"}` each) and how many were dropped. The first
+    /// take starts the journals.
+    pub fn timing_journal(&self) -> serde_json::Value {
+        let mut out = serde_json::Map::new();
+        for (name, m) in &self.models {
+            let (records, dropped) = m.state.lock().calibration_mut().journal_take();
+            let records: Vec<serde_json::Value> =
+                records.iter().map(|(class, o)| serde_json::json!({"class": &**class, "obs": o})).collect();
+            out.insert(name.clone(), serde_json::json!({"dropped": dropped, "records": records}));
         }
         serde_json::Value::Object(out)
     }

@@ -9,6 +9,7 @@
 //! | `GET /admin/workers[?model=M]` | workers per model (JSON) |
 //! | `GET /admin/index` | index and tokenizer statistics per model (JSON) |
 //! | `GET /admin/timing` | engine timing learned per model and worker class (JSON) |
+//! | `POST /admin/timing/journal` | the observations the timing fits learned from since the last call, per model (JSON; the first call starts the journal, bounded) |
 //! | `POST /admin/mode?model=M&mode=kv` | switch a model's routing mode |
 
 use std::collections::HashMap;
@@ -31,6 +32,7 @@ pub fn router(app: Arc<App>) -> axum::Router {
         .route("/admin/workers", get(workers))
         .route("/admin/index", get(index))
         .route("/admin/timing", get(timing))
+        .route("/admin/timing/journal", post(timing_journal))
         .route("/admin/mode", post(mode))
         .with_state(app)
 }
@@ -57,6 +59,10 @@ async fn index(State(app): State<Arc<App>>) -> impl IntoResponse {
 
 async fn timing(State(app): State<Arc<App>>) -> impl IntoResponse {
     axum::Json(app.timing_json())
+}
+
+async fn timing_journal(State(app): State<Arc<App>>) -> impl IntoResponse {
+    axum::Json(app.timing_journal())
 }
 
 async fn mode(State(app): State<Arc<App>>, Query(q): Query<HashMap<String, String>>) -> impl IntoResponse {

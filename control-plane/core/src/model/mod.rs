@@ -319,6 +319,12 @@ impl ModelState {
         &self.calibration
     }
 
+    /// The engine timing learned so far, to take its journal
+    /// ([`Calibration::journal_take`]).
+    pub fn calibration_mut(&mut self) -> &mut Calibration {
+        &mut self.calibration
+    }
+
     /// How fast load differences between its workers fade (measured only
     /// with `fading_load`).
     pub fn persistence(&self) -> &kvgate_scheduler::LoadPersistence {

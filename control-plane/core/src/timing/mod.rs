@@ -35,7 +35,8 @@ use kvgate_protocol::pb;
 use kvgate_scheduler::{EngineTiming, Load};
 
 pub use fit::{
-    Decode, EngineFit, EnginePrefill, FirstToken, Learned, MatchedSums, PrefillFrom, Prior, Readings, Reference,
+    Decode, EngineFit, EnginePrefill, FirstToken, Learned, MatchedSums, Observation, PrefillFrom, Prior, Readings,
+    Reference, Scores,
 };
 
 /// Classes beyond this many share the class `other`.
@@ -80,6 +81,9 @@ struct Integrals {
     fill_sq_ms: f64,
     /// Uncached prompt tokens routed to the worker (predicted), cumulative.
     prefill_tokens: f64,
+    /// Each of those times the cached tokens it follows (predicted),
+    /// cumulative.
+    prefill_pairs: f64,
     /// Uncached prompt tokens of its requests whose first token came
     /// (their prefill is done), cumulative.
     prefilled_tokens: f64,
@@ -249,7 +253,22 @@ pub struct Calibration {
     /// records (at 1,000 workers their lookups were a twentieth of a Pick).
     class_of_worker: Vec<Option<Arc<str>>>,
     counters: TimingCounters,
+    /// Every observation a fit learned from, by class, once asked for
+    /// ([`Calibration::journal_take`]); `None` until then.
+    journal: Option<Journal>,
 }
+
+/// Observations kept for [`Calibration::journal_take`]: at most
+/// [`JOURNAL_MAX`], the oldest dropped (and counted) beyond.
+#[derive(Debug, Default)]
+struct Journal {
+    records: VecDeque<(Arc<str>, Observation)>,
+    dropped: u64,
+}
+
+/// Observations a journal keeps between two takes (a calibration run
+/// takes them twice a second; ~100 bytes each).
+pub const JOURNAL_MAX: usize = 200_000;
 
 impl Calibration {
     /// Starts at `prior`. With `learn` false, observations are still fitted
@@ -267,6 +286,7 @@ impl Calibration {
             activity: HashMap::default(),
             class_of_worker: Vec::new(),
             counters: TimingCounters::default(),
+            journal: None,
         }
     }
 
@@ -368,6 +388,7 @@ impl Calibration {
         let Some(a) = self.activity.get_mut(&worker) else { return };
         let new_tokens = new_blocks as f64 * self.block_size;
         a.sums.prefill_tokens += new_tokens;
+        a.sums.prefill_pairs += new_tokens * cached_blocks as f64 * self.block_size;
         let (class, start) = (Arc::clone(&a.class), a.sums);
         self.open.insert(
             request_id.to_owned(),
@@ -415,7 +436,7 @@ impl Calibration {
         };
         o.learned_first = true;
         let class = Arc::clone(&o.class);
-        if self.fit_mut(&class).is_some_and(|f| f.observe_first_token(&ft)) {
+        if self.learn(&class, Observation::FirstToken(ft)) {
             self.counters.first_tokens += 1;
         }
         self.refresh_timings();
@@ -442,15 +463,14 @@ impl Calibration {
         };
         let resolved = Self::match_ended(a, &delta);
         let class = Arc::clone(&a.class);
-        let Some(fit) = self.fit_mut(&class) else { return };
-        fit.observe_engine_itl(&delta);
+        self.learn(&class, Observation::EngineItl(delta));
         let (line, shape, crowded) = match resolved {
             Resolved::Waiting => (false, false, false),
-            Resolved::Unmatched(o) => (fit.observe_engine(&o), false, false),
+            Resolved::Unmatched(o) => (self.learn(&class, Observation::Engine(o)), false, false),
             Resolved::Matched { engine, sums } => {
                 let crowded = engine.crowded(&sums);
-                let line = !crowded && fit.observe_engine(&engine);
-                (line, fit.observe_engine_matched(&engine, &sums), crowded)
+                let line = !crowded && self.learn(&class, Observation::Engine(engine));
+                (line, self.learn(&class, Observation::EngineMatched { engine, sums }), crowded)
             }
         };
         let c = &mut self.counters;
@@ -491,6 +511,33 @@ impl Calibration {
             return Resolved::Unmatched(owed);
         }
         Resolved::Matched { engine: owed, sums }
+    }
+
+    /// `class`'s fit learns from `o` (kept in the journal when there is
+    /// one); returns whether it was used ([`EngineFit::apply`]).
+    fn learn(&mut self, class: &Arc<str>, o: Observation) -> bool {
+        if let Some(j) = self.journal.as_mut() {
+            if j.records.len() >= JOURNAL_MAX {
+                j.records.pop_front();
+                j.dropped += 1;
+            }
+            j.records.push_back((Arc::clone(class), o));
+        }
+        self.fit_mut(class).is_some_and(|f| f.apply(&o))
+    }
+
+    /// The observations learned from since the last take, each with its
+    /// worker class, and how many were dropped for want of room
+    /// ([`JOURNAL_MAX`]). The first take starts the journal (and returns
+    /// nothing): a control plane nobody asks keeps none.
+    pub fn journal_take(&mut self) -> (Vec<(Arc<str>, Observation)>, u64) {
+        match self.journal.as_mut() {
+            Some(j) => (j.records.drain(..).collect(), std::mem::take(&mut j.dropped)),
+            None => {
+                self.journal = Some(Journal::default());
+                (Vec::new(), 0)
+            }
+        }
     }
 
     /// The class's fit, new at the prior when it has none (its name is
@@ -581,17 +628,16 @@ impl Calibration {
                 running: (now.running_ms - from.running_ms) / window,
                 kv_fill: (now.fill_ms - from.fill_ms) / window,
                 prefill_tokens_per_step: (now.prefill_tokens - from.prefill_tokens) / f64::from(steps),
+                prefill_context_per_step: (now.prefill_pairs - from.prefill_pairs) / f64::from(steps),
             }
         });
-        if let Some(fit) = self.fit_mut(&o.class) {
-            let first_used = first.is_some_and(|ft| fit.observe_first_token(&ft));
-            let decode_used = decode.is_some_and(|d| {
-                fit.observe_gateway_itl(decode_ms, f64::from(steps));
-                fit.observe_decode(&d)
-            });
-            self.counters.first_tokens += u64::from(first_used);
-            self.counters.decodes += u64::from(decode_used);
-        }
+        let first_used = first.is_some_and(|ft| self.learn(&o.class, Observation::FirstToken(ft)));
+        let decode_used = decode.is_some_and(|d| {
+            self.learn(&o.class, Observation::GatewayItl { ms: decode_ms, intervals: f64::from(steps) });
+            self.learn(&o.class, Observation::Decode(d))
+        });
+        self.counters.first_tokens += u64::from(first_used);
+        self.counters.decodes += u64::from(decode_used);
         self.counters.unusable += u64::from(decode.is_none());
         self.refresh_timings();
     }
@@ -722,6 +768,81 @@ mod tests {
         assert!((t.decode_ms_per_seq - 1.5).abs() < 0.15, "{t:?}");
         let classes: Vec<&str> = cal.classes().map(|(k, _)| k).collect();
         assert_eq!(classes, ["blocks=1000,seqs=64"]);
+    }
+
+    /// The journal holds every observation the fits learned from, in
+    /// order, from the first take on: replayed through JSON (as
+    /// `kvgate-bench calibration-replay` reads it) into a fresh fit, it
+    /// gives the live fit exactly, every kind of observation included.
+    /// Without a take there is no journal; beyond its room the oldest
+    /// records go, counted.
+    #[test]
+    fn a_journal_replayed_gives_the_live_fit() {
+        let mut cal = Calibration::new(PRIOR, true, 16);
+        let w = WorkerIdx(0);
+        let mut rng = fastrand::Rng::with_seed(9);
+        cal.touch(w, &load(0, 0), 0);
+        cal.routed("before", w, &load(0, 0), (10, 0), 0);
+        cal.done(&report("before", 40, 400, 200, 0, 20), 400);
+        assert!(cal.journal.is_none(), "no journal before it is asked for");
+        assert_eq!(cal.journal_take(), (Vec::new(), 0));
+        let (mut requests, mut seconds, mut tokens, mut now) = (0u64, 0.0, 0u64, 1_000u64);
+        for i in 0..300 {
+            let (prompt, cached) = (rng.u32(200..6000), if i % 3 == 0 { 0 } else { rng.u32(0..150) });
+            let (new, running) = (prompt - cached, rng.u32(0..30));
+            let id = format!("r{i}");
+            cal.routed(&id, w, &load(running, 0), (u64::from(new / 16), u64::from(cached / 16)), now);
+            let ttft = 20 + (0.1 * f64::from(new)) as u64 + rng.u64(0..10);
+            if i % 2 == 0 {
+                cal.first_token(&id, ttft * 1000, now + ttft);
+            }
+            let total = ttft + 30 * (10 + u64::from(running));
+            cal.done(&report(&id, ttft, total, prompt, cached, 31), now + total);
+            now += total;
+            // The engine counts it, matched at the next heartbeat (and
+            // every seventh never came through here: given up).
+            requests += 1;
+            seconds += 0.0001 * f64::from(new) + 0.01;
+            tokens += u64::from(new) + u64::from(i % 7 == 0);
+            let totals = pb::EngineCounters {
+                prefill_seconds: seconds,
+                prefill_requests: requests,
+                prefill_computed_tokens: tokens,
+                itl_seconds: requests as f64 * 0.3,
+                itl_count: requests * 30,
+            };
+            cal.engine_counters(w, &totals);
+        }
+        let (records, dropped) = cal.journal_take();
+        assert_eq!(dropped, 0);
+        let kinds: std::collections::BTreeSet<String> = records
+            .iter()
+            .filter_map(|(_, o)| serde_json::to_value(o).ok()?["kind"].as_str().map(str::to_owned))
+            .collect();
+        let all = ["decode", "engine", "engine_itl", "engine_matched", "first_token", "gateway_itl"];
+        assert_eq!(kinds.iter().map(String::as_str).collect::<Vec<_>>(), all);
+        // The fit as it was at the first take, then the journal through JSON.
+        let mut before = Calibration::new(PRIOR, true, 16);
+        before.touch(w, &load(0, 0), 0);
+        before.routed("before", w, &load(0, 0), (10, 0), 0);
+        before.done(&report("before", 40, 400, 200, 0, 20), 400);
+        let Some((class, fit)) = before.classes.pop_first() else { panic!("no class") };
+        let mut replayed = fit;
+        for (c, o) in &records {
+            assert_eq!(&**c, class);
+            let back: Observation = serde_json::from_str(&serde_json::to_string(o).unwrap_or_default())
+                .unwrap_or(Observation::GatewayItl { ms: 0.0, intervals: 0.0 });
+            assert_eq!(&back, o);
+            replayed.apply(&back);
+        }
+        let live = cal.classes().next().map(|(_, f)| f.admin_json());
+        assert_eq!(Some(replayed.admin_json()), live);
+        // Room for JOURNAL_MAX: the oldest go first.
+        for _ in 0..JOURNAL_MAX + 5 {
+            cal.learn(&class.as_str().into(), Observation::GatewayItl { ms: 1.0, intervals: 1.0 });
+        }
+        let (records, dropped) = cal.journal_take();
+        assert_eq!((records.len(), dropped), (JOURNAL_MAX, 5));
     }
 
     /// Heartbeats carry the engine's running totals: each interval's growth
