@@ -1448,16 +1448,17 @@ mod tests {
             let ttft = 30.0 + first * n + 0.3 * running + noise(rng, 40.0);
             let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
             assert!(fit.observe_first_token(&o));
-            let d = Decode {
-                itl_ms: 0.0,
-                running,
-                kv_fill: rng.f64(),
-                prefill_tokens_per_step: rng.f64() * 400.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(running, rng.f64(), rng.f64() * 400.0);
             let itl = 8.0 + 0.3 * running + steps * d.prefill_tokens_per_step + noise(rng, 0.5);
             assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
         }
+    }
+
+    /// A decode window (its time to be set) of `running` requests at
+    /// `kv_fill`, with `q` prefill tokens per step and no cached context
+    /// behind them.
+    fn window(running: f64, kv_fill: f64, q: f64) -> Decode {
+        Decode { itl_ms: 0.0, running, kv_fill, prefill_tokens_per_step: q, prefill_context_per_step: 0.0 }
     }
 
     const PRIOR: Prior = Prior { prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.5 };
@@ -1471,13 +1472,7 @@ mod tests {
     /// with `r` requests running (1 % of KV each) and `q` prefill tokens
     /// per step, first tokens of `4 + p·n` ms for `n` new tokens.
     fn observe_linear(fit: &mut EngineFit, rng: &mut fastrand::Rng, speed: f64, p: f64, (r, q, n): (f64, f64, f64)) {
-        let d = Decode {
-            itl_ms: 0.0,
-            running: r,
-            kv_fill: r * 0.01,
-            prefill_tokens_per_step: q,
-            prefill_context_per_step: 0.0,
-        };
+        let d = window(r, r * 0.01, q);
         fit.observe_decode(&Decode { itl_ms: speed * (1.6 + 0.0625 * r + p * q) + noise(rng, 0.05), ..d });
         let o = FirstToken { ttft_ms: 0.0, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running: r };
         fit.observe_first_token(&FirstToken { ttft_ms: speed * (4.0 + p * n) + noise(rng, 0.5), ..o });
@@ -1505,13 +1500,7 @@ mod tests {
             let stall = if i % 20 == 0 { 3000.0 } else { 0.0 };
             let ttft = 25.0 + 0.08 * o.new_tokens + 0.08 * o.ahead_tokens + 0.65 * running + noise(&mut rng, 5.0);
             assert!(fit.observe_first_token(&FirstToken { ttft_ms: ttft + stall, ..o }));
-            let d = Decode {
-                itl_ms: 0.0,
-                running,
-                kv_fill: rng.f64(),
-                prefill_tokens_per_step: rng.f64() * 300.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(running, rng.f64(), rng.f64() * 300.0);
             let itl = 13.0 + 0.65 * running + 0.08 * d.prefill_tokens_per_step + noise(&mut rng, 1.0);
             assert!(fit.observe_decode(&Decode { itl_ms: itl + stall / 10.0, ..d }));
         }
@@ -1540,13 +1529,7 @@ mod tests {
             let ttft = 30.0 + 0.06 * n + 0.00001 * n * n + wait + 0.3 * running + noise(&mut rng, 40.0);
             let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
             assert!(fit.observe_first_token(&o));
-            let d = Decode {
-                itl_ms: 0.0,
-                running,
-                kv_fill: rng.f64(),
-                prefill_tokens_per_step: rng.f64() * 400.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(running, rng.f64(), rng.f64() * 400.0);
             let itl = 8.0 + 0.3 * running + 0.06 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
             assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
         }
@@ -1568,13 +1551,7 @@ mod tests {
             let ttft = 30.0 + rate * n + growth * n * n + 0.3 * running + noise(&mut rng, noise_ms);
             let o = FirstToken { ttft_ms: ttft, new_tokens: n, cached_tokens: 0.0, ahead_tokens: 0.0, running };
             assert!(fit.observe_first_token(&o));
-            let d = Decode {
-                itl_ms: 0.0,
-                running,
-                kv_fill: rng.f64(),
-                prefill_tokens_per_step: rng.f64() * 400.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(running, rng.f64(), rng.f64() * 400.0);
             let itl = 8.0 + 0.3 * running + steps * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
             assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
         }
@@ -1661,13 +1638,7 @@ mod tests {
         }
         for _ in 0..400 {
             let running = rng.f64() * 40.0;
-            let d = Decode {
-                itl_ms: 0.0,
-                running,
-                kv_fill: rng.f64(),
-                prefill_tokens_per_step: rng.f64() * 400.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(running, rng.f64(), rng.f64() * 400.0);
             let itl = 8.0 + 0.3 * running + 0.075 * d.prefill_tokens_per_step + noise(&mut rng, 0.5);
             assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
         }
@@ -1922,13 +1893,7 @@ mod tests {
             // running request adds to (here 1 % each, give or take).
             let r = rng.f64() * 60.0;
             let f = (r * 0.01 + noise(&mut rng, 0.02)).clamp(0.0, 1.0);
-            let d = Decode {
-                itl_ms: 0.0,
-                running: r,
-                kv_fill: f,
-                prefill_tokens_per_step: 0.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(r, f, 0.0);
             let itl = 5.74 + 54.01 * f - 25.74 * f * f + noise(&mut rng, 0.5);
             assert!(fit.observe_decode(&Decode { itl_ms: itl, ..d }));
         }
@@ -1945,13 +1910,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(4);
         for _ in 0..300 {
             let r = rng.f64() * 60.0;
-            let d = Decode {
-                itl_ms: 0.0,
-                running: r,
-                kv_fill: r * 0.01,
-                prefill_tokens_per_step: 0.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(r, r * 0.01, 0.0);
             assert!(fit.observe_decode(&Decode { itl_ms: 12.0 + noise(&mut rng, 0.5), ..d }));
         }
         let t = fit.timing();
@@ -2028,13 +1987,7 @@ mod tests {
             // A clock 8× faster: 0.5 ms per request becomes 0.0625 (and a
             // ratio under 0.1 must scale too: see the 20× case below).
             let r = rng.f64() * 60.0;
-            let d = Decode {
-                itl_ms: 0.0,
-                running: r,
-                kv_fill: r * 0.01,
-                prefill_tokens_per_step: 0.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(r, r * 0.01, 0.0);
             let itl = 1.6 + 0.0625 * d.running + noise(&mut rng, 0.05);
             fit.observe_decode(&Decode { itl_ms: itl, ..d });
             let o = FirstToken {
@@ -2052,13 +2005,7 @@ mod tests {
         let mut fast = EngineFit::new(PRIOR);
         for _ in 0..300 {
             let r = rng.f64() * 60.0;
-            let d = Decode {
-                itl_ms: 0.0,
-                running: r,
-                kv_fill: r * 0.01,
-                prefill_tokens_per_step: 0.0,
-                prefill_context_per_step: 0.0,
-            };
+            let d = window(r, r * 0.01, 0.0);
             fast.observe_decode(&Decode { itl_ms: 0.6 + 0.025 * d.running + noise(&mut rng, 0.02), ..d });
         }
         let t = fast.timing();
@@ -2256,7 +2203,7 @@ mod tests {
             let mut fit = EngineFit::new(PRIOR);
             for (y, n, c, r, f) in obs {
                 fit.observe_first_token(&FirstToken { ttft_ms: y, new_tokens: n, cached_tokens: c, ahead_tokens: n, running: r });
-                fit.observe_decode(&Decode { itl_ms: y / 100.0, running: r, kv_fill: f, prefill_tokens_per_step: c / 100.0, prefill_context_per_step: 0.0 });
+                fit.observe_decode(&Decode { itl_ms: y / 100.0, ..window(r, f, c / 100.0) });
                 fit.observe_gateway_itl(y, n);
                 let o = EnginePrefill { requests: r.floor(), ms: y, computed_tokens: n, itl_ms: c, itl_count: r * 100.0 };
                 engine(&mut fit, &o);
