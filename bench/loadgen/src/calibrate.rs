@@ -410,7 +410,7 @@ fn summary_line(doc: &Value) -> String {
 
 /// One preset: the run, its snapshots, and what they show.
 fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
-    let fleet = FleetSpec::preset(name, a.speedup, 8)?;
+    let fleet = FleetSpec::preset(name, a.speedup, replay::WORKERS)?;
     let mut stack = Stack::start(dir, &fleet, &Frontend::Kvgate("kv".into()))?;
     let admin = stack.cp_admin.context("the kv stack has a control plane")?;
     // Every observation the fits learn from, for `calibration-replay`

@@ -778,12 +778,17 @@ mod tests {
     /// records go, counted.
     #[test]
     fn a_journal_replayed_gives_the_live_fit() {
-        let mut cal = Calibration::new(PRIOR, true, 16);
         let w = WorkerIdx(0);
+        // One request learned from before the journal starts.
+        let started = || {
+            let mut cal = Calibration::new(PRIOR, true, 16);
+            cal.touch(w, &load(0, 0), 0);
+            cal.routed("before", w, &load(0, 0), (10, 0), 0);
+            cal.done(&report("before", 40, 400, 200, 0, 20), 400);
+            cal
+        };
+        let mut cal = started();
         let mut rng = fastrand::Rng::with_seed(9);
-        cal.touch(w, &load(0, 0), 0);
-        cal.routed("before", w, &load(0, 0), (10, 0), 0);
-        cal.done(&report("before", 40, 400, 200, 0, 20), 400);
         assert!(cal.journal.is_none(), "no journal before it is asked for");
         assert_eq!(cal.journal_take(), (Vec::new(), 0));
         let (mut requests, mut seconds, mut tokens, mut now) = (0u64, 0.0, 0u64, 1_000u64);
@@ -822,11 +827,7 @@ mod tests {
         let all = ["decode", "engine", "engine_itl", "engine_matched", "first_token", "gateway_itl"];
         assert_eq!(kinds.iter().map(String::as_str).collect::<Vec<_>>(), all);
         // The fit as it was at the first take, then the journal through JSON.
-        let mut before = Calibration::new(PRIOR, true, 16);
-        before.touch(w, &load(0, 0), 0);
-        before.routed("before", w, &load(0, 0), (10, 0), 0);
-        before.done(&report("before", 40, 400, 200, 0, 20), 400);
-        let Some((class, fit)) = before.classes.pop_first() else { panic!("no class") };
+        let Some((class, fit)) = started().classes.pop_first() else { panic!("no class") };
         let mut replayed = fit;
         for (c, o) in &records {
             assert_eq!(&**c, class);
