@@ -31,6 +31,13 @@
 //! of their uncached tokens. The error of a snapshot is the largest
 //! relative error over those points. The gateway's share is inflated
 //! `--speedup` times in simulated time, so the default speedup is low.
+//!
+//! A class's count is the requests it had served at the first poll from
+//! which every later poll of its phase is within 10 % (after the change,
+//! counted from the requests at the change), over the polls while the
+//! load ran: in the drain after the measured window no request starts and
+//! the running count falls to 0, away from the operating points the truth
+//! is taken at; the drain's polls are reported apart (`drain`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -333,6 +340,9 @@ fn class_blocks(class: &str) -> Option<usize> {
 struct Snapshot {
     /// Whether the slowdown had been applied.
     slowed: bool,
+    /// Whether the measured window had ended (no new turns start; the
+    /// requests in flight finish).
+    draining: bool,
     /// The model's entry.
     timing: Value,
 }
@@ -395,13 +405,14 @@ fn summary_line(doc: &Value) -> String {
         .iter()
         .map(|c| {
             format!(
-                "{}: step and prefill within 10 % after {} requests, again after the slowdown after {}; final errors step {:.1} %, prefill {:.1} %, TTFT against the clients' {:.1} %",
+                "{}: step and prefill within 10 % after {} requests, again after the slowdown after {}; at the end of the load step {:.1} %, prefill {:.1} %, TTFT against the clients' {:.1} %; in the drain step up to {:.1} %",
                 c["class"].as_str().unwrap_or("?"),
                 c["requests_to_within_10pct"],
                 c["requests_after_change_to_within_10pct"],
-                c["final_error"]["step"].as_f64().unwrap_or(f64::NAN) * 100.0,
-                c["final_error"]["prefill"].as_f64().unwrap_or(f64::NAN) * 100.0,
-                c["final_error"]["ttft"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                c["error_at_end_of_load"]["step"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                c["error_at_end_of_load"]["prefill"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                c["error_at_end_of_load"]["ttft"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                c["drain"]["largest_step_error"].as_f64().unwrap_or(f64::NAN) * 100.0,
             )
         })
         .collect::<Vec<_>>()
@@ -446,16 +457,17 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             }
             slowed = true;
         }
+        let draining = t0.elapsed() >= windows.warmup + windows.measure;
         // The journal up to here, then the snapshot (which may have learned
         // a little more): a replay reads its fits at each poll's mark.
         for r in take_journal(admin)? {
             journal.push_str(&r.to_string());
             journal.push('\n');
         }
-        journal.push_str(&json!({"poll": snaps.len(), "slowed": slowed}).to_string());
+        journal.push_str(&json!({"poll": snaps.len(), "slowed": slowed, "draining": draining}).to_string());
         journal.push('\n');
         if let Ok(v) = get_json(admin, "/admin/timing") {
-            snaps.push(Snapshot { slowed, timing: v[MODEL].clone() });
+            snaps.push(Snapshot { slowed, draining, timing: v[MODEL].clone() });
         }
     }
     let run = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
@@ -466,7 +478,8 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     }
     std::fs::write(dir.join("records.json"), serde_json::to_vec(&run.records)?)?;
     // Every poll of the learned timing, for a look at how it moved.
-    let polls: Vec<Value> = snaps.iter().map(|s| json!({"slowed": s.slowed, "timing": s.timing})).collect();
+    let polls: Vec<Value> =
+        snaps.iter().map(|s| json!({"slowed": s.slowed, "draining": s.draining, "timing": s.timing})).collect();
     std::fs::write(dir.join("timing-polls.json"), serde_json::to_vec(&polls)?)?;
     std::fs::write(dir.join(replay::JOURNAL), &journal)?;
     let g = grid(&run.records);
@@ -554,7 +567,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         Operating { points, ttft_ms }
     };
     let mut ops: std::collections::BTreeMap<(String, bool), Operating> = Default::default();
-    // Per class: (samples, errors, slowed) per snapshot.
+    // Per class: a poll's samples, errors and phase per snapshot.
     let mut series: Series = Default::default();
     for s in &snaps {
         let Some(classes) = s.timing["classes"].as_object() else { continue };
@@ -563,16 +576,21 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             let op = ops.entry((class.clone(), s.slowed)).or_insert_with(|| operating(class, s.slowed));
             let e = errors(v, &truth, &g, op, a.speedup);
             let n = v["first_token"]["samples"].as_u64().unwrap_or(0);
-            series.entry(class.clone()).or_default().push((n, e, s.slowed));
+            series.entry(class.clone()).or_default().push(Poll {
+                n,
+                errors: e,
+                slowed: s.slowed,
+                draining: s.draining,
+            });
         }
     }
     let last = snaps.last().map(|s| s.timing.clone()).unwrap_or_default();
     let at_change = snaps.iter().rev().find(|s| !s.slowed).map(|s| s.timing.clone()).unwrap_or_default();
     let mut classes: Vec<Value> = Vec::new();
     for (class, pts) in &series {
-        let before: Vec<_> = pts.iter().filter(|p| !p.2).collect();
-        let after: Vec<_> = pts.iter().filter(|p| p.2).collect();
-        let change_samples = before.last().map_or(0, |p| p.0);
+        let (to_within, after_change) = counts(pts);
+        let loaded: Vec<&Poll> = pts.iter().filter(|p| !p.draining).collect();
+        let drain: Vec<&Poll> = pts.iter().filter(|p| p.draining).collect();
         let mut truth = serde_json::Map::new();
         for (key, slowed, slowdown) in [("before", false, 1.0), ("after", true, a.slowdown)] {
             let t = truth_of(class, slowdown)?;
@@ -593,15 +611,21 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
                 json!({"prefill": ttft, "step": step, "client_ttft_ms": g.iter().zip(&op.ttft_ms).map(|(p, t)| json!({"new": p.0, "cached": p.1, "ms": t})).collect::<Vec<_>>()}),
             );
         }
-        let final_error = pts.last().map(|p| p.1.json());
+        let before = pts.iter().rev().find(|p| !p.slowed);
         classes.push(json!({
             "class": class,
             "timing": format!("{:?}", truth_of(class, 1.0)?.timing),
-            "requests_to_within_10pct": settled(&before),
-            "requests_after_change_to_within_10pct": settled(&after).map(|n| n.saturating_sub(change_samples)),
-            "samples_at_change": change_samples,
-            "error_at_change": before.last().map(|p| p.1.json()),
-            "final_error": final_error,
+            "requests_to_within_10pct": to_within,
+            "requests_after_change_to_within_10pct": after_change,
+            "samples_at_change": before.map_or(0, |p| p.n),
+            "error_at_change": before.map(|p| p.errors.json()),
+            "error_at_end_of_load": loaded.last().map(|p| p.errors.json()),
+            "drain": {
+                "polls": drain.len(),
+                "largest_step_error": drain.iter().map(|p| p.errors.step).reduce(f64::max),
+                "largest_prefill_error": drain.iter().filter_map(|p| p.errors.prefill).reduce(f64::max),
+            },
+            "final_error": pts.last().map(|p| p.errors.json()),
             "learned": at_change["classes"][class].clone(),
             "learned_after_change": last["classes"][class].clone(),
             "truth": truth,
@@ -647,7 +671,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         "classes": classes,
         "series": series
             .iter()
-            .map(|(k, v)| (k.clone(), json!(v.iter().map(|p| json!([p.0, p.1.json(), p.2])).collect::<Vec<_>>())))
+            .map(|(k, v)| (k.clone(), json!(v.iter().map(Poll::json).collect::<Vec<_>>())))
             .collect::<serde_json::Map<_, _>>(),
     });
     replay::save_context(dir, &replay::Context::new(name, a, &g, &ops, &last["prior"], &doc))?;
@@ -655,10 +679,39 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     Ok((doc, svg))
 }
 
-/// The first snapshot from which every later one (in its phase) is within.
-fn settled(v: &[&(u64, Errors, bool)]) -> Option<u64> {
-    let i = v.iter().rposition(|p| !p.1.within()).map_or(0, |i| i + 1);
-    v.get(i).map(|p| p.0)
+/// A class's learned model at one poll, against the truth.
+#[derive(Debug, Clone)]
+struct Poll {
+    /// The class's first-token samples: requests it has served.
+    n: u64,
+    errors: Errors,
+    slowed: bool,
+    /// After the measured window: no new turns, the fleet empties.
+    draining: bool,
+}
+
+impl Poll {
+    fn json(&self) -> Value {
+        json!([self.n, self.errors.json(), self.slowed, self.draining])
+    }
+}
+
+/// Requests to within 10 % for good, before and after the slowdown (the
+/// latter counted from the change), over the polls while the load ran:
+/// the drain's polls are not in the count (reported apart, `drain`).
+/// The truth is taken at the measured window's operating points; in the
+/// drain the fleet leaves them, and the fits follow it there.
+fn counts(pts: &[Poll]) -> (Option<u64>, Option<u64>) {
+    let before: Vec<&Poll> = pts.iter().filter(|p| !p.slowed && !p.draining).collect();
+    let after: Vec<&Poll> = pts.iter().filter(|p| p.slowed && !p.draining).collect();
+    let change = before.last().map_or(0, |p| p.n);
+    (settled(&before), settled(&after).map(|n| n.saturating_sub(change)))
+}
+
+/// The first poll from which every later one is within.
+fn settled(v: &[&Poll]) -> Option<u64> {
+    let i = v.iter().rposition(|p| !p.errors.within()).map_or(0, |i| i + 1);
+    v.get(i).map(|p| p.n)
 }
 
 /// The truth of a class (named by its KV blocks) of `fleet` at `slowdown`.
@@ -690,7 +743,7 @@ fn take_journal(admin: SocketAddr) -> Result<Vec<Value>> {
     Ok(v[MODEL]["records"].as_array().cloned().unwrap_or_default())
 }
 
-type Series = std::collections::BTreeMap<String, Vec<(u64, Errors, bool)>>;
+type Series = std::collections::BTreeMap<String, Vec<Poll>>;
 
 /// Error (%) against the class's first-token samples, TTFT and step per
 /// class; the slowdown where the marker changes from dots to crosses.
@@ -705,7 +758,7 @@ fn chart(name: &str, series: &Series, slowdown: f64) -> String {
 }
 
 fn draw(out: &mut String, name: &str, series: &Series, slowdown: f64) -> Result<(), Box<dyn std::error::Error>> {
-    let xmax = series.values().flatten().map(|p| p.0).max().unwrap_or(1).max(1) as f64;
+    let xmax = series.values().flatten().map(|p| p.n).max().unwrap_or(1).max(1) as f64;
     let root = SVGBackend::with_string(out, (640, 360)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut c = ChartBuilder::on(&root)
@@ -734,21 +787,21 @@ fn draw(out: &mut String, name: &str, series: &Series, slowdown: f64) -> Result<
     for (i, (class, pts)) in series.iter().enumerate() {
         for (j, what) in ["TTFT", "step", "prefill"].iter().enumerate() {
             let colour = palette[(3 * i + j) % palette.len()];
-            let get = |p: &(u64, Errors, bool)| match j {
-                0 => p.1.ttft,
-                1 => Some(p.1.step),
-                _ => p.1.prefill,
+            let get = |p: &Poll| match j {
+                0 => p.errors.ttft,
+                1 => Some(p.errors.step),
+                _ => p.errors.prefill,
             };
             let line: Vec<(f64, f64)> =
-                pts.iter().filter_map(|p| Some((p.0 as f64, (get(p)? * 100.0).min(50.0)))).collect();
+                pts.iter().filter_map(|p| Some((p.n as f64, (get(p)? * 100.0).min(50.0)))).collect();
             if line.is_empty() {
                 continue;
             }
             c.draw_series(LineSeries::new(line, colour.stroke_width(2)))?
                 .label(format!("{class} {what}"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
-            if let Some(p) = pts.iter().find(|p| p.2) {
-                let x = p.0 as f64;
+            if let Some(p) = pts.iter().find(|p| p.slowed) {
+                let x = p.n as f64;
                 c.draw_series(std::iter::once(PathElement::new(vec![(x, 0.0), (x, 50.0)], colour.mix(0.5))))?;
             }
         }
@@ -844,5 +897,27 @@ mod tests {
         let g = grid(&rs);
         assert!(g.iter().all(|&(n, c)| (n < 100 && c >= 5_000) || (n >= 3_000 && c == 0)), "{g:?}");
         assert!(g.iter().any(|p| p.0 >= 3_000) && g.iter().any(|p| p.0 < 100), "{g:?}");
+    }
+
+    /// Requests to within 10 % for good count the polls while the load ran,
+    /// in each phase: a miss in the drain (at the last count of requests)
+    /// is not in them, a miss while the load ran is.
+    #[test]
+    fn the_counts_are_of_the_polls_while_the_load_ran() {
+        let poll =
+            |n, step, slowed, draining| Poll { n, errors: Errors { step, ..Errors::default() }, slowed, draining };
+        let mut pts = vec![
+            poll(100, 0.3, false, false),
+            poll(200, 0.05, false, false),
+            poll(300, 0.04, false, false),
+            poll(350, 0.2, true, false),
+            poll(500, 0.06, true, false),
+            poll(600, 0.05, true, false),
+            poll(600, 0.12, true, true),
+        ];
+        assert_eq!(counts(&pts), (Some(200), Some(200)));
+        // The same miss while the load ran: not within for good after the change.
+        pts[6].draining = false;
+        assert_eq!(counts(&pts), (Some(200), None));
     }
 }

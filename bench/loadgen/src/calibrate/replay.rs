@@ -16,7 +16,7 @@
 //!
 //! | file in a run directory | what |
 //! |---|---|
-//! | `journal.jsonl` | `{"class", "obs"}` per observation, `{"poll", "slowed"}` per poll |
+//! | `journal.jsonl` | `{"class", "obs"}` per observation, `{"poll", "slowed", "draining"}` per poll (journals before `draining` count every poll as loaded) |
 //! | `replay.json` | [`Context`] |
 
 use std::collections::BTreeMap;
@@ -27,7 +27,7 @@ use kvgate_core::timing::{EngineFit, Observation, Prior};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::{CalibrationArgs, Errors, Operating, Series, errors, settled, truth_of};
+use super::{CalibrationArgs, Errors, Operating, Poll, Series, counts, errors, truth_of};
 use crate::stack::FleetSpec;
 
 /// The journal's file name in a run directory.
@@ -146,10 +146,7 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
         }
         let (c, series) = replay(d, 0, 0.0)?;
         for (class, pts) in &series {
-            let before: Vec<_> = pts.iter().filter(|p| !p.2).collect();
-            let after: Vec<_> = pts.iter().filter(|p| p.2).collect();
-            let change = before.last().map_or(0, |p| p.0);
-            let (b, f) = (settled(&before), settled(&after).map(|n| n.saturating_sub(change)));
+            let (b, f) = counts(pts);
             let (lb, lf) = c.live.get(class).copied().unwrap_or_default();
             println!(
                 "{:<20} {:<24} replayed {:>5} / {:>5}   live {:>5} / {:>5}   {}",
@@ -165,7 +162,7 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
                 "dir": d, "preset": c.preset, "class": class,
                 "requests_to_within_10pct": b, "requests_after_change_to_within_10pct": f,
                 "live": [lb, lf],
-                "series": pts.iter().map(|p| json!([p.0, p.1.json(), p.2])).collect::<Vec<_>>(),
+                "series": pts.iter().map(Poll::json).collect::<Vec<_>>(),
             }));
         }
     }
@@ -183,23 +180,17 @@ type Counts = (Option<u64>, Option<u64>);
 /// the counts' minimum, median and maximum (a count never within is
 /// shown as `-` and sorts last).
 fn print_spread(dir: &Path, n: u64, eps: f64) -> Result<()> {
-    let mut counts: BTreeMap<String, Vec<Counts>> = BTreeMap::new();
+    let mut spread: BTreeMap<String, Vec<Counts>> = BTreeMap::new();
     let mut preset = String::new();
     for seed in 0..=n {
         let (c, series) = replay(dir, seed, eps)?;
         preset = c.preset.clone();
         for (class, pts) in &series {
-            let before: Vec<_> = pts.iter().filter(|p| !p.2).collect();
-            let after: Vec<_> = pts.iter().filter(|p| p.2).collect();
-            let change = before.last().map_or(0, |p| p.0);
-            counts
-                .entry(class.clone())
-                .or_default()
-                .push((settled(&before), settled(&after).map(|x| x.saturating_sub(change))));
+            spread.entry(class.clone()).or_default().push(counts(pts));
         }
     }
-    for (class, v) in counts {
-        let spread = |mut x: Vec<Option<u64>>| {
+    for (class, v) in spread {
+        let range = |mut x: Vec<Option<u64>>| {
             x.sort_by_key(|c| c.unwrap_or(u64::MAX));
             let over = x.iter().filter(|c| c.is_none_or(|c| c > 300)).count();
             format!(
@@ -211,7 +202,7 @@ fn print_spread(dir: &Path, n: u64, eps: f64) -> Result<()> {
             )
         };
         let (b, f): (Vec<_>, Vec<_>) = v.into_iter().unzip();
-        println!("{preset:<20} {class:<24} min/median/max {}   after {}   {}", spread(b), spread(f), dir.display());
+        println!("{preset:<20} {class:<24} min/median/max {}   after {}   {}", range(b), range(f), dir.display());
     }
     Ok(())
 }
@@ -242,7 +233,7 @@ fn show(n: Option<u64>) -> String {
 }
 
 /// One run directory's journal through fresh fits: its context and, per
-/// class, (first-token samples, errors, slowed) at each poll's mark.
+/// class, its [`Poll`] at each poll's mark.
 /// With `seed` above 0 every observed time is moved by up to `eps` of
 /// itself ([`jitter`]).
 fn replay(dir: &Path, seed: u64, eps: f64) -> Result<(Context, Series)> {
@@ -266,6 +257,7 @@ fn replay(dir: &Path, seed: u64, eps: f64) -> Result<(Context, Series)> {
             continue;
         }
         let slowed = v["slowed"].as_bool().unwrap_or(false);
+        let draining = v["draining"].as_bool().unwrap_or(false);
         for (class, fit) in &fits {
             let Some(op) = c.op(class, slowed) else { continue };
             let truth = truth_of(&fleet, class, if slowed { c.slowdown } else { 1.0 })?;
@@ -275,7 +267,7 @@ fn replay(dir: &Path, seed: u64, eps: f64) -> Result<(Context, Series)> {
             // with `--out`).
             e.readings.insert("learned".into(), json!({"used": j["used"], "matched": j["engine_matched"]["params"]}));
             let n = j["first_token"]["samples"].as_u64().unwrap_or(0);
-            series.entry(class.clone()).or_default().push((n, e, slowed));
+            series.entry(class.clone()).or_default().push(Poll { n, errors: e, slowed, draining });
         }
     }
     Ok((c, series))
