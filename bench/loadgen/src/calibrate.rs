@@ -589,7 +589,6 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     let mut classes: Vec<Value> = Vec::new();
     for (class, pts) in &series {
         let (to_within, after_change) = counts(pts);
-        let loaded: Vec<&Poll> = pts.iter().filter(|p| !p.draining).collect();
         let drain: Vec<&Poll> = pts.iter().filter(|p| p.draining).collect();
         let mut truth = serde_json::Map::new();
         for (key, slowed, slowdown) in [("before", false, 1.0), ("after", true, a.slowdown)] {
@@ -619,7 +618,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             "requests_after_change_to_within_10pct": after_change,
             "samples_at_change": before.map_or(0, |p| p.n),
             "error_at_change": before.map(|p| p.errors.json()),
-            "error_at_end_of_load": loaded.last().map(|p| p.errors.json()),
+            "error_at_end_of_load": pts.iter().rev().find(|p| !p.draining).map(|p| p.errors.json()),
             "drain": {
                 "polls": drain.len(),
                 "largest_step_error": drain.iter().map(|p| p.errors.step).reduce(f64::max),
@@ -679,6 +678,9 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     Ok((doc, svg))
 }
 
+/// Requests to within 10 %, before and after the slowdown.
+type Counts = (Option<u64>, Option<u64>);
+
 /// A class's learned model at one poll, against the truth.
 #[derive(Debug, Clone)]
 struct Poll {
@@ -701,7 +703,7 @@ impl Poll {
 /// the drain's polls are not in the count (reported apart, `drain`).
 /// The truth is taken at the measured window's operating points; in the
 /// drain the fleet leaves them, and the fits follow it there.
-fn counts(pts: &[Poll]) -> (Option<u64>, Option<u64>) {
+fn counts(pts: &[Poll]) -> Counts {
     let before: Vec<&Poll> = pts.iter().filter(|p| !p.slowed && !p.draining).collect();
     let after: Vec<&Poll> = pts.iter().filter(|p| p.slowed && !p.draining).collect();
     let change = before.last().map_or(0, |p| p.n);

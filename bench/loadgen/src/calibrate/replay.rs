@@ -27,7 +27,7 @@ use kvgate_core::timing::{EngineFit, Observation, Prior};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::{CalibrationArgs, Errors, Operating, Poll, Series, counts, errors, truth_of};
+use super::{CalibrationArgs, Counts, Errors, Operating, Poll, Series, counts, errors, truth_of};
 use crate::stack::FleetSpec;
 
 /// The journal's file name in a run directory.
@@ -171,9 +171,6 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
     }
     Ok(())
 }
-
-/// Requests to within 10 %, before and after the slowdown.
-type Counts = (Option<u64>, Option<u64>);
 
 /// Replays `dir` unjittered and with seeds 1..=`n` (times moved by up to
 /// `eps` of themselves), and prints per class
