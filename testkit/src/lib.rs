@@ -362,12 +362,10 @@ pub struct ServeAddrs {
     pub admin: SocketAddr,
 }
 
-/// Starts `kvgate serve` (`cmd`, whose listen flags may name port 0) and
-/// reads the addresses it bound from its one machine-readable stderr line
-/// (`kvgate serve: grpc=… admin=…`): with port 0 no other process can take
-/// the ports between choosing and binding them. The one launcher of the
-/// control plane for tests and the benchmark.
-pub fn spawn_serve(name: &str, cmd: Command, dir: &Path) -> Result<(Proc, ServeAddrs)> {
+/// Starts `cmd` and waits for the whole stderr line that starts with
+/// `prefix` (a process's machine-readable report of what it bound); the
+/// process and its `key=value` fields.
+fn spawn_reporting(name: &str, cmd: Command, dir: &Path, prefix: &str) -> Result<(Proc, Fields)> {
     let mut p = Proc::spawn(name, cmd, dir)?;
     let t = Instant::now();
     loop {
@@ -377,16 +375,69 @@ pub fn spawn_serve(name: &str, cmd: Command, dir: &Path) -> Result<(Proc, ServeA
         // `kvgate serve: grpc=127.0.0.1`, the port not yet there).
         let log = p.log();
         let whole = log.rsplit_once('\n').map_or("", |(lines, _)| lines);
-        if let Some(line) = whole.lines().find(|l| l.starts_with("kvgate serve: grpc=")) {
-            let field =
-                |k: &str| line.split_whitespace().find_map(|f| f.strip_prefix(k)).unwrap_or_default().to_owned();
-            let grpc = field("grpc=").parse().with_context(|| format!("grpc address in {line:?}"))?;
-            let admin = field("admin=").parse().with_context(|| format!("admin address in {line:?} (admin off?)"))?;
-            return Ok((p, ServeAddrs { grpc, admin }));
+        if let Some(line) = whole.lines().find(|l| l.starts_with(prefix)) {
+            return Ok((p, Fields(line.to_owned())));
         }
         ensure!(t.elapsed() < Duration::from_secs(120), "{name} did not report its addresses:\n{}", p.log());
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A report line's `key=value` fields.
+struct Fields(String);
+
+impl Fields {
+    /// The value of `key=` ("" when absent).
+    fn get(&self, key: &str) -> &str {
+        self.0.split_whitespace().find_map(|f| f.strip_prefix(key)?.strip_prefix('=')).unwrap_or_default()
+    }
+
+    /// The value of `key=`, parsed.
+    fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<T>
+    where
+        T::Err: std::error::Error + Send + Sync + 'static,
+    {
+        self.get(key).parse().with_context(|| format!("{key} in {:?}", self.0))
+    }
+}
+
+/// Starts `kvgate serve` (`cmd`, whose listen flags may name port 0) and
+/// reads the addresses it bound from its one machine-readable stderr line
+/// (`kvgate serve: grpc=… admin=…`): with port 0 no other process can take
+/// the ports between choosing and binding them. The one launcher of the
+/// control plane for tests and the benchmark.
+pub fn spawn_serve(name: &str, cmd: Command, dir: &Path) -> Result<(Proc, ServeAddrs)> {
+    let (p, line) = spawn_reporting(name, cmd, dir, "kvgate serve: grpc=")?;
+    let admin = line.parse("admin").context("admin off?")?;
+    Ok((p, ServeAddrs { grpc: line.parse("grpc")?, admin }))
+}
+
+/// What a one-worker `kvgate sim` bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimAddrs {
+    /// The worker's OpenAI HTTP address.
+    pub http: SocketAddr,
+    /// Its (rank 0's) ZMQ PUB port, when it publishes KV events; its replay
+    /// port is this + D for D data-parallel ranks, rank r's sockets + r.
+    pub zmq_port: Option<u16>,
+}
+
+/// Starts a one-worker `kvgate sim` (`cmd`, with `--http-port 0` and
+/// `--zmq-port any` the worker picks and holds its ports itself) and reads
+/// what it bound from its machine-readable stderr line (`kvgate sim: worker
+/// w0 http=… zmq=… replay=…`, written once every socket is bound). The one
+/// launcher of a simulated worker for tests and the benchmark.
+pub fn spawn_sim(name: &str, cmd: Command, dir: &Path) -> Result<(Proc, SimAddrs)> {
+    let (p, line) = spawn_reporting(name, cmd, dir, "kvgate sim: worker ")?;
+    let zmq_port = match line.get("zmq") {
+        "off" => None,
+        ep => Some(
+            ep.rsplit_once(':')
+                .and_then(|(_, port)| port.parse().ok())
+                .with_context(|| format!("zmq in {:?}", line.0))?,
+        ),
+    };
+    Ok((p, SimAddrs { http: line.parse("http")?, zmq_port }))
 }
 
 /// A real nats-server on 127.0.0.1.

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use kvgate_testkit::{
     Envoy, NatsServer, Proc, RelaySpec, free_port, http_request, render_kvgate_envoy, repo_root, spawn_serve,
-    wait_for_tcp,
+    spawn_sim, wait_for_tcp,
 };
 
 /// The served model name (the test tokenizer's).
@@ -408,8 +408,7 @@ impl Stack {
         let mut zmq = Vec::new();
         for (w, (timing, blocks)) in fleet.kinds().into_iter().enumerate() {
             let blocks = blocks.to_string();
-            let (hp, zp) = (free_port()?, kvgate_testkit::port_pair()?);
-            let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
+            // The worker picks and holds its ports itself and names them.
             let sim = kvgate(
                 bin,
                 &[
@@ -421,9 +420,9 @@ impl Stack {
                     "--tokenizer-dir",
                     &tk,
                     "--http-port",
-                    &hp_s,
+                    "0",
                     "--zmq-port",
-                    &zp_s,
+                    "any",
                     "--timing",
                     &timing,
                     "--block-size",
@@ -448,14 +447,11 @@ impl Stack {
                     "2",
                 ],
             );
-            let p = Proc::spawn(&format!("sim-{w}"), sim, dir)?;
+            let (p, bound) = spawn_sim(&format!("sim-{w}"), sim, dir)?;
             pids.push((format!("sim-{w}"), p.pid()));
             procs.push(p);
-            workers.push(SocketAddr::from(([127, 0, 0, 1], hp)));
-            zmq.push(zp);
-        }
-        for (w, &addr) in workers.iter().enumerate() {
-            wait_for_tcp(addr, Duration::from_secs(60)).with_context(|| format!("worker {w}"))?;
+            workers.push(bound.http);
+            zmq.push(bound.zmq_port.context("the sim publishes no KV events")?);
         }
         let mut stack = Stack {
             front: workers[0],

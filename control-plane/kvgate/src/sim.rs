@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use kvgate_sim::server::{WorkerOptions, run_worker};
+use kvgate_sim::server::{Bound, EventSockets, WorkerOptions, run_worker};
 use kvgate_tokenize::prompt::PromptTokenizer;
 
 /// `kvgate sim`: a fleet of simulated vLLM workers in one process.
@@ -25,11 +25,14 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value_t = 8000)]
     http_port: u16,
     /// ZMQ port of worker 0; worker i publishes on port + 2i and replays on
-    /// port + 2i + 1 (0: no KV events). With D data-parallel ranks, worker
-    /// i's rank r publishes on port + 2iD + r and replays on port + 2iD + D + r
-    /// (each socket offset by the rank, as vLLM offsets them).
-    #[arg(long, default_value_t = 5557)]
-    zmq_port: u16,
+    /// port + 2i + 1. With D data-parallel ranks, worker i's rank r publishes
+    /// on port + 2iD + r and replays on port + 2iD + D + r (each socket
+    /// offset by the rank, as vLLM offsets them). `any`: each worker picks
+    /// and holds 2D consecutive free ports itself (publish P + r, replay
+    /// P + D + r) and names them in its line on stderr. `off` or 0: no KV
+    /// events.
+    #[arg(long, default_value = "5557")]
+    zmq_port: ZmqPort,
     /// Data-parallel ranks per worker (vLLM --data-parallel-size): engines
     /// behind the worker's one HTTP port, each with its own KV cache and
     /// event sockets; a request goes to the rank its x-data-parallel-rank
@@ -89,6 +92,26 @@ pub(crate) struct SimArgs {
     threads: usize,
 }
 
+/// `--zmq-port`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ZmqPort {
+    Off,
+    Any,
+    From(u16),
+}
+
+impl std::str::FromStr for ZmqPort {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" | "0" => Ok(ZmqPort::Off),
+            "any" => Ok(ZmqPort::Any),
+            n => n.parse().map(ZmqPort::From).map_err(|_| format!("{n:?}: expected a port, any or off")),
+        }
+    }
+}
+
 /// `kvgate sim`.
 pub(crate) fn run(a: SimArgs) -> Result<()> {
     let timing = kvgate_sim::timing::Timing::preset(&a.timing).with_context(|| {
@@ -128,7 +151,7 @@ pub(crate) fn run(a: SimArgs) -> Result<()> {
     rt.block_on(serve(workers))
 }
 
-/// Worker `i`'s settings: ports counted from the base ports (0 = any).
+/// Worker `i`'s settings: ports counted from the base ports (HTTP port 0: any).
 fn worker_options(
     a: &SimArgs,
     i: usize,
@@ -144,18 +167,21 @@ fn worker_options(
     };
     let http_port = port(a.http_port, i)?;
     let d = a.data_parallel_size;
-    let zmq =
-        if a.zmq_port == 0 { None } else { Some((port(a.zmq_port, 2 * i * d)?, port(a.zmq_port, 2 * i * d + d)?)) };
-    // The last rank's sockets must exist too.
-    if zmq.is_some() {
-        port(a.zmq_port, 2 * i * d + 2 * d - 1)?;
-    }
+    let events = match a.zmq_port {
+        ZmqPort::Off => EventSockets::Off,
+        ZmqPort::Any => EventSockets::Any(a.host),
+        ZmqPort::From(base) => {
+            // The last rank's sockets must exist too.
+            port(base, 2 * i * d + 2 * d - 1)?;
+            let at = |off: usize| port(base, off).map(|p| format!("tcp://{}:{p}", a.host));
+            EventSockets::At { publish: at(2 * i * d)?, replay: Some(at(2 * i * d + d)?) }
+        }
+    };
     Ok(WorkerOptions {
         id: format!("w{i}"),
         model: a.model.clone(),
         http: std::net::SocketAddr::new(a.host, http_port),
-        zmq_pub: zmq.map(|(p, _)| format!("tcp://{}:{p}", a.host)),
-        zmq_replay: zmq.map(|(_, r)| format!("tcp://{}:{r}", a.host)),
+        events,
         topic: "kv-events".into(),
         encoding,
         engine: kvgate_sim::engine::EngineConfig {
@@ -186,16 +212,18 @@ async fn serve(workers: Vec<WorkerOptions>) -> Result<()> {
     let mut set = tokio::task::JoinSet::new();
     for (i, opts) in workers.into_iter().enumerate() {
         let mut stop = stop_rx.clone();
-        let zmq_desc = opts.zmq_pub.clone().unwrap_or_else(|| "off".into());
-        let replay_desc = opts.zmq_replay.clone().unwrap_or_else(|| "off".into());
         set.spawn(run_worker(
             opts,
             async move {
                 let _ = stop.changed().await;
             },
-            move |addr| {
-                // One machine-readable line per worker for launchers.
-                eprintln!("kvgate sim: worker w{i} http={addr} zmq={zmq_desc} replay={replay_desc}");
+            move |b: &Bound| {
+                // One machine-readable line per worker for launchers, once
+                // every socket is bound (rank 0's endpoints; rank r's are
+                // offset by r).
+                let off = || "off".to_owned();
+                let (zmq, replay) = (b.publish.clone().unwrap_or_else(off), b.replay.clone().unwrap_or_else(off));
+                eprintln!("kvgate sim: worker w{i} http={} zmq={zmq} replay={replay}", b.http);
             },
         ));
     }
@@ -210,4 +238,24 @@ async fn serve(workers: Vec<WorkerOptions>) -> Result<()> {
     let _ = stop_tx.send(true);
     while set.join_next().await.is_some() {}
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_zmq_port_is_a_port_any_or_off() {
+        let cases: [(&str, Result<ZmqPort, ()>); 6] = [
+            ("5557", Ok(ZmqPort::From(5557))),
+            ("any", Ok(ZmqPort::Any)),
+            ("off", Ok(ZmqPort::Off)),
+            ("0", Ok(ZmqPort::Off)),
+            ("65536", Err(())),
+            ("5557x", Err(())),
+        ];
+        for (s, want) in cases {
+            assert_eq!(s.parse::<ZmqPort>().map_err(|_| ()), want, "{s}");
+        }
+    }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use kvgate_sim::engine::EngineConfig;
-use kvgate_sim::server::{WorkerOptions, run_worker};
+use kvgate_sim::server::{Bound, EventSockets, WorkerOptions, run_worker};
 use kvgate_sim::timing::Timing;
 use kvgate_tokenize::prompt::{PromptTokenizer, TokenCacheConfig};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -91,8 +91,7 @@ fn main() {
                     id: format!("w{i}"),
                     model: "deepseek-v3".into(),
                     http: "127.0.0.1:0".parse().unwrap(),
-                    zmq_pub: Some(format!("tcp://127.0.0.1:{}", free_port())),
-                    zmq_replay: None,
+                    events: EventSockets::Any([127, 0, 0, 1].into()),
                     topic: "kv-events".into(),
                     encoding: kvgate_vllm_wire::encode::Encoding::Map,
                     engine: EngineConfig {
@@ -119,8 +118,8 @@ fn main() {
                     async move {
                         let _ = stop.changed().await;
                     },
-                    move |a| {
-                        let _ = tx.send(a);
+                    move |b: &Bound| {
+                        let _ = tx.send(b.http);
                     },
                 ));
             }
@@ -209,8 +208,4 @@ fn main() {
     let out = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/sim-scale.json");
     std::fs::write(&out, serde_json::to_string_pretty(&result).unwrap() + "\n").unwrap();
     println!("{}", serde_json::to_string_pretty(&result).unwrap());
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
 }

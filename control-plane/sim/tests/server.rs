@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_sim::engine::EngineConfig;
-use kvgate_sim::server::{WorkerOptions, run_worker};
+use kvgate_sim::server::{Bound, EventSockets, WorkerOptions, run_worker};
 use kvgate_sim::timing::Timing;
 use kvgate_tokenize::prompt::{PromptTokenizer, TokenCacheConfig};
 use kvgate_vllm_wire::encode::Encoding;
@@ -45,19 +45,14 @@ fn start_with(speedup: f64, num_blocks: usize, stream_interval: usize) -> Worker
     start_ranks(speedup, num_blocks, stream_interval, 1)
 }
 
-/// A worker of `ranks` data-parallel ranks: rank r publishes on `zmq`'s
-/// port + r and replays on `replay`'s port + r.
+/// A worker of `ranks` data-parallel ranks on ports it picks itself: rank
+/// r publishes on `zmq`'s port + r and replays on `replay`'s port + r.
 fn start_ranks(speedup: f64, num_blocks: usize, stream_interval: usize, ranks: u16) -> Worker {
-    let zport = kvgate_testkit::port_run(2 * ranks).unwrap();
-    let rport = zport + ranks;
-    let zmq = format!("tcp://127.0.0.1:{zport}");
-    let replay = format!("tcp://127.0.0.1:{rport}");
     let opts = WorkerOptions {
         id: "w0".into(),
         model: "deepseek-v3".into(),
         http: "127.0.0.1:0".parse().unwrap(),
-        zmq_pub: Some(zmq.clone()),
-        zmq_replay: Some(replay.clone()),
+        events: EventSockets::Any([127, 0, 0, 1].into()),
         topic: "kv-events".into(),
         encoding: Encoding::Map,
         engine: EngineConfig {
@@ -87,16 +82,17 @@ fn start_ranks(speedup: f64, num_blocks: usize, stream_interval: usize, ranks: u
                 async move {
                     let _ = rx.await;
                 },
-                move |a| {
-                    let _ = btx.send(a);
+                move |b: &Bound| {
+                    let _ = btx.send(b.clone());
                 },
             )
             .await
             .unwrap();
         });
     });
-    let http = brx.recv_timeout(Duration::from_secs(10)).unwrap();
-    Worker { http, zmq, replay, stop: Some(tx), _thread: thread }
+    let b = brx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let (zmq, replay) = (b.publish.unwrap(), b.replay.unwrap());
+    Worker { http: b.http, zmq, replay, stop: Some(tx), _thread: thread }
 }
 
 fn python() -> std::path::PathBuf {

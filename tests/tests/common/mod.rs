@@ -37,11 +37,6 @@ pub fn kvgate_args(args: &[String]) -> Command {
     c
 }
 
-/// Two consecutive free ports (ZMQ PUB and replay).
-pub fn port_pair() -> u16 {
-    kvgate_testkit::port_pair().unwrap()
-}
-
 pub fn until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(secs) {
@@ -149,70 +144,47 @@ impl Fleet {
         let mut procs: Vec<Proc> = Vec::new();
         let mut http = Vec::new();
         for w in 0..workers {
-            // Ports are picked free and bound by the sim a moment later: a
-            // test running beside may take one meanwhile (a sim then exited
-            // on "Address already in use" while its HTTP port had answered,
-            // and its relay waited for the events socket until the test timed
-            // out). The sim says it is up once every socket is bound; one
-            // that exits on a taken port first is started again on new ports.
-            let mut attempt = 0;
-            let (hp, zp, sim_args) = loop {
-                attempt += 1;
-                let hp = free_port().unwrap();
-                let zp = kvgate_testkit::port_run(2 * dp as u16).unwrap();
-                let (hp_s, zp_s) = (hp.to_string(), zp.to_string());
-                let sim_args: Vec<String> = [
-                    "sim",
-                    "--workers",
-                    "1",
-                    "--tokenizer-dir",
-                    tk,
-                    "--http-port",
-                    &hp_s,
-                    "--zmq-port",
-                    &zp_s,
-                    "--block-size",
-                    "16",
-                    "--num-blocks",
-                    "4096",
-                    "--speedup",
-                    speedup,
-                    "--data-parallel-size",
-                    &dp.to_string(),
-                ]
-                .iter()
-                .map(|a| (*a).to_owned())
-                .collect();
-                let mut sim_args = sim_args;
-                for pair in extra_sim_args.chunks(2) {
-                    match sim_args.iter().position(|a| a == pair[0]) {
-                        Some(i) if pair.len() == 2 => sim_args[i + 1] = pair[1].to_owned(),
-                        _ => sim_args.extend(pair.iter().map(|a| (*a).to_owned())),
-                    }
+            // The worker picks and holds its ports itself and names them
+            // (`kvgate_testkit::spawn_sim`): no test running beside can take
+            // one between the pick and the bind.
+            let mut sim_args: Vec<String> = [
+                "sim",
+                "--workers",
+                "1",
+                "--tokenizer-dir",
+                tk,
+                "--http-port",
+                "0",
+                "--zmq-port",
+                "any",
+                "--block-size",
+                "16",
+                "--num-blocks",
+                "4096",
+                "--speedup",
+                speedup,
+                "--data-parallel-size",
+                &dp.to_string(),
+            ]
+            .iter()
+            .map(|a| (*a).to_owned())
+            .collect();
+            for pair in extra_sim_args.chunks(2) {
+                match sim_args.iter().position(|a| a == pair[0]) {
+                    Some(i) if pair.len() == 2 => sim_args[i + 1] = pair[1].to_owned(),
+                    _ => sim_args.extend(pair.iter().map(|a| (*a).to_owned())),
                 }
-                let mut sim = Proc::spawn(&format!("sim-{w}"), kvgate_args(&sim_args), dir).unwrap();
-                let t = Instant::now();
-                let exited = loop {
-                    if sim.log().contains("kvgate sim: worker") {
-                        break false;
-                    }
-                    if sim.try_wait().unwrap().is_some() {
-                        break true;
-                    }
-                    assert!(
-                        t.elapsed() < Duration::from_secs(60),
-                        "sim-{w} not up after 60 s; its log:\n{}",
-                        sim.log()
-                    );
-                    std::thread::sleep(Duration::from_millis(20));
-                };
-                if exited && attempt < 5 && sim.log().contains("Address already in use") {
-                    continue;
+            }
+            let (sim, bound) = kvgate_testkit::spawn_sim(&format!("sim-{w}"), kvgate_args(&sim_args), dir)
+                .unwrap_or_else(|e| panic!("sim-{w}: {e:#}"));
+            procs.push(sim);
+            let (hp, zp) = (bound.http.port(), bound.zmq_port.expect("the sim publishes KV events"));
+            // A restart binds the same ports (its relay names them).
+            for (flag, port) in [("--http-port", hp), ("--zmq-port", zp)] {
+                if let Some(i) = sim_args.iter().position(|a| a == flag) {
+                    sim_args[i + 1] = port.to_string();
                 }
-                assert!(!exited, "sim-{w} exited; its log:\n{}", sim.log());
-                procs.push(sim);
-                break (hp, zp, sim_args);
-            };
+            }
             // The relay announces the engine's batch limit.
             let max_num_seqs = sim_args
                 .iter()
@@ -220,12 +192,7 @@ impl Fleet {
                 .and_then(|i| sim_args.get(i + 1)?.parse().ok())
                 .unwrap_or(64);
             args.push(sim_args);
-            let engine: SocketAddr = ([127, 0, 0, 1], hp).into();
-            if let Err(e) = wait_for_tcp(engine, Duration::from_secs(30)) {
-                // Say why (a port taken since it was picked, a crash): the log goes with the test's directory.
-                let log = procs.last().map(Proc::log).unwrap_or_default();
-                panic!("sim-{w}: {e}; its log:\n{log}");
-            }
+            let engine = bound.http;
             engines.push(engine);
             let role = roles.get(w).copied().unwrap_or("");
             let addr = if pd_sidecar && (role == "decode" || role == "both") {

@@ -22,7 +22,7 @@
 //! |---|---|
 //! | `mod.rs` | options, shared state, `run_worker` (bind, spawn, serve) |
 //! | `engine_task.rs` | the task that owns the engine: admit, step, pace, record, publish events |
-//! | `replay.rs` | the ZMQ sockets: PUB bound, the replay ROUTER task |
+//! | `replay.rs` | the ZMQ sockets: where each rank's are (ports picked and held), PUB bound, the replay ROUTER task |
 //! | `http.rs` | OpenAI handlers (parse, tokenize, validate) and the simulator's own endpoints |
 //! | `generate.rs` | one request's answer: JSON, or SSE chunks as vLLM streams them |
 //! | `kv_transfer.rs` | disaggregated serving: `kv_transfer_params` in (either leg) and out (prefill leg) |
@@ -36,7 +36,7 @@ mod metrics;
 mod replay;
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -60,10 +60,8 @@ pub struct WorkerOptions {
     pub model: String,
     /// HTTP listen address.
     pub http: SocketAddr,
-    /// ZMQ PUB endpoint, bound (as vLLM binds `tcp://*:port`).
-    pub zmq_pub: Option<String>,
-    /// ZMQ ROUTER replay endpoint, bound.
-    pub zmq_replay: Option<String>,
+    /// Where the KV event sockets are bound.
+    pub events: EventSockets,
     /// ZMQ topic.
     pub topic: String,
     /// Event encoding (map: vLLM ≥ 0.24; array: older).
@@ -86,6 +84,39 @@ pub struct WorkerOptions {
     /// Data-parallel ranks (vLLM `--data-parallel-size`): engines behind
     /// this one HTTP address, each with its own cache and event sockets.
     pub data_parallel_size: usize,
+}
+
+/// Where a worker binds its KV event sockets: a PUB socket per rank, and a
+/// ROUTER answering replay requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventSockets {
+    /// No KV events.
+    Off,
+    /// These endpoints (as vLLM binds `tcp://*:port`); rank r's are offset
+    /// by r, vLLM's rule ([`kvgate_vllm_wire::dp::rank_endpoint`]).
+    At {
+        /// The PUB endpoint.
+        publish: String,
+        /// The replay ROUTER endpoint, if any.
+        replay: Option<String>,
+    },
+    /// 2·D consecutive TCP ports on this address that the worker picks and
+    /// holds itself (rank r publishes on P + r and replays on P + D + r),
+    /// reported in [`Bound`]: no other process can take one between the
+    /// pick and the bind, as one could when a launcher picked them.
+    Any(IpAddr),
+}
+
+/// What a worker bound: its HTTP address, and rank 0's event endpoints
+/// (rank r's are offset by r).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bound {
+    /// The HTTP address.
+    pub http: SocketAddr,
+    /// Rank 0's PUB endpoint.
+    pub publish: Option<String>,
+    /// Rank 0's replay endpoint.
+    pub replay: Option<String>,
 }
 
 impl std::fmt::Debug for WorkerOptions {
@@ -216,39 +247,47 @@ fn word_ids(tk: &PromptTokenizer) -> Vec<u32> {
 }
 
 /// Runs one simulated worker until `shutdown` resolves. `on_bound` gets the
-/// bound HTTP address.
+/// addresses bound.
 pub async fn run_worker(
     opts: WorkerOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    on_bound: impl FnOnce(SocketAddr) + Send,
+    on_bound: impl FnOnce(&Bound) + Send,
 ) -> Result<(), SimError> {
     let bind_err = |what: &'static str, addr: String| {
         move |e: std::io::Error| SimError::Bind { what, addr, reason: e.to_string() }
     };
     let listener = tokio::net::TcpListener::bind(opts.http).await.map_err(bind_err("HTTP", opts.http.to_string()))?;
-    let bound = listener.local_addr().map_err(bind_err("HTTP", opts.http.to_string()))?;
+    let http = listener.local_addr().map_err(bind_err("HTTP", opts.http.to_string()))?;
     let mut tasks = tokio::task::JoinSet::new();
     let mut ranks = Vec::new();
     let mut engines = Vec::new();
+    let mut places = replay::Places::new(&opts.events, opts.data_parallel_size.max(1))?;
+    let mut bound = Bound { http, publish: None, replay: None };
     for r in 0..opts.data_parallel_size.max(1) {
-        let at = |ep: &Option<String>| -> Result<Option<String>, SimError> {
-            ep.as_deref()
-                .map(|e| kvgate_vllm_wire::dp::rank_endpoint(e, r as u32))
-                .transpose()
-                .map_err(|e| SimError::Bind { what: "ZMQ", addr: String::new(), reason: e.to_string() })
+        let (publish, replay_at) = places.rank(r)?;
+        let publisher = match publish {
+            Some(place) => Some(replay::bind_publisher(place).await?),
+            None => None,
         };
-        let publisher = replay::bind_publisher(at(&opts.zmq_pub)?.as_deref()).await?;
         let replay_buffer: Arc<Mutex<ReplayBuffer>> = Arc::new(Mutex::new(VecDeque::new()));
-        if let Some(ep) = at(&opts.zmq_replay)? {
-            let router = replay::bind_router(&ep).await?;
+        let router = match replay_at {
+            Some(place) => Some(replay::bind_router(place).await?),
+            None => None,
+        };
+        if r == 0 {
+            bound.publish = publisher.as_ref().map(|(_, ep)| ep.clone());
+            bound.replay = router.as_ref().map(|(_, ep)| ep.clone());
+        }
+        if let Some((router, _)) = router {
             tasks.spawn(replay::serve(router, replay_buffer.clone(), opts.topic.clone()));
         }
+        let publisher = publisher.map(|(s, _)| s);
         let (tx, rx) = mpsc::unbounded_channel::<Submit>();
         ranks.push(Rank { stats: Mutex::new(Stats::new()), submit: tx, inflight: AtomicUsize::new(0) });
         engines.push((replay_buffer, publisher, rx));
     }
     let shared = Arc::new(Shared {
-        addr: bound,
+        addr: http,
         ranks,
         next_id: std::sync::atomic::AtomicU64::new(1),
         created: now_unix(),
@@ -272,7 +311,7 @@ pub async fn run_worker(
         // refused prompts vLLM accepts. 256 MiB bounds a runaway client.
         .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .with_state(shared);
-    on_bound(bound);
+    on_bound(&bound);
     // TCP_NODELAY, as vLLM's server (asyncio sets it on every TCP
     // transport): without it a small SSE chunk can wait for the client's
     // delayed ACK (40 ms).
@@ -282,5 +321,5 @@ pub async fn run_worker(
     });
     let r = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
     tasks.abort_all();
-    r.map_err(|e| SimError::Bind { what: "HTTP", addr: bound.to_string(), reason: e.to_string() })
+    r.map_err(|e| SimError::Bind { what: "HTTP", addr: http.to_string(), reason: e.to_string() })
 }
