@@ -63,7 +63,7 @@ impl<'a> Places<'a> {
 /// `n` consecutive TCP ports on `host`, bound and held: the first the
 /// kernel's pick (port 0), the rest the ports after it; a run that meets a
 /// taken port is let go and another picked.
-pub(super) fn hold_run(host: IpAddr, n: usize) -> Result<Vec<TcpListener>, SimError> {
+fn hold_run(host: IpAddr, n: usize) -> Result<Vec<TcpListener>, SimError> {
     let addr = format!("{host}:0");
     for _ in 0..64 {
         let first = TcpListener::bind((host, 0)).map_err(|e| bind_error("ZMQ", &addr, e))?;
