@@ -1124,8 +1124,9 @@ impl EngineFit {
     /// ratio to it so that the two are on the same clock: this class's
     /// last ratio with both known, else the ratio of `reference` (another
     /// class of the same model with both rates learned) when there is one,
-    /// else the priors' ratio; one not clearly above zero sets no clock,
-    /// and the other is then held at its last known value. With neither
+    /// else the priors' ratio; one not clearly above zero sets no clock:
+    /// it is priced beside the other's last known value, and while the
+    /// other was never learned neither is used (both priors). With neither
     /// known, the last known values, else the priors. The growth terms (with
     /// the chunk, with the cached context) are the price's
     /// ([`EngineFit::rates_now`]): the matched fit's where the engine's times
@@ -1156,10 +1157,26 @@ impl EngineFit {
         // held at its last known value, not reset to the prior.
         let prior_p = self.held.prefill.unwrap_or(self.prior.prefill_ms_per_token);
         let prior_d = self.held.decode.unwrap_or(self.prior.decode_ms_per_seq);
+        // A rate known but not clearly above zero is priced only beside a
+        // learned partner (known now or held): beside the other's prior it
+        // would mix two clocks. On `dynamo-mocker` at 120 conversations the
+        // first prefill rate (0.010 ± 0.005 gateway ms per token) met the
+        // decode prior (0.5 ms) for half a second, decode weighed 49 times
+        // a prefill token instead of about 5, and the follow-ups routed
+        // then left their cache for the whole run (DECISIONS, "One clock
+        // in the opening"). Until then both stay at the priors.
         let (prefill, decode) = match (r.prefill, r.decode) {
             (Some(p), Some(d)) => (p.0, d.0),
-            (Some(p), None) => (p.0, ratio.filter(|_| clear(p)).map_or(prior_d, |q| p.0 / q)),
-            (None, Some(d)) => (ratio.filter(|_| clear(d)).map_or(prior_p, |q| d.0 * q), d.0),
+            (Some(p), None) => match (ratio.filter(|_| clear(p)), self.held.decode) {
+                (Some(q), _) => (p.0, p.0 / q),
+                (None, Some(d)) => (p.0, d),
+                (None, None) => (prior_p, prior_d),
+            },
+            (None, Some(d)) => match (ratio.filter(|_| clear(d)), self.held.prefill) {
+                (Some(q), _) => (d.0 * q, d.0),
+                (None, Some(p)) => (p, d.0),
+                (None, None) => (prior_p, prior_d),
+            },
             (None, None) => (prior_p, prior_d),
         };
         let (per_ktok, per_kctx) = r.growth;
@@ -2052,6 +2069,35 @@ mod tests {
             fit.observe_first_token(&o);
         }
         assert_eq!(fit.timing(), prior);
+    }
+
+    /// A rate known but not clearly above zero is priced only beside a
+    /// learned partner: never beside the other's prior, which is on
+    /// another clock (`dynamo-mocker`'s opening: prefill 0.010 ± 0.005
+    /// beside the decode prior 0.5 weighed decode 49 times a prefill
+    /// token).
+    #[test]
+    fn an_unclear_rate_is_never_priced_beside_the_others_prior() {
+        let mut fit = EngineFit::new(PRIOR);
+        let priors = EngineTiming::linear(0.1, 0.5);
+        // Prefill known to a half, not to a third; decode never learned.
+        fit.rates = Rates { prefill: Some((0.010, 0.0045)), ..Rates::default() };
+        assert_eq!(fit.timing(), priors);
+        // Decode likewise, prefill never learned.
+        fit.rates = Rates { decode: Some((0.06, 0.03)), ..Rates::default() };
+        assert_eq!(fit.timing(), priors);
+        // Clearly above zero: the other follows at the priors' ratio (one
+        // clock, the learned one).
+        fit.rates = Rates { prefill: Some((0.010, 0.002)), ..Rates::default() };
+        let t = fit.timing();
+        assert!(t.prefill_ms_per_token == 0.010 && near(t.decode_ms_per_seq, 0.05, 1e-9), "{t:?}");
+        // A learned partner held from before: priced beside it.
+        fit.held.decode = Some(0.07);
+        fit.rates = Rates { prefill: Some((0.010, 0.0045)), ..Rates::default() };
+        assert_eq!(fit.timing(), EngineTiming::linear(0.010, 0.07));
+        fit.held.prefill = Some(0.02);
+        fit.rates = Rates { decode: Some((0.06, 0.03)), ..Rates::default() };
+        assert_eq!(fit.timing(), EngineTiming::linear(0.02, 0.06));
     }
 
     /// An engine whose clock runs twice as slow as the gateway's (a
