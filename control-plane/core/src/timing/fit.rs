@@ -1125,9 +1125,11 @@ impl EngineFit {
     /// last ratio with both known, else the ratio of `reference` (another
     /// class of the same model with both rates learned) when there is one,
     /// else the priors' ratio; one not clearly above zero sets no clock:
-    /// it is priced beside the other's last known value, and while the
-    /// other was never learned neither is used (both priors). With neither
-    /// known, the last known values, else the priors. The growth terms (with
+    /// it is priced beside the other's last known value, and a prefill
+    /// rate is not used at all while decode was never learned (both
+    /// priors; a decode rate about zero is priced beside the prefill
+    /// prior). With neither known, the last known values (a prefill rate
+    /// alone with the ratio), else the priors. The growth terms (with
     /// the chunk, with the cached context) are the price's
     /// ([`EngineFit::rates_now`]): the matched fit's where the engine's times
     /// price prefill; beside the indirect estimates alone the first-token
@@ -1153,31 +1155,35 @@ impl EngineFit {
         // clock: one that is truly about zero (`dynamo-mocker`'s decode cost
         // per request) says nothing about time's scale.
         let clear = |(v, se): (f64, f64)| v > 0.0 && v > 3.0 * se;
-        // A rate no longer known (the fit forgot it after a change) is
-        // held at its last known value, not reset to the prior.
-        let prior_p = self.held.prefill.unwrap_or(self.prior.prefill_ms_per_token);
-        let prior_d = self.held.decode.unwrap_or(self.prior.decode_ms_per_seq);
-        // A rate known but not clearly above zero is priced only beside a
-        // learned partner (known now or held): beside the other's prior it
-        // would mix two clocks. On `dynamo-mocker` at 120 conversations the
-        // first prefill rate (0.010 ± 0.005 gateway ms per token) met the
-        // decode prior (0.5 ms) for half a second, decode weighed 49 times
-        // a prefill token instead of about 5, and the follow-ups routed
-        // then left their cache for the whole run (DECISIONS, "One clock
-        // in the opening"). Until then both stay at the priors.
+        // A learned prefill rate is priced beside a learned decode rate
+        // (known now or held), or beside one kept at a ratio to it when it
+        // is clearly above zero; while decode was never learned, a prefill
+        // rate known but not clearly above zero is not used: both stay at
+        // the priors. Beside the decode prior it would mix two clocks: on
+        // `dynamo-mocker` at 120 conversations a first prefill rate
+        // (0.007-0.010 gateway ms per token) met the decode prior (0.5 ms)
+        // for half a second, decode weighed 49-67 times a prefill token
+        // instead of about 5, and follow-ups routed then left their cache
+        // (DECISIONS, "One clock in the opening"). A decode rate not
+        // clearly above zero may be truly about zero (`dynamo-mocker`'s per
+        // request), the same on any clock: it is priced beside the prefill
+        // rate's last known value, or its prior. A rate no longer known
+        // (the fit forgot it after a change) is held at its last known
+        // value, not reset to the prior; a held prefill rate alone keeps
+        // the ratio.
+        let priors = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
+        let prior_p = self.held.prefill.unwrap_or(priors.0);
         let (prefill, decode) = match (r.prefill, r.decode) {
             (Some(p), Some(d)) => (p.0, d.0),
-            (Some(p), None) => match (ratio.filter(|_| clear(p)), self.held.decode) {
-                (Some(q), _) => (p.0, p.0 / q),
-                (None, Some(d)) => (p.0, d),
-                (None, None) => (prior_p, prior_d),
+            (Some(p), None) => {
+                ratio.filter(|_| clear(p)).map(|q| p.0 / q).or(self.held.decode).map_or(priors, |d| (p.0, d))
+            }
+            (None, Some(d)) => (ratio.filter(|_| clear(d)).map_or(prior_p, |q| d.0 * q), d.0),
+            (None, None) => match (self.held.prefill, self.held.decode, ratio) {
+                (Some(p), Some(d), _) => (p, d),
+                (Some(p), None, Some(q)) => (p, p / q),
+                (p, d, _) => (p.unwrap_or(priors.0), d.unwrap_or(priors.1)),
             },
-            (None, Some(d)) => match (ratio.filter(|_| clear(d)), self.held.prefill) {
-                (Some(q), _) => (d.0 * q, d.0),
-                (None, Some(p)) => (p, d.0),
-                (None, None) => (prior_p, prior_d),
-            },
-            (None, None) => (prior_p, prior_d),
         };
         let (per_ktok, per_kctx) = r.growth;
         EngineTiming {
@@ -2071,9 +2077,9 @@ mod tests {
         assert_eq!(fit.timing(), prior);
     }
 
-    /// A rate known but not clearly above zero is priced only beside a
-    /// learned partner: never beside the other's prior, which is on
-    /// another clock (`dynamo-mocker`'s opening: prefill 0.010 ± 0.005
+    /// A prefill rate known but not clearly above zero is priced only
+    /// beside a learned decode rate: never beside the decode prior, which
+    /// is on another clock (`dynamo-mocker`'s opening: prefill 0.010 ± 0.005
     /// beside the decode prior 0.5 weighed decode 49 times a prefill
     /// token).
     #[test]
@@ -2082,9 +2088,6 @@ mod tests {
         let priors = EngineTiming::linear(0.1, 0.5);
         // Prefill known to a half, not to a third; decode never learned.
         fit.rates = Rates { prefill: Some((0.010, 0.0045)), ..Rates::default() };
-        assert_eq!(fit.timing(), priors);
-        // Decode likewise, prefill never learned.
-        fit.rates = Rates { decode: Some((0.06, 0.03)), ..Rates::default() };
         assert_eq!(fit.timing(), priors);
         // Clearly above zero: the other follows at the priors' ratio (one
         // clock, the learned one).
@@ -2095,9 +2098,11 @@ mod tests {
         fit.held.decode = Some(0.07);
         fit.rates = Rates { prefill: Some((0.010, 0.0045)), ..Rates::default() };
         assert_eq!(fit.timing(), EngineTiming::linear(0.010, 0.07));
-        fit.held.prefill = Some(0.02);
-        fit.rates = Rates { decode: Some((0.06, 0.03)), ..Rates::default() };
-        assert_eq!(fit.timing(), EngineTiming::linear(0.02, 0.06));
+        // Neither known now: a held prefill rate alone keeps the ratio.
+        let mut fit = EngineFit::new(PRIOR);
+        fit.held.prefill = Some(0.01);
+        let t = fit.timing();
+        assert!(t.prefill_ms_per_token == 0.01 && near(t.decode_ms_per_seq, 0.05, 1e-9), "{t:?}");
     }
 
     /// An engine whose clock runs twice as slow as the gateway's (a
