@@ -88,6 +88,9 @@
 //! its last known ratio to the other rate when that one is known, else at
 //! its last known value. Falling back to the configured prior instead put
 //! a class back on the prior's clock, 8× off at the benchmark's speed-up.
+//! For the same reason a learned rate is never priced beside the other's
+//! prior: until decode is first learned, a prefill rate not yet clearly
+//! above zero leaves both at the priors ([`EngineFit::timing_with`]).
 
 use kvgate_scheduler::EngineTiming;
 use serde::{Deserialize, Serialize};
