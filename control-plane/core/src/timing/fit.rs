@@ -1158,22 +1158,11 @@ impl EngineFit {
         // clock: one that is truly about zero (`dynamo-mocker`'s decode cost
         // per request) says nothing about time's scale.
         let clear = |(v, se): (f64, f64)| v > 0.0 && v > 3.0 * se;
-        // A learned prefill rate is priced beside a learned decode rate
-        // (known now or held), or beside one kept at a ratio to it when it
-        // is clearly above zero; while decode was never learned, a prefill
-        // rate known but not clearly above zero is not used: both stay at
-        // the priors. Beside the decode prior it would mix two clocks: on
-        // `dynamo-mocker` at 120 conversations a first prefill rate
-        // (0.007-0.010 gateway ms per token) met the decode prior (0.5 ms)
-        // for half a second, decode weighed 49-67 times a prefill token
-        // instead of about 5, and follow-ups routed then left their cache
-        // (DECISIONS, "One clock in the opening"). A decode rate not
-        // clearly above zero may be truly about zero (`dynamo-mocker`'s per
-        // request), the same on any clock: it is priced beside the prefill
-        // rate's last known value, or its prior. A rate no longer known
-        // (the fit forgot it after a change) is held at its last known
-        // value, not reset to the prior; a held prefill rate alone keeps
-        // the ratio.
+        // One clock (the doc above): a young prefill rate beside the decode
+        // prior weighed decode 49-67 prefill tokens instead of ~5 for half
+        // a second on `dynamo-mocker`, and the follow-ups routed then left
+        // their cache (DECISIONS, "One clock in the opening"). A rate no
+        // longer known is held at its last known value, not the prior.
         let priors = (self.prior.prefill_ms_per_token, self.prior.decode_ms_per_seq);
         let prior_p = self.held.prefill.unwrap_or(priors.0);
         let (prefill, decode) = match (r.prefill, r.decode) {
