@@ -1386,7 +1386,7 @@ fn compared(fit: &Rls<5>, warm: Option<(f64, f64)>, prior: f64, within: f64) -> 
     let t = fit.theta();
     let (rate, growth, context) = (t[1], t[2], t[3].max(0.0));
     let own = rate + 2.0 * n * growth + (c - n) * context;
-    let rate_known = rate > 0.0 && fit.stderr()[1] < HALF * rate;
+    let rate_known = known_positive(fit, 1, prior).is_some();
     Some(if (rate >= v / 2.0 || rate_known) && growth >= 0.0 && (own - v).abs() <= se {
         Along { mean: v, se, rate, growth, context }
     } else {
