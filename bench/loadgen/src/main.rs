@@ -242,6 +242,7 @@ impl Sweep {
         let fronts: Vec<Frontend> = a.modes.iter().map(|m| Frontend::parse(m)).collect::<Result<_>>()?;
         let root = kvgate_testkit::repo_root();
         let out = if out.is_absolute() { out } else { root.join(out) };
+        report::check_result_path(&out)?;
         let run_dir = if a.run_dir.is_absolute() { a.run_dir.clone() } else { root.join(&a.run_dir) };
         let wall = |sim_s: f64| Duration::from_secs_f64(sim_s / speedup);
         let windows = runner::Windows { warmup: wall(a.warmup_s), measure: wall(measure_s), drain: wall(drain_s) };

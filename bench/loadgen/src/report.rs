@@ -263,11 +263,26 @@ pub fn ttft_split(rows: &[Row], level: &str) -> String {
     s
 }
 
+/// Checks that `out` can be a result file: it names a `.json` file, since
+/// the tables, the page and a folder of charts go beside it under the same
+/// stem (without the extension the folder's name is the file's, and a
+/// sweep failed after its last run).
+pub fn check_result_path(out: &Path) -> anyhow::Result<()> {
+    if out.extension().is_none_or(|e| e != "json") {
+        anyhow::bail!(
+            "--out {}: a result file must end in .json (its .md, .html and charts go beside it)",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
 /// Writes everything a result file `json` (already written) gets beside it:
 /// `<stem>.md`, one SVG chart per metric in `<stem>/`, and `<stem>.html`
 /// with the tables and the charts. `level` names what the rows vary
 /// (`conc.`, `qps`...). Returns the markdown.
 pub fn publish(json: &Path, title: &str, context: &str, level: &str, rows: &[Row]) -> anyhow::Result<String> {
+    check_result_path(json)?;
     let md = markdown(title, context, level, rows);
     std::fs::write(json.with_extension("md"), &md)?;
     let dir = json.with_extension("");
@@ -341,6 +356,15 @@ mod tests {
         rows.iter_mut().filter(|r| r.mode == "round_robin").for_each(|r| r.ttft_p95_ms = 500.0);
         let line = slo_line(&rows, "conc.");
         assert!(line.contains("kv 90, round_robin 60, dynamo none; kv / round_robin 1.50x"), "{line}");
+    }
+
+    #[test]
+    fn a_result_path_must_name_a_json_file() {
+        assert!(check_result_path(Path::new("/tmp/x/doks.json")).is_ok());
+        for bad in ["/tmp/x/doks-multiturn-vllm-v1", "/tmp/x/doks.md"] {
+            let e = check_result_path(Path::new(bad)).map_err(|e| e.to_string());
+            assert!(e.as_ref().is_err_and(|e| e.contains(".json")), "{bad}: {e:?}");
+        }
     }
 
     #[test]
