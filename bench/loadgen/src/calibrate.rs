@@ -100,18 +100,24 @@ struct Truth {
     timing: Timing,
     budget: usize,
     slowdown: f64,
-    /// KV capacity in tokens: a KV fill f is f × this many tokens of
-    /// context in the batch (the calibration workload shares almost no
-    /// prefix between running requests).
+    /// KV capacity in tokens: where the engine does not report the context
+    /// its decoding requests attended over, a KV fill f is taken as f ×
+    /// this many tokens of it (the calibration workload shares almost no
+    /// prefix between running requests; the blocks of requests still in
+    /// prefill and of partly filled blocks make it an overstatement).
     capacity_tokens: f64,
 }
 
 impl Truth {
-    fn shape(&self, running: f64, fill: f64) -> StepShape {
+    /// A step of `running` decodes at KV fill `fill`, attending over
+    /// `context` tokens (measured) or, without it, over the fill's share
+    /// of the capacity.
+    fn shape(&self, running: f64, fill: f64, context: Option<f64>) -> StepShape {
         let r = running.round().max(0.0) as usize;
+        let context = context.unwrap_or(fill.clamp(0.0, 1.0) * self.capacity_tokens);
         StepShape {
             decode_seqs: r,
-            decode_context_tokens: (fill.clamp(0.0, 1.0) * self.capacity_tokens) as usize,
+            decode_context_tokens: context.max(0.0) as usize,
             kv_fill: fill,
             ..StepShape::default()
         }
@@ -119,12 +125,12 @@ impl Truth {
 
     /// The preset's time from the first step that schedules the request to
     /// its first token (no queue, no gateway).
-    fn prefill_ms(&self, new: usize, cached: usize, running: f64, fill: f64) -> f64 {
+    fn prefill_ms(&self, new: usize, cached: usize, running: f64, fill: f64, context: Option<f64>) -> f64 {
         let budget = self.budget.saturating_sub(running.round().max(0.0) as usize).max(1);
         let (mut done, mut ms) = (0, self.timing.first_token_overhead_ms());
         while done < new.max(1) {
             let k = (new.max(1) - done).min(budget);
-            let mut s = self.shape(running, fill);
+            let mut s = self.shape(running, fill, context);
             s.add_chunk(cached + done, k);
             ms += self.timing.step_time(&s) * self.slowdown;
             done += k;
@@ -132,8 +138,8 @@ impl Truth {
         ms
     }
 
-    fn step_ms(&self, running: f64, fill: f64) -> f64 {
-        self.timing.step_time(&self.shape(running, fill)) * self.slowdown
+    fn step_ms(&self, running: f64, fill: f64, context: Option<f64>) -> f64 {
+        self.timing.step_time(&self.shape(running, fill, context)) * self.slowdown
     }
 }
 
@@ -142,9 +148,22 @@ impl Truth {
 struct Operating {
     /// (running, KV fill) at the 10th, 50th and 90th percentile of running.
     points: Vec<(f64, f64)>,
+    /// Per point, the context tokens the engine's decoding requests
+    /// attended over at that moment, where the engine reports it (the
+    /// simulator's `kvgate_sim_decode_context_tokens`; runs before it
+    /// have none).
+    #[serde(default)]
+    context: Vec<Option<f64>>,
     /// Per grid point, the mean TTFT the clients saw (simulated ms) for
     /// the phase's requests near it, when there were any.
     ttft_ms: Vec<Option<f64>>,
+}
+
+impl Operating {
+    /// The measured decode context at point `i`, if any.
+    fn context(&self, i: usize) -> Option<f64> {
+        self.context.get(i).copied().flatten()
+    }
 }
 
 /// A learned fit's coefficients by name (the admin API's `params`).
@@ -291,10 +310,12 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
         matched_samples: class["engine_matched"]["samples"].as_u64().unwrap_or(0),
         ..Errors::default()
     };
-    for &(r, f) in &op.points {
-        e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f)));
+    for (i, &(r, f)) in op.points.iter().enumerate() {
+        e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f, op.context(i))));
     }
-    let Some(&(r, f)) = op.points.get(op.points.len() / 2) else { return e };
+    let mid = op.points.len() / 2;
+    let Some(&(r, f)) = op.points.get(mid) else { return e };
+    let ctx = op.context(mid);
     for (&(n, c), seen) in grid.iter().zip(&op.ttft_ms) {
         if let Some(want) = seen {
             let x = rel(learned_ttft_ms(class, n as f64, c as f64, r) * speedup, *want);
@@ -308,7 +329,7 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
     }
     let Some(&(nl, cl)) = grid.iter().min_by_key(|p| p.0) else { return e };
     for &(n, c) in grid.iter().filter(|p| p.0 >= nl + PREFILL_SPAN) {
-        let want = truth.prefill_ms(n, c, r, f) - truth.prefill_ms(nl, cl, r, f);
+        let want = truth.prefill_ms(n, c, r, f, ctx) - truth.prefill_ms(nl, cl, r, f, ctx);
         let (n, c, nl, cl) = (n as f64, c as f64, nl as f64, cl as f64);
         let used = (used_prefill_ms(class, n, c) - used_prefill_ms(class, nl, cl)) * speedup;
         e.prefill = Some(e.prefill.unwrap_or(0.0).max(rel(used, want)));
@@ -532,17 +553,22 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     // fill), and the TTFT the clients saw near each grid point.
     let operating = |class: &str, slowed: bool| -> Operating {
         let ws = members(class);
-        let mut pairs: Vec<(f64, f64)> = samples_in(slowed)
-            .flat_map(|s| ws.iter().filter_map(|&w| Some((*s.inflight.get(w)?, *s.kv_usage.get(w)?))))
+        let mut pairs: Vec<((f64, f64), Option<f64>)> = samples_in(slowed)
+            .flat_map(|s| {
+                ws.iter().filter_map(|&w| {
+                    Some(((*s.inflight.get(w)?, *s.kv_usage.get(w)?), s.decode_context.get(w).copied().flatten()))
+                })
+            })
             .collect();
-        pairs.sort_by(|x, y| x.0.total_cmp(&y.0));
-        let mut points = Vec::new();
+        pairs.sort_by(|x, y| x.0.0.total_cmp(&y.0.0));
+        let (mut points, mut context) = (Vec::new(), Vec::new());
         for p in [0.1, 0.5, 0.9] {
-            if let Some(&x) = pairs.get(((pairs.len().saturating_sub(1)) as f64 * p).round() as usize)
+            if let Some(&(x, ctx)) = pairs.get(((pairs.len().saturating_sub(1)) as f64 * p).round() as usize)
                 && x.0 >= 1.0
                 && !points.contains(&x)
             {
                 points.push(x);
+                context.push(ctx);
             }
         }
         // The phase's requests near each grid point (±25 % of its new and
@@ -564,7 +590,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
                 mean(&v).map(|m| m * 1000.0 * a.speedup)
             })
             .collect();
-        Operating { points, ttft_ms }
+        Operating { points, context, ttft_ms }
     };
     let mut ops: std::collections::BTreeMap<(String, bool), Operating> = Default::default();
     // Per class: a poll's samples, errors and phase per snapshot.
@@ -594,17 +620,21 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         for (key, slowed, slowdown) in [("before", false, 1.0), ("after", true, a.slowdown)] {
             let t = truth_of(class, slowdown)?;
             let op = ops.get(&(class.clone(), slowed)).cloned().unwrap_or_else(|| operating(class, slowed));
-            let ttft: Vec<Value> = op
-                .points
-                .iter()
-                .flat_map(|&(r, f)| {
+            let ttft: Vec<Value> = (0..op.points.len())
+                .flat_map(|i| {
+                    let ((r, f), x) = (op.points[i], op.context(i));
                     g.iter().map(move |&(n, c)| {
-                        json!({"new": n, "cached": c, "running": r, "fill": f, "ms": t.prefill_ms(n, c, r, f)})
+                        json!({"new": n, "cached": c, "running": r, "fill": f, "decode_context": x, "ms": t.prefill_ms(n, c, r, f, x)})
                     })
                 })
                 .collect();
-            let step: Vec<Value> =
-                op.points.iter().map(|&(r, f)| json!({"running": r, "fill": f, "ms": t.step_ms(r, f)})).collect();
+            let step: Vec<Value> = (0..op.points.len())
+                .map(|i| {
+                    let ((r, f), x) = (op.points[i], op.context(i));
+                    json!({"running": r, "fill": f, "decode_context": x, "ms": t.step_ms(r, f, x),
+                        "ms_at_fill_share": t.step_ms(r, f, None)})
+                })
+                .collect();
             truth.insert(
                 key.into(),
                 json!({"prefill": ttft, "step": step, "client_ttft_ms": g.iter().zip(&op.ttft_ms).map(|(p, t)| json!({"new": p.0, "cached": p.1, "ms": t})).collect::<Vec<_>>()}),
@@ -837,8 +867,8 @@ mod tests {
     #[test]
     fn a_learned_model_equal_to_the_truth_has_no_error() {
         let grid = [(100, 0), (900, 5_000), (4_000, 0)];
-        let seen = grid.iter().map(|&(n, c)| Some(10.0 + H200.prefill_ms(n, c, 30.0, 0.4))).collect();
-        let op = Operating { points: vec![(15.0, 0.2), (30.0, 0.4)], ttft_ms: seen };
+        let seen = grid.iter().map(|&(n, c)| Some(10.0 + H200.prefill_ms(n, c, 30.0, 0.4, None))).collect();
+        let op = Operating { points: vec![(15.0, 0.2), (30.0, 0.4)], ttft_ms: seen, context: vec![] };
         // TTFT = 10 + 200 + 13 + 0.65·R + 0.08·n (one step);
         // step = 13 + 0.65·R.
         let c = class(
@@ -870,7 +900,7 @@ mod tests {
     fn a_long_prompt_takes_several_steps() {
         let truth = Truth { budget: 1_000, ..H200 };
         // 2,500 tokens with budget 1,000: three steps, 3 × 13 ms + 0.08 × 2,500.
-        assert!((truth.prefill_ms(2_500, 0, 0.0, 0.0) - (200.0 + 39.0 + 200.0)).abs() < 1e-9);
+        assert!((truth.prefill_ms(2_500, 0, 0.0, 0.0, None) - (200.0 + 39.0 + 200.0)).abs() < 1e-9);
     }
 
     fn record(new: u64, cached: u64, out: u64) -> runner::Record {

@@ -64,6 +64,9 @@ pub struct WorkerMetrics {
     pub queue_sum_s: f64,
     /// `vllm:request_queue_time_seconds_count`.
     pub queue_count: f64,
+    /// `kvgate_sim_decode_context_tokens`: context tokens the last
+    /// decoding step's requests attended over (the simulator only).
+    pub decode_context: Option<f64>,
 }
 
 /// Parses the series the report uses from Prometheus text.
@@ -83,6 +86,7 @@ pub fn parse_metrics(text: &str) -> WorkerMetrics {
             "vllm:kv_cache_usage_perc" => m.kv_usage += v,
             "vllm:request_queue_time_seconds_sum" => m.queue_sum_s += v,
             "vllm:request_queue_time_seconds_count" => m.queue_count += v,
+            "kvgate_sim_decode_context_tokens" => *m.decode_context.get_or_insert(0.0) += v,
             _ => {}
         }
     }
@@ -128,6 +132,7 @@ mod tests {
                 kv_usage: 0.25,
                 queue_sum_s: 0.1,
                 queue_count: 8.0,
+                decode_context: None,
             }
         );
     }

@@ -73,6 +73,11 @@ pub struct LoadSample {
     pub waiting: Vec<f64>,
     /// `kv_cache_usage_perc` per worker (a fraction).
     pub kv_usage: Vec<f64>,
+    /// Context tokens the last decoding step attended over, per worker,
+    /// where the engine reports it (the simulator; for the calibration's
+    /// truth, not written out).
+    #[serde(skip)]
+    pub decode_context: Vec<Option<f64>>,
 }
 
 /// Everything one cell measured.
@@ -231,6 +236,7 @@ async fn sample(
             inflight: m.iter().map(|x| x.map_or(0.0, |x| x.running + x.waiting)).collect(),
             waiting: m.iter().map(|x| x.map_or(0.0, |x| x.waiting)).collect(),
             kv_usage: m.iter().map(|x| x.map_or(0.0, |x| x.kv_usage)).collect(),
+            decode_context: m.iter().map(|x| x.and_then(|x| x.decode_context)).collect(),
         });
     }
     tokio::time::sleep_until(stop_at.into()).await;

@@ -584,12 +584,14 @@ pub(crate) mod tests {
                     inflight: vec![3.0, 1.0, 2.0],
                     waiting: vec![1.0, 0.0, 0.0],
                     kv_usage: vec![0.0; 3],
+                    decode_context: vec![],
                 },
                 LoadSample {
                     t: 2.0,
                     inflight: vec![2.0, 2.0, 2.0],
                     waiting: vec![0.0, 0.0, 0.0],
                     kv_usage: vec![0.0; 3],
+                    decode_context: vec![],
                 },
             ],
             metrics: (

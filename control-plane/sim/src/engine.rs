@@ -125,6 +125,9 @@ pub struct Step {
     pub prefill_tokens: usize,
     /// Decode tokens generated.
     pub decode_tokens: usize,
+    /// Context tokens the step's decoding requests attended over (prompt
+    /// and generated tokens before each one's new token).
+    pub decode_context_tokens: usize,
     /// Requests admitted from the waiting queue in this step (for the
     /// queue-time metric).
     pub admitted: Vec<u64>,
@@ -380,6 +383,7 @@ impl Engine {
         }
         if step.decode_tokens + step.prefill_tokens > 0 {
             shape.decode_seqs = step.decode_tokens;
+            step.decode_context_tokens = shape.decode_context_tokens;
             shape.kv_fill = self.pool.usage();
             step.ms = self.config.timing.step_time(&shape) * self.slowdown;
         }

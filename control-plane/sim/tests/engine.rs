@@ -302,3 +302,31 @@ fn a_transferred_prompt_computes_only_its_last_token() {
     cold.submit(Request { id: 2, prompt, max_tokens: 2 });
     assert_eq!(cold.step().prefill_tokens, 1000);
 }
+
+/// A step reports the context its decoding requests attended over: each
+/// one's prompt and the tokens it generated before this one. The
+/// calibration's truth takes a decode step's cost from it; KV usage
+/// counts more (the blocks of a prompt still in prefill, the unfilled
+/// tail of a request's last block).
+#[test]
+fn a_step_reports_the_context_its_decodes_attended_over() {
+    let mut e = engine(64, 1000);
+    e.submit(Request { id: 1, prompt: (0..100).collect(), max_tokens: 5 });
+    e.submit(Request { id: 2, prompt: (1000..1300).collect(), max_tokens: 5 });
+    // The first step prefills both and yields their first tokens: no
+    // decode ran yet.
+    let first = e.step();
+    assert_eq!((first.decode_tokens, first.decode_context_tokens), (0, 0));
+    // Then each decode attends over its prompt and its tokens so far.
+    let second = e.step();
+    assert_eq!(second.decode_tokens, 2);
+    assert_eq!(second.decode_context_tokens, (100 + 1) + (300 + 1));
+    let third = e.step();
+    assert_eq!(third.decode_context_tokens, (100 + 2) + (300 + 2));
+    // A prompt in prefill holds blocks but attends as no decode.
+    e.submit(Request { id: 3, prompt: (5000..7000).collect(), max_tokens: 5 });
+    let fourth = e.step();
+    assert_eq!(fourth.decode_context_tokens, (100 + 3) + (300 + 3));
+    let held = e.pool().usage() * 1000.0 * 32.0;
+    assert!(held > 2_000.0 + 400.0, "KV usage counts the new prompt's blocks: {held} tokens");
+}

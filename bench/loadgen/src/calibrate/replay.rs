@@ -262,7 +262,16 @@ fn replay(dir: &Path, seed: u64, eps: f64) -> Result<(Context, Series)> {
             let mut e: Errors = errors(&j, &truth, &c.grid, op, c.speedup);
             // What the fit read, beside its errors (the series is written
             // with `--out`).
-            e.readings.insert("learned".into(), json!({"used": j["used"], "matched": j["engine_matched"]["params"]}));
+            let steps: Vec<_> = (0..op.points.len())
+                .map(|i| {
+                    let ((r, f), x) = (op.points[i], op.context(i));
+                    json!([r, f, x, super::learned_step_ms(&j, r, f) * c.speedup, truth.step_ms(r, f, x)])
+                })
+                .collect();
+            e.readings.insert(
+                "learned".into(),
+                json!({"used": j["used"], "matched": j["engine_matched"]["params"], "decode": j["decode"]["params"], "steps": steps}),
+            );
             let n = j["first_token"]["samples"].as_u64().unwrap_or(0);
             series.entry(class.clone()).or_default().push(Poll { n, errors: e, slowed, draining });
         }

@@ -192,6 +192,9 @@ impl EngineTask {
         st.running = e.num_running();
         st.waiting = e.num_waiting();
         st.kv_usage = e.pool().usage();
+        if step.decode_tokens > 0 {
+            st.decode_context_tokens = step.decode_context_tokens;
+        }
         st.queries = e.pool().queries_tokens;
         st.hits = e.pool().hits_tokens;
         st.host_hits = e.pool().host_hits_tokens;

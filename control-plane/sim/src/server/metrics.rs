@@ -85,6 +85,9 @@ pub(super) struct Stats {
     pub(super) steps: u64,
     pub(super) events_published: u64,
     pub(super) cached_blocks: usize,
+    /// Context tokens the decoding requests of the last step that decoded
+    /// attended over (the simulator's own; vLLM has no such series).
+    pub(super) decode_context_tokens: usize,
 }
 
 impl Stats {
@@ -107,6 +110,7 @@ impl Stats {
             steps: 0,
             events_published: 0,
             cached_blocks: 0,
+            decode_context_tokens: 0,
         }
     }
 }
@@ -140,6 +144,12 @@ pub(super) async fn metrics(State(sh): State<Arc<Shared>>) -> impl IntoResponse 
     });
     gauge(&mut s, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", |st| st.waiting as f64);
     gauge(&mut s, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", |st| st.kv_usage);
+    gauge(
+        &mut s,
+        "kvgate_sim_decode_context_tokens",
+        "Context tokens the decoding requests of the last decoding step attended over (simulator only).",
+        |st| st.decode_context_tokens as f64,
+    );
     counter(
         &mut s,
         "vllm:prefix_cache_queries_total",
