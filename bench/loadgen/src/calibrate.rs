@@ -21,7 +21,7 @@
 //!
 //! | quantity | learned (× speedup: the control plane sees wall time) | truth |
 //! |---|---|---|
-//! | decode step | the decode fit at (R, KV fill), no prefill in the step | the preset's step of R decodes at that fill and the run's mean decode context |
+//! | decode step | the decode fit at (R, KV fill), no prefill in the step | the preset's step of R decodes at that fill, attending over the context the engine's decodes attended over then (the simulator's `kvgate_sim_decode_context_tokens`; where there is none, the fill's share of the KV capacity) |
 //! | prefill | the change of the prefill time `kv` prices with (`used`: the two fits' prefill rates averaged by precision, and the growth terms it keeps) from the run's shortest to its longest uncached prompt; the first-token fit's own change is reported beside it (`prefill_fit`) | the preset's, for the steps that prefill them beside R decodes |
 //! | time to first token of a request that does not queue | the first-token fit at (new, cached, 0 ahead, R) | the preset's prefill steps + what the run measured outside the formula: the engines' queue time (arrival to the first step, e.g. the step in progress) and the gateway's share (client TTFT − engine TTFT) |
 //!
