@@ -164,6 +164,11 @@ impl Operating {
     fn context(&self, i: usize) -> Option<f64> {
         self.context.get(i).copied().flatten()
     }
+
+    /// Each point: running, KV fill, and the measured decode context.
+    fn each(&self) -> impl Iterator<Item = (f64, f64, Option<f64>)> + '_ {
+        self.points.iter().enumerate().map(|(i, &(r, f))| (r, f, self.context(i)))
+    }
 }
 
 /// A learned fit's coefficients by name (the admin API's `params`).
@@ -310,8 +315,8 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
         matched_samples: class["engine_matched"]["samples"].as_u64().unwrap_or(0),
         ..Errors::default()
     };
-    for (i, &(r, f)) in op.points.iter().enumerate() {
-        e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f, op.context(i))));
+    for (r, f, x) in op.each() {
+        e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f, x)));
     }
     let mid = op.points.len() / 2;
     let Some(&(r, f)) = op.points.get(mid) else { return e };
@@ -620,17 +625,17 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         for (key, slowed, slowdown) in [("before", false, 1.0), ("after", true, a.slowdown)] {
             let t = truth_of(class, slowdown)?;
             let op = ops.get(&(class.clone(), slowed)).cloned().unwrap_or_else(|| operating(class, slowed));
-            let ttft: Vec<Value> = (0..op.points.len())
-                .flat_map(|i| {
-                    let ((r, f), x) = (op.points[i], op.context(i));
+            let ttft: Vec<Value> = op
+                .each()
+                .flat_map(|(r, f, x)| {
                     g.iter().map(move |&(n, c)| {
                         json!({"new": n, "cached": c, "running": r, "fill": f, "decode_context": x, "ms": t.prefill_ms(n, c, r, f, x)})
                     })
                 })
                 .collect();
-            let step: Vec<Value> = (0..op.points.len())
-                .map(|i| {
-                    let ((r, f), x) = (op.points[i], op.context(i));
+            let step: Vec<Value> = op
+                .each()
+                .map(|(r, f, x)| {
                     json!({"running": r, "fill": f, "decode_context": x, "ms": t.step_ms(r, f, x),
                         "ms_at_fill_share": t.step_ms(r, f, None)})
                 })

@@ -262,11 +262,9 @@ fn replay(dir: &Path, seed: u64, eps: f64) -> Result<(Context, Series)> {
             let mut e: Errors = errors(&j, &truth, &c.grid, op, c.speedup);
             // What the fit read, beside its errors (the series is written
             // with `--out`).
-            let steps: Vec<_> = (0..op.points.len())
-                .map(|i| {
-                    let ((r, f), x) = (op.points[i], op.context(i));
-                    json!([r, f, x, super::learned_step_ms(&j, r, f) * c.speedup, truth.step_ms(r, f, x)])
-                })
+            let steps: Vec<_> = op
+                .each()
+                .map(|(r, f, x)| json!([r, f, x, super::learned_step_ms(&j, r, f) * c.speedup, truth.step_ms(r, f, x)]))
                 .collect();
             e.readings.insert(
                 "learned".into(),
