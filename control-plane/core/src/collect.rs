@@ -172,6 +172,10 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
         let help = "Prompt blocks of the worker's requests in flight before their first token.";
         s.gauge("kvgate_worker_prefilling_blocks", help, wl(&[]), w.prefilling_blocks);
         s.gauge("kvgate_worker_blocks", "Device blocks indexed for the worker.", wl(&[]), w.device_blocks as u64);
+        if let Some(f) = w.kv_fill {
+            let help = "KV fill the cost sees: active blocks (predicted or measured, the larger) over the capacity.";
+            s.gauge_f64("kvgate_worker_kv_fill", help, wl(&[]), f);
+        }
         if let Some(r) = w.running {
             s.gauge("kvgate_worker_running", "vllm:num_requests_running at the last heartbeat.", wl(&[]), r.into());
         }

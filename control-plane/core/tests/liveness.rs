@@ -303,3 +303,31 @@ fn ties_do_not_depend_on_the_order_workers_joined_and_left() {
     st.on_heartbeat(&common::heartbeat("w3"), 2_000);
     assert_eq!(picked(&mut st, 2_000), ["w2", "w3"]);
 }
+
+/// The admin view shows the load the cost and the timing fits see: the
+/// larger of the requests routed and those measured, and the active
+/// blocks (the larger of the prediction and the measurement) over the
+/// capacity, none while the capacity is unknown.
+#[test]
+fn the_view_shows_the_requests_and_kv_fill_the_cost_sees() {
+    use pb::EngineHealth as H;
+    let mut st = state();
+    st.on_heartbeat(&hb("w0", H::Healthy), 0);
+    let view = |st: &ModelState| {
+        let v = &st.worker_views(2)[0];
+        (v.requests, v.kv_fill)
+    };
+    assert_eq!(view(&st), (0, None), "no capacity reported");
+    let measured =
+        pb::WorkerHeartbeat { running: 3, waiting: 1, kv_usage: 0.25, capacity_blocks: 200, ..hb("w0", H::Healthy) };
+    st.on_heartbeat(&measured, 1);
+    assert_eq!(view(&st), (4, Some(0.25)), "the measurement, nothing routed");
+    // 60 prompt blocks routed: the prediction (more than the 50 measured
+    // active blocks) is what counts.
+    let tokens: Vec<u32> = (0..16 * 60).collect();
+    st.pick(&common::input("long", &tokens, Some(16)), 1).unwrap();
+    let (requests, fill) = view(&st);
+    assert_eq!(requests, 4, "one routed is fewer than the four measured");
+    let fill = fill.unwrap();
+    assert!(fill > 0.3 && fill < 0.32, "{fill}");
+}

@@ -41,6 +41,13 @@ impl Load {
         self.active_blocks.max(self.measured_active_blocks.unwrap_or(0))
     }
 
+    /// Active KV blocks ([`Load::effective_active_blocks`]) over the
+    /// capacity, in 0–1; `None` while the capacity is unknown.
+    pub fn kv_fill(&self) -> Option<f64> {
+        let capacity = self.capacity_blocks.filter(|c| *c > 0)?;
+        Some((self.effective_active_blocks() as f64 / capacity as f64).clamp(0.0, 1.0))
+    }
+
     /// Requests that would wait in the worker's queue if one more arrived
     /// (0 while below the running limit or when the limit is unknown).
     pub fn queued_if_added(&self) -> u32 {

@@ -90,6 +90,14 @@ pub struct WorkerView {
     pub running: Option<u32>,
     /// Last measured waiting.
     pub waiting: Option<u32>,
+    /// Requests on the worker as the cost counts them: the larger of those
+    /// routed and not done, and the measured running + waiting.
+    pub requests: u32,
+    /// KV fill as the cost and the timing fits see it: active blocks (the
+    /// larger of the prediction, which counts expected output blocks, and
+    /// the measurement) over the capacity; `None` while the capacity is
+    /// unknown.
+    pub kv_fill: Option<f64>,
     /// Milliseconds since the last heartbeat.
     pub heartbeat_age_ms: Option<u64>,
     /// Whether the relay could read the engine's metrics.
@@ -335,6 +343,8 @@ impl ModelState {
             prefilling_blocks: load.prefill_pending_blocks,
             running: load.measured_running,
             waiting: load.measured_waiting,
+            requests: load.effective_requests(),
+            kv_fill: load.kv_fill(),
             heartbeat_age_ms: w.last_heartbeat_ms.map(|t| now_ms.saturating_sub(t)),
             engine_ok: w.engine_ok,
             engine_health: match w.health {

@@ -366,10 +366,7 @@ impl Calibration {
         a.advance(now_ms);
         let limit = load.max_running.filter(|m| *m > 0).unwrap_or(u32::MAX);
         a.running = f64::from(load.effective_requests().min(limit));
-        a.fill = load
-            .capacity_blocks
-            .filter(|c| *c > 0)
-            .map_or(0.0, |c| (load.effective_active_blocks() as f64 / c as f64).clamp(0.0, 1.0));
+        a.fill = load.kv_fill().unwrap_or(0.0);
     }
 
     /// A request was routed to `worker`, whose load was `before` (without
