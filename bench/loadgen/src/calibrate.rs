@@ -21,7 +21,7 @@
 //!
 //! | quantity | learned (× speedup: the control plane sees wall time) | truth |
 //! |---|---|---|
-//! | decode step | the decode fit at (R, KV fill), no prefill in the step | the preset's step of R decodes at that fill, attending over the context the engine's decodes attended over then (the simulator's `kvgate_sim_decode_context_tokens`; where there is none, the fill's share of the KV capacity) |
+//! | decode step | the decode fit at the requests and KV fill the control plane saw on that worker at its poll nearest the moment (`/admin/workers`: what the fit learned from and the `kv` cost reads it at; its fill counts expected output blocks, so it runs above the engine's), no prefill in the step; runs that did not record it read the fit at the engine's (R, fill) | the preset's step of R decodes at that fill, attending over the context the engine's decodes attended over then (the simulator's `kvgate_sim_decode_context_tokens`; where there is none, the fill's share of the KV capacity) |
 //! | prefill | the change of the prefill time `kv` prices with (`used`: the two fits' prefill rates averaged by precision, and the growth terms it keeps) from the run's shortest to its longest uncached prompt; the first-token fit's own change is reported beside it (`prefill_fit`) | the preset's, for the steps that prefill them beside R decodes |
 //! | time to first token of a request that does not queue | the first-token fit at (new, cached, 0 ahead, R) | the preset's prefill steps + what the run measured outside the formula: the engines' queue time (arrival to the first step, e.g. the step in progress) and the gateway's share (client TTFT − engine TTFT) |
 //!
@@ -154,6 +154,13 @@ struct Operating {
     /// have none).
     #[serde(default)]
     context: Vec<Option<f64>>,
+    /// Per point, the requests and KV fill the control plane saw on the
+    /// same worker at its poll nearest that moment (`/admin/workers`):
+    /// what its fits learned from and the `kv` cost reads them at. Its
+    /// fill counts the expected output blocks of the requests in flight,
+    /// so it runs above the engine's. Runs before it have none.
+    #[serde(default)]
+    seen: Vec<Option<(f64, f64)>>,
     /// Per grid point, the mean TTFT the clients saw (simulated ms) for
     /// the phase's requests near it, when there were any.
     ttft_ms: Vec<Option<f64>>,
@@ -165,9 +172,14 @@ impl Operating {
         self.context.get(i).copied().flatten()
     }
 
-    /// Each point: running, KV fill, and the measured decode context.
-    fn each(&self) -> impl Iterator<Item = (f64, f64, Option<f64>)> + '_ {
-        self.points.iter().enumerate().map(|(i, &(r, f))| (r, f, self.context(i)))
+    /// Each point: running, KV fill, the measured decode context, and the
+    /// (requests, fill) the learned step is read at: the control plane's
+    /// where it was recorded, else the engine's.
+    fn each(&self) -> impl Iterator<Item = (f64, f64, Option<f64>, (f64, f64))> + '_ {
+        self.points
+            .iter()
+            .enumerate()
+            .map(|(i, &(r, f))| (r, f, self.context(i), self.seen.get(i).copied().flatten().unwrap_or((r, f))))
     }
 }
 
@@ -315,8 +327,8 @@ fn errors(class: &Value, truth: &Truth, grid: &[(usize, usize)], op: &Operating,
         matched_samples: class["engine_matched"]["samples"].as_u64().unwrap_or(0),
         ..Errors::default()
     };
-    for (r, f, x) in op.each() {
-        e.step = e.step.max(rel(learned_step_ms(class, r, f) * speedup, truth.step_ms(r, f, x)));
+    for (r, f, x, (sr, sf)) in op.each() {
+        e.step = e.step.max(rel(learned_step_ms(class, sr, sf) * speedup, truth.step_ms(r, f, x)));
     }
     let mid = op.points.len() / 2;
     let Some(&(r, f)) = op.points.get(mid) else { return e };
@@ -470,6 +482,8 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     let t0 = Instant::now();
     let change_at = windows.warmup + wall(a.phase_s);
     let mut snaps = Vec::new();
+    // The control plane's view of each worker at each poll.
+    let mut seen: Vec<Seen> = Vec::new();
     let mut slowed = false;
     while !load.is_finished() {
         std::thread::sleep(Duration::from_millis(500));
@@ -494,6 +508,9 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
         journal.push('\n');
         if let Ok(v) = get_json(admin, "/admin/timing") {
             snaps.push(Snapshot { slowed, draining, timing: v[MODEL].clone() });
+        }
+        if let Ok(v) = get_json(admin, "/admin/workers") {
+            seen.push(Seen::of(t0.elapsed().as_secs_f64(), &v[MODEL], &stack.workers));
         }
     }
     let run = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
@@ -558,22 +575,26 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     // fill), and the TTFT the clients saw near each grid point.
     let operating = |class: &str, slowed: bool| -> Operating {
         let ws = members(class);
-        let mut pairs: Vec<((f64, f64), Option<f64>)> = samples_in(slowed)
+        // ((running, fill), decode context, what the control plane saw).
+        type Pair = ((f64, f64), Option<f64>, Option<(f64, f64)>);
+        let mut pairs: Vec<Pair> = samples_in(slowed)
             .flat_map(|s| {
                 ws.iter().filter_map(|&w| {
-                    Some(((*s.inflight.get(w)?, *s.kv_usage.get(w)?), s.decode_context.get(w).copied().flatten()))
+                    let ctx = s.decode_context.get(w).copied().flatten();
+                    Some(((*s.inflight.get(w)?, *s.kv_usage.get(w)?), ctx, Seen::nearest(&seen, s.t, w)))
                 })
             })
             .collect();
         pairs.sort_by(|x, y| x.0.0.total_cmp(&y.0.0));
-        let (mut points, mut context) = (Vec::new(), Vec::new());
+        let (mut points, mut context, mut saw) = (Vec::new(), Vec::new(), Vec::new());
         for p in [0.1, 0.5, 0.9] {
-            if let Some(&(x, ctx)) = pairs.get(((pairs.len().saturating_sub(1)) as f64 * p).round() as usize)
+            if let Some(&(x, ctx, cp)) = pairs.get(((pairs.len().saturating_sub(1)) as f64 * p).round() as usize)
                 && x.0 >= 1.0
                 && !points.contains(&x)
             {
                 points.push(x);
                 context.push(ctx);
+                saw.push(cp);
             }
         }
         // The phase's requests near each grid point (±25 % of its new and
@@ -595,7 +616,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
                 mean(&v).map(|m| m * 1000.0 * a.speedup)
             })
             .collect();
-        Operating { points, context, ttft_ms }
+        Operating { points, context, seen: saw, ttft_ms }
     };
     let mut ops: std::collections::BTreeMap<(String, bool), Operating> = Default::default();
     // Per class: a poll's samples, errors and phase per snapshot.
@@ -627,7 +648,7 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             let op = ops.get(&(class.clone(), slowed)).cloned().unwrap_or_else(|| operating(class, slowed));
             let ttft: Vec<Value> = op
                 .each()
-                .flat_map(|(r, f, x)| {
+                .flat_map(|(r, f, x, _)| {
                     g.iter().map(move |&(n, c)| {
                         json!({"new": n, "cached": c, "running": r, "fill": f, "decode_context": x, "ms": t.prefill_ms(n, c, r, f, x)})
                     })
@@ -635,9 +656,9 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
                 .collect();
             let step: Vec<Value> = op
                 .each()
-                .map(|(r, f, x)| {
+                .map(|(r, f, x, seen)| {
                     json!({"running": r, "fill": f, "decode_context": x, "ms": t.step_ms(r, f, x),
-                        "ms_at_fill_share": t.step_ms(r, f, None)})
+                        "ms_at_fill_share": t.step_ms(r, f, None), "control_plane_saw": seen})
                 })
                 .collect();
             truth.insert(
@@ -679,8 +700,10 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
             let m = phase(from, to, slowed, &ws);
             let (r, itl) =
                 (m["mean_running_per_worker"].as_f64().unwrap_or(0.0), m["engine_itl_ms"].as_f64().unwrap_or(0.0));
-            let fill =
-                ops.get(&(class.clone(), slowed)).and_then(|o| o.points.get(o.points.len() / 2)).map_or(0.0, |p| p.1);
+            let fill = ops
+                .get(&(class.clone(), slowed))
+                .and_then(|o| o.each().nth(o.points.len() / 2))
+                .map_or(0.0, |(_, _, _, seen)| seen.1);
             let got = learned_step_ms(&c[learned], r, fill) * a.speedup;
             vs.insert(
                 key.into(),
@@ -711,6 +734,35 @@ fn one(a: &CalibrationArgs, name: &str, dir: &Path) -> Result<(Value, String)> {
     replay::save_context(dir, &replay::Context::new(name, a, &g, &ops, &last["prior"], &doc))?;
     let svg = chart(name, &series, a.slowdown);
     Ok((doc, svg))
+}
+
+/// The requests and KV fill the control plane saw on each worker at one
+/// poll (`/admin/workers`), by the worker's place in the fleet.
+struct Seen {
+    /// Seconds since the load started (the load samples' clock, to within
+    /// the load thread's start).
+    t: f64,
+    workers: Vec<Option<(f64, f64)>>,
+}
+
+impl Seen {
+    /// One model's worker views, matched to the fleet by endpoint (or by
+    /// the stack's worker ids, `w0`, `w1`…).
+    fn of(t: f64, views: &Value, fleet: &[SocketAddr]) -> Self {
+        let views = views.as_array().map(Vec::as_slice).unwrap_or_default();
+        let one = |(i, addr): (usize, &SocketAddr)| {
+            let (endpoint, id) = (addr.to_string(), format!("w{i}"));
+            let v = views.iter().find(|v| v["endpoint"] == endpoint.as_str() || v["id"] == id.as_str())?;
+            Some((v["requests"].as_f64()?, v["kv_fill"].as_f64()?))
+        };
+        Self { t, workers: fleet.iter().enumerate().map(one).collect() }
+    }
+
+    /// Worker `w` at the poll nearest `t`, within a second.
+    fn nearest(polls: &[Seen], t: f64, w: usize) -> Option<(f64, f64)> {
+        let p = polls.iter().filter(|p| (p.t - t).abs() <= 1.0).min_by(|a, b| (a.t - t).abs().total_cmp(&(b.t - t).abs()))?;
+        p.workers.get(w).copied().flatten()
+    }
 }
 
 /// Requests to within 10 %, before and after the slowdown.
@@ -873,7 +925,7 @@ mod tests {
     fn a_learned_model_equal_to_the_truth_has_no_error() {
         let grid = [(100, 0), (900, 5_000), (4_000, 0)];
         let seen = grid.iter().map(|&(n, c)| Some(10.0 + H200.prefill_ms(n, c, 30.0, 0.4, None))).collect();
-        let op = Operating { points: vec![(15.0, 0.2), (30.0, 0.4)], ttft_ms: seen, context: vec![] };
+        let op = Operating { points: vec![(15.0, 0.2), (30.0, 0.4)], ttft_ms: seen, context: vec![], seen: vec![] };
         // TTFT = 10 + 200 + 13 + 0.65·R + 0.08·n (one step);
         // step = 13 + 0.65·R.
         let c = class(
@@ -899,6 +951,43 @@ mod tests {
         let op = Operating { ttft_ms: vec![None, None], ..op };
         let e = errors(&c, &H200, &[(50, 5_000), (80, 6_000)], &op, 1.0);
         assert_eq!((e.prefill, e.prefill_fit, e.ttft), (None, None, None));
+    }
+
+    /// The learned step is read at the load the control plane saw, where
+    /// it was recorded: a fit with a fill term, right at the control
+    /// plane's fill, is off at the engine's lower one.
+    #[test]
+    fn the_step_is_read_at_the_load_the_control_plane_saw() {
+        // Truth: 13 + 0.65·R. Learned: 10 + 0.65·R + 10·fill, right at
+        // fill 0.3.
+        let c = class(&[], &[("step_base_ms", 10.0), ("decode_ms_per_seq", 0.65), ("step_ms_per_kv_fill", 10.0)]);
+        let engine = Operating { points: vec![(15.0, 0.2), (30.0, 0.2)], ..Operating::default() };
+        let e = errors(&c, &H200, &[], &engine, 1.0);
+        assert!((e.step - 1.0 / (13.0 + 0.65 * 15.0)).abs() < 1e-9, "{e:?}");
+        let seen = Operating { seen: vec![Some((15.0, 0.3)), Some((30.0, 0.3))], ..engine.clone() };
+        assert!(errors(&c, &H200, &[], &seen, 1.0).step < 1e-9);
+        // A point the control plane has no view of falls back to the engine's.
+        let partly = Operating { seen: vec![Some((15.0, 0.3)), None], ..engine };
+        let e = errors(&c, &H200, &[], &partly, 1.0);
+        assert!((e.step - 1.0 / (13.0 + 0.65 * 30.0)).abs() < 1e-9, "{e:?}");
+    }
+
+    /// A poll's views are matched to the fleet by endpoint or id, and a
+    /// sample takes the poll nearest it, none further than a second.
+    #[test]
+    fn a_sample_takes_the_nearest_poll_of_its_worker() {
+        let fleet: Vec<SocketAddr> = vec!["127.0.0.1:9000".parse().unwrap(), "127.0.0.1:9001".parse().unwrap()];
+        let views = |a: f64, b: f64| {
+            json!([
+                {"id": "x", "endpoint": "127.0.0.1:9000", "requests": a, "kv_fill": 0.5},
+                {"id": "w1", "endpoint": null, "requests": b, "kv_fill": null},
+            ])
+        };
+        let polls = [Seen::of(1.0, &views(3.0, 4.0), &fleet), Seen::of(2.0, &views(5.0, 6.0), &fleet)];
+        assert_eq!(Seen::nearest(&polls, 1.4, 0), Some((3.0, 0.5)));
+        assert_eq!(Seen::nearest(&polls, 1.6, 0), Some((5.0, 0.5)));
+        assert_eq!(Seen::nearest(&polls, 1.6, 1), None, "no fill known");
+        assert_eq!(Seen::nearest(&polls, 3.5, 0), None, "too far");
     }
 
     #[test]

@@ -264,7 +264,9 @@ fn replay(dir: &Path, seed: u64, eps: f64) -> Result<(Context, Series)> {
             // with `--out`).
             let steps: Vec<_> = op
                 .each()
-                .map(|(r, f, x)| json!([r, f, x, super::learned_step_ms(&j, r, f) * c.speedup, truth.step_ms(r, f, x)]))
+                .map(|(r, f, x, (sr, sf))| {
+                    json!([r, f, x, super::learned_step_ms(&j, sr, sf) * c.speedup, truth.step_ms(r, f, x), sr, sf])
+                })
                 .collect();
             e.readings.insert(
                 "learned".into(),
