@@ -425,7 +425,7 @@ pub fn run(a: &CalibrationArgs) -> Result<()> {
             "slowdown": a.slowdown,
             "within": WITHIN,
             "workload": format!("DOKS conversations, {} distinct documents of {}-{} words", a.starters, a.starter_words.first().copied().unwrap_or(0), a.starter_words.last().copied().unwrap_or(0)),
-            "compared": "x speedup, largest relative error over the measured operating range: decode step (fit at R, KV fill) against the preset's step; prefill (the change of the prefill time kv prices with, from the shortest to each longer uncached prompt) against the preset's; within = both <= 10 %; prefill_fit: the same for the first-token fit's own terms, reported, not in within. TTFT (fit at new, cached, R) against the clients' measured mean, reported, not in within",
+            "compared": "x speedup, largest relative error over the measured operating range: decode step (fit at the requests and KV fill the control plane saw on the worker at the same moment, /admin/workers) against the preset's step at the engine's; prefill (the change of the prefill time kv prices with, from the shortest to each longer uncached prompt) against the preset's; within = both <= 10 %; prefill_fit: the same for the first-token fit's own terms, reported, not in within. TTFT (fit at new, cached, R) against the clients' measured mean, reported, not in within",
         },
         "presets": presets,
     });
