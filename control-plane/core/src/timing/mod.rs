@@ -5,7 +5,7 @@
 //! | file | what |
 //! |---|---|
 //! | `mod.rs` | [`Calibration`]: per-request bookkeeping (routed → first token → done), per-worker activity, one fit per class |
-//! | [`fit`] | [`EngineFit`]: the first-token and decode-step fits and what `kv` takes from them |
+//! | [`fit`] | [`EngineFit`]: the first-token, decode-step and engine-prefill fits and what `kv` takes from them (its own module map) |
 //! | [`rls`] | robust recursive least squares with forgetting |
 //!
 //! A worker's class is what its heartbeats say about its hardware: its KV
