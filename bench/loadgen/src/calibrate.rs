@@ -760,7 +760,10 @@ impl Seen {
 
     /// Worker `w` at the poll nearest `t`, within a second.
     fn nearest(polls: &[Seen], t: f64, w: usize) -> Option<(f64, f64)> {
-        let p = polls.iter().filter(|p| (p.t - t).abs() <= 1.0).min_by(|a, b| (a.t - t).abs().total_cmp(&(b.t - t).abs()))?;
+        let p = polls
+            .iter()
+            .filter(|p| (p.t - t).abs() <= 1.0)
+            .min_by(|a, b| (a.t - t).abs().total_cmp(&(b.t - t).abs()))?;
         p.workers.get(w).copied().flatten()
     }
 }

@@ -29,7 +29,7 @@ pub const METRICS: &[Metric] = &[
         unit: "ms",
         get: |r| r.ttft_p50_ms,
         higher_is_better: false,
-        slo: Some(crate::report::SLO_TTFT_MS),
+        slo: Some(crate::stats::SLO_TTFT_MS),
     },
     Metric {
         key: "ttft_p95_ms",
@@ -37,7 +37,7 @@ pub const METRICS: &[Metric] = &[
         unit: "ms",
         get: |r| r.ttft_p95_ms,
         higher_is_better: false,
-        slo: Some(crate::report::SLO_TTFT_MS),
+        slo: Some(crate::stats::SLO_TTFT_MS),
     },
     Metric {
         key: "itl_p50_ms",
@@ -53,7 +53,7 @@ pub const METRICS: &[Metric] = &[
         unit: "ms",
         get: |r| r.itl_p95_ms,
         higher_is_better: false,
-        slo: Some(crate::report::SLO_ITL_MS),
+        slo: Some(crate::stats::SLO_ITL_MS),
     },
     Metric { key: "e2e_p50_s", title: "E2E p50", unit: "s", get: |r| r.e2e_p50_s, higher_is_better: false, slo: None },
     Metric {
@@ -120,8 +120,8 @@ pub fn chart(rows: &[Row], metric: &Metric, subtitle: &str, level: &str) -> Stri
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
 fn draw(out: &mut String, rows: &[Row], metric: &Metric, subtitle: &str, level: &str) -> DrawResult {
-    let modes = crate::report::modes(rows);
-    let xs = crate::report::levels(rows);
+    let modes = crate::stats::modes(rows);
+    let xs = crate::stats::levels(rows);
     let ymax = rows.iter().map(metric.get).filter(|v| v.is_finite()).fold(0.0f64, f64::max).max(1e-9) * 1.1;
     // The SLO line is drawn when it is inside the data's range or near it.
     let slo = metric.slo.filter(|s| *s < ymax * 2.0);

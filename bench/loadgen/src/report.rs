@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use std::path::Path;
 
-use crate::stats::Row;
+use crate::stats::{Row, SLO_ITL_MS, SLO_TTFT_MS, levels, modes};
 use crate::{html, plot};
 
 fn pct(base: f64, new: f64) -> String {
@@ -21,34 +21,10 @@ fn find<'a>(rows: &'a [Row], mode: &str, c: usize) -> Option<&'a Row> {
     rows.iter().find(|r| r.mode == mode && r.concurrency == c)
 }
 
-/// The levels the rows ran, ascending.
-pub(crate) fn levels(rows: &[Row]) -> Vec<usize> {
-    let mut v: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
-    v.sort_unstable();
-    v.dedup();
-    v
-}
-
-/// The modes of the rows, in order of first appearance.
-pub(crate) fn modes(rows: &[Row]) -> Vec<&str> {
-    let mut v: Vec<&str> = Vec::new();
-    for r in rows {
-        if !v.contains(&r.mode.as_str()) {
-            v.push(&r.mode);
-        }
-    }
-    v
-}
-
 /// A goodput level as shown: the level, or "none".
 fn level_or_none(l: Option<usize>) -> String {
     l.map_or("none".to_owned(), |l| l.to_string())
 }
-
-/// The DOKS demo's SLO: TTFT at most 600 ms and time per output token at
-/// most 60 ms.
-pub const SLO_TTFT_MS: f64 = 600.0;
-pub const SLO_ITL_MS: f64 = 60.0;
 
 /// Which percentile the SLO is judged at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

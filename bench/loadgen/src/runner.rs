@@ -386,6 +386,9 @@ pub async fn run_requests(
     Ok(sampled.into_run(records, windows))
 }
 
+/// The served model name (the test tokenizer's).
+pub const MODEL: &str = "deepseek-v3";
+
 /// The streaming chat request of one turn.
 pub fn chat_body(history: &[(&str, String)], max_tokens: u32) -> Vec<u8> {
     #[derive(Serialize)]
@@ -402,7 +405,7 @@ pub fn chat_body(history: &[(&str, String)], max_tokens: u32) -> Vec<u8> {
         stream_options: serde_json::Value,
     }
     let body = Body {
-        model: crate::stack::MODEL,
+        model: MODEL,
         messages: history.iter().map(|(r, c)| Msg { role: r, content: c }).collect(),
         max_tokens,
         stream: true,

@@ -24,8 +24,7 @@ use kvgate_testkit::{
     spawn_sim, wait_for_tcp,
 };
 
-/// The served model name (the test tokenizer's).
-pub const MODEL: &str = "deepseek-v3";
+pub use crate::runner::MODEL;
 
 /// The simulated fleet.
 #[derive(Debug, Clone)]

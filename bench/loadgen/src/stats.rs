@@ -27,6 +27,30 @@ use serde::{Deserialize, Serialize};
 
 use crate::runner::{CellRun, Record};
 
+/// The DOKS demo's SLO: TTFT at most 600 ms and time per output token at
+/// most 60 ms.
+pub const SLO_TTFT_MS: f64 = 600.0;
+pub const SLO_ITL_MS: f64 = 60.0;
+
+/// The levels the rows ran, ascending.
+pub fn levels(rows: &[Row]) -> Vec<usize> {
+    let mut v: Vec<usize> = rows.iter().map(|r| r.concurrency).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The modes of the rows, in order of first appearance.
+pub fn modes(rows: &[Row]) -> Vec<&str> {
+    let mut v: Vec<&str> = Vec::new();
+    for r in rows {
+        if !v.contains(&r.mode.as_str()) {
+            v.push(&r.mode);
+        }
+    }
+    v
+}
+
 /// One row of a result file (the shape issue #8 fixes, plus context).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::kv_transfer::{Leg, prefill_answer};
-use super::{Delta, Shared, Submit, word};
+use super::{Delta, Shared, Submit, error, word};
 use crate::engine::Request;
 
 pub(super) struct Parsed {
@@ -24,18 +24,6 @@ pub(super) struct Parsed {
     pub(super) rank: Option<usize>,
     /// Its part in a disaggregated request (`kv_transfer_params`).
     pub(super) leg: Leg,
-}
-
-/// An OpenAI-style error answer, as vLLM writes it.
-pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let body = json!({
-        "object": "error",
-        "message": message.into(),
-        "type": if status == StatusCode::NOT_FOUND { "NotFoundError" } else { "BadRequestError" },
-        "param": null,
-        "code": status.as_u16(),
-    });
-    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
 
 /// What every chunk of one answer repeats.

@@ -11,8 +11,8 @@ use axum::response::{IntoResponse, Response};
 use kvgate_tokenize::prompt::{SegmentRef, chain_hashes};
 use serde_json::{Value, json};
 
-use super::generate::{Parsed, error, generate};
-use super::{Shared, StreamFault};
+use super::generate::{Parsed, generate};
+use super::{Shared, StreamFault, error};
 
 /// Tokenization off the async scheduler's hands on a multi-thread runtime
 /// (inline on a current-thread one, where `block_in_place` is not allowed).

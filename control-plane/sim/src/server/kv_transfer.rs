@@ -24,7 +24,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use serde_json::{Value, json};
 
-use super::generate::error;
+use super::error;
 
 /// What a request's `kv_transfer_params` ask of this worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -221,6 +221,22 @@ pub enum SimError {
     },
 }
 
+/// An OpenAI-style error answer, as vLLM writes it.
+fn error(status: StatusCode, message: impl Into<String>) -> axum::response::Response {
+    let body = serde_json::json!({
+        "object": "error",
+        "message": message.into(),
+        "type": if status == StatusCode::NOT_FOUND { "NotFoundError" } else { "BadRequestError" },
+        "param": null,
+        "code": status.as_u16(),
+    });
+    axum::response::IntoResponse::into_response((
+        status,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    ))
+}
+
 fn now_unix() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
