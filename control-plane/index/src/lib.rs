@@ -13,6 +13,7 @@
 //! | `shard` | one shard: its workers' engine tables and the prefix tree of what they hold |
 //! | `engine` | one worker's engine hash → entry table: a slab of fixed pages and a table of 4-byte slots |
 //! | `runs` | the prefix tree: every distinct block in runs of consecutive blocks, with its holders per tier |
+//! | `types` | what the modules share: [`WorkerIdx`], [`IndexConfig`], [`Skip`], [`Counters`], [`Overlap`] |
 //! | `worker_set` | the worker set of one block in 8 bytes, with an O(1) equality fingerprint |
 //!
 //! See `README.md` for the layout, the policies and the complexity table.
@@ -24,6 +25,7 @@ pub mod index;
 mod probing;
 mod runs;
 mod shard;
+mod types;
 mod worker_set;
 
 pub use event::{KvEvent, Origin, Stored, Tier};

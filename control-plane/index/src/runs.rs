@@ -34,8 +34,8 @@ use foldhash::fast::RandomState;
 use kvgate_protocol::SequenceHash;
 
 use crate::event::Tier;
-use crate::index::WorkerIdx;
 use crate::probing::prefetch_read;
+use crate::types::WorkerIdx;
 use crate::worker_set::{ManySets, SetRef, WorkerSet};
 
 /// The position of one block in the tree: its run and its offset there.

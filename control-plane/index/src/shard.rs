@@ -12,8 +12,8 @@ use kvgate_protocol::{EngineBlockHash, SequenceHash, local_block_hash, next_sequ
 
 use crate::engine::{Engine, Entry, NO_SLOT, Probe};
 use crate::event::{KvEvent, Origin, Stored, Tier};
-use crate::index::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
 use crate::runs::{Loc, Path, Runs};
+use crate::types::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
 use crate::worker_set::{SetRef, member_fp};
 
 type Map<K, V> = HashMap<K, V, RandomState>;
@@ -144,7 +144,7 @@ impl Shard {
 
     /// Registers a worker by its id and returns its index in the shard.
     pub(crate) fn add_worker(&mut self, name: &str) -> WorkerIdx {
-        let w = crate::index::take_slot(&mut self.workers, &mut self.free);
+        let w = crate::types::take_slot(&mut self.workers, &mut self.free);
         if let Some(slot) = self.workers.get_mut(w.0 as usize) {
             *slot = Some(Worker::new(name.to_owned()));
         }

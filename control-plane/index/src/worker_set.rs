@@ -14,7 +14,7 @@
 //! member needs more than 30 bits is kept as a large set). Many: the side
 //! table's slot in bits 0–31.
 
-use crate::WorkerIdx;
+use crate::types::WorkerIdx;
 
 /// A 64-bit mix of a worker index (splitmix64 finalizer), summed into fingerprints.
 #[inline]
