@@ -118,6 +118,9 @@ struct Ended {
     /// for its first token, and those still to prefill beside it when it
     /// came: what may have shared its steps.
     shared: f64,
+    /// Of those done while it waited, at most the prefill pending when it
+    /// was routed (the queue ahead of it).
+    queued: f64,
 }
 
 /// What became of a worker's engine intervals at a heartbeat.
@@ -498,7 +501,7 @@ impl Calibration {
             return Resolved::Waiting;
         }
         let (sum, sums) = a.ended.drain(..k).fold((0.0, MatchedSums::default()), |(s, mut m), e| {
-            m.add(e.computed, e.cached, e.shared);
+            m.add(e.computed, e.cached, e.shared, e.queued);
             (s + e.computed, m)
         });
         if (sum - owed.computed_tokens).abs() > 0.5 {
@@ -589,6 +592,7 @@ impl Calibration {
                     computed: new_tokens,
                     cached: f64::from(cached.min(prompt)),
                     shared: shared_tokens,
+                    queued: ahead_tokens.min(o.ahead_tokens),
                 });
             }
             a.sums.advance(now_ms);
@@ -967,8 +971,9 @@ mod tests {
         let mut done = 0;
         let mut burst = |cal: &mut Calibration, k: u64, at: u64| {
             let ids: Vec<String> = (0..k).map(|i| format!("burst{at}-{i}")).collect();
-            for id in &ids {
-                cal.routed(id, w, &load(0, 0), (100, 0), at);
+            // Each routed with those before it pending.
+            for (i, id) in (0..).zip(&ids) {
+                cal.routed(id, w, &load(i, 100 * u64::from(i)), (100, 0), at);
             }
             for (i, id) in (1..).zip(&ids) {
                 cal.first_token(id, i * 100_000, at + i * 100);
@@ -981,10 +986,25 @@ mod tests {
             let c = cal.counters();
             (c.engine_prefills, c.engine_matched, c.engine_shared)
         };
+        cal.journal_take();
         // Five: four times their own shared, too crowded to learn from.
         assert_eq!(burst(&mut cal, 5, 0), (0, 0, 1));
         // Three: twice their own, learned by the matched fit only.
         assert_eq!(burst(&mut cal, 3, 2000), (0, 1, 2));
+        // Of what they shared, the prompts pending when each was routed
+        // and done before its first token are its queue: request i (from
+        // 0) shared 2 × 1,600 tokens, i × 1,600 of them done before it.
+        let matched: Vec<MatchedSums> = cal
+            .journal_take()
+            .0
+            .into_iter()
+            .filter_map(|(_, o)| match o {
+                Observation::EngineMatched { sums, .. } => Some(sums),
+                _ => None,
+            })
+            .collect();
+        let last = matched.last().map(|m| (m.shared, m.queued));
+        assert_eq!(last, Some((3.0 * 2.0 * 1600.0, (0.0 + 1.0 + 2.0) * 1600.0)));
         // One prompt alone.
         assert_eq!(burst(&mut cal, 1, 4000), (1, 2, 2));
     }

@@ -167,6 +167,12 @@ pub struct MatchedSums {
     pub context: f64,
     /// Other requests' prefill tokens that may have shared their steps.
     pub shared: f64,
+    /// Of `shared`, at most what was already pending on the worker when
+    /// each request was routed: the queue ahead of it (partly the step in
+    /// progress), which the engine's prefill clock does not count. Recorded
+    /// for the journal's replays; no fit reads it.
+    #[serde(default)]
+    pub queued: f64,
     /// Requests that followed cached tokens.
     pub warm: f64,
     /// Their computed tokens.
@@ -177,11 +183,12 @@ pub struct MatchedSums {
 
 impl MatchedSums {
     /// Adds one request: `computed` tokens after `cached` ones, `shared`
-    /// other prefill beside it.
-    pub fn add(&mut self, computed: f64, cached: f64, shared: f64) {
+    /// other prefill beside it, `queued` of that pending when it came.
+    pub fn add(&mut self, computed: f64, cached: f64, shared: f64, queued: f64) {
         self.squared += computed * computed;
         self.context += computed * cached;
         self.shared += shared;
+        self.queued += queued.min(shared);
         if cached > 0.0 {
             self.warm += 1.0;
             self.warm_computed += computed;
