@@ -132,9 +132,7 @@ impl ModelState {
                     s.requests += load.effective_requests();
                     s.max_running += load.max_running.unwrap_or(0);
                     s.waiting += load.measured_waiting.unwrap_or(0);
-                    if let Some(cap) = load.capacity_blocks.filter(|c| *c > 0) {
-                        s.kv_usage += (load.effective_active_blocks() as f64 / cap as f64).min(1.0);
-                    }
+                    s.kv_usage += load.kv_fill().unwrap_or(0.0);
                 }
                 s.kv_usage /= live.len() as f64;
                 Some(s)
