@@ -1,11 +1,14 @@
 //! What an engine-timed prefill costs on `dynamo-mocker` when prompts share
 //! their steps, and which terms a least-squares fit of those times needs to
-//! give back the preset's cost of a prompt alone (docs/DECISIONS.md, "A
-//! long prompt pays more for each token that shares its step").
+//! give back the preset's cost of a prompt alone (docs/DECISIONS.md, "Why
+//! `dynamo-mocker`'s matched fit reads prefill too convex"). The
+//! calibration benchmark's users start spread over its warm-up, and there
+//! its cold prompts were measured not to share steps: this shows the
+//! mechanism where they do, not the calibration's miss.
 //!
 //! One engine (the DOKS fleet's limits: 64 seats, 16,384 batched tokens,
 //! 11,500 blocks of 32) serves `conversations` closed-loop conversations that
-//! open together, as the calibration benchmark's do: a cold document of
+//! open in the same instant: a cold document of
 //! 535–7,500 tokens, then 2–4 follow-ups of 15–60 new tokens, 655–1,005
 //! tokens out. For each request it records the computed and cached tokens,
 //! its prefill time as vLLM times it (from the step that schedules it to
