@@ -121,6 +121,9 @@ struct Ended {
     /// Of those done while it waited, at most the prefill pending when it
     /// was routed (the queue ahead of it).
     queued: f64,
+    /// The worker's running requests and KV fill when its first token came
+    /// (when it was routed, without a first-token report).
+    at_first: (f64, f64),
 }
 
 /// What became of a worker's engine intervals at a heartbeat.
@@ -501,7 +504,7 @@ impl Calibration {
             return Resolved::Waiting;
         }
         let (sum, sums) = a.ended.drain(..k).fold((0.0, MatchedSums::default()), |(s, mut m), e| {
-            m.add(e.computed, e.cached, e.shared, e.queued);
+            m.add_at(e.computed, e.cached, e.shared, e.queued, e.at_first);
             (s + e.computed, m)
         });
         if (sum - owed.computed_tokens).abs() > 0.5 {
@@ -593,6 +596,7 @@ impl Calibration {
                     cached: f64::from(cached.min(prompt)),
                     shared: shared_tokens,
                     queued: ahead_tokens.min(o.ahead_tokens),
+                    at_first: o.first.map_or((o.start.running, o.start.fill), |f| (f.running, f.fill)),
                 });
             }
             a.sums.advance(now_ms);

@@ -196,17 +196,18 @@ pub const DECODE_PARAMS: [&str; 5] = [
 pub const ENGINE_PREFILL_PARAMS: [&str; 2] = ["engine_prefill_ms_per_request", "engine_prefill_ms_per_token"];
 
 /// Coefficient names of the matched engine-prefill fit (engine clock).
-pub const ENGINE_MATCHED_PARAMS: [&str; 5] = [
+pub const ENGINE_MATCHED_PARAMS: [&str; 6] = [
     "engine_prefill_ms_per_request",
     "engine_prefill_ms_per_token",
     "engine_prefill_ms_per_token_per_ktok",
     "engine_prefill_ms_per_token_per_kctx",
     "engine_prefill_ms_per_shared_token",
+    "engine_prefill_per_decode_step",
 ];
 
 /// Scales from a coefficient on scaled features back to the name's units.
 const ENGINE_PREFILL_SCALE: [f64; 2] = [1.0, 1.0 / K];
-const ENGINE_MATCHED_SCALE: [f64; 5] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K];
+const ENGINE_MATCHED_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 1.0];
 const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
 const DECODE_SCALE: [f64; 5] = [1.0, 0.1, 1.0, 1.0 / K, 1.0 / K];
 
@@ -223,7 +224,7 @@ pub struct EngineFit {
     engine: Rls<2>,
     /// The same where the gateway matched the requests (with their squares,
     /// context and shared prefill).
-    matched: Rls<5>,
+    matched: Rls<6>,
     clock: Clock,
     /// Recent decode observations' mean KV fill and running requests
     /// (exponential averages): the operating point at which one more
@@ -261,7 +262,7 @@ impl EngineFit {
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p, 0.0], [50.0, 5.0 * d, 50.0, 5.0 * p, 2.0 * p], 5.0);
         let engine = Rls::new([20.0, p], [500.0, 5.0 * p], 50.0);
-        let matched = Rls::new([20.0, p, 0.0, 0.0, p], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p], 50.0);
+        let matched = Rls::new([20.0, p, 0.0, 0.0, p, 1.0], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 0.5], 50.0);
         let mut fit = Self {
             prior,
             first,
@@ -373,12 +374,13 @@ impl EngineFit {
     /// ([`EnginePrefill::crowded`]) teaches the matched fit only, and one
     /// beyond [`SHARED_LEARNED_MAX`] nothing.
     pub fn observe_engine_matched(&mut self, o: &EnginePrefill, m: &MatchedSums) -> bool {
+        let step = self.decode_step_engine_ms(m.running / o.requests, m.fill / o.requests);
         let used = o.has_prefills()
             && m.squared >= 0.0
             && m.context >= 0.0
             && m.shared >= 0.0
             && m.shared <= SHARED_LEARNED_MAX * o.computed_tokens
-            && self.matched.observe(o.matched_features(m), o.ms / o.requests);
+            && self.matched.observe(o.matched_features(m, step), o.ms / o.requests);
         if used {
             self.prompts.observe(o.computed_tokens / o.requests, m.squared / o.requests);
             self.warm.observe(m);
@@ -415,6 +417,24 @@ impl EngineFit {
     /// never negative.
     pub fn predict_ttft_ms(&self, o: &FirstToken) -> f64 {
         finite_nonneg(self.first.predict(&o.features()))
+    }
+
+    /// The learned decode step at `running` requests and KV fill `fill`,
+    /// in the engine's clock (the matched fit's); 0 while the decode fit or
+    /// the clock is not known.
+    pub(super) fn decode_step_engine_ms(&self, running: f64, fill: f64) -> f64 {
+        if std::env::var("KVG_NO_STEP").is_ok() || running <= 0.0 || self.decode.samples() < MIN_SAMPLES {
+            return 0.0;
+        }
+        let Some(q) = self.clock.ratio().filter(|q| *q > 0.0) else { return 0.0 };
+        let d = Decode {
+            itl_ms: 0.0,
+            running,
+            kv_fill: fill,
+            prefill_tokens_per_step: 0.0,
+            prefill_context_per_step: 0.0,
+        };
+        self.predict_step_ms(&d) / q
     }
 
     /// Predicted decode step time for `o`'s inputs, ms, never negative.

@@ -140,9 +140,9 @@ impl EnginePrefill {
 
     /// With the sums the gateway knows of the interval's requests
     /// ([`MatchedSums`]).
-    pub(super) fn matched_features(&self, m: &MatchedSums) -> [f64; 5] {
+    pub(super) fn matched_features(&self, m: &MatchedSums, step_ms: f64) -> [f64; 6] {
         let r = self.requests;
-        [1.0, self.computed_tokens / r / K, m.squared / r / (K * K), m.context / r / (K * K), m.shared / r / K]
+        [1.0, self.computed_tokens / r / K, m.squared / r / (K * K), m.context / r / (K * K), m.shared / r / K, step_ms]
     }
 
     /// Whether its requests shared their prefill steps with more prefill
@@ -167,6 +167,14 @@ pub struct MatchedSums {
     pub context: f64,
     /// Other requests' prefill tokens that may have shared their steps.
     pub shared: f64,
+    /// The worker's running requests when each request's first token
+    /// came, summed: with `fill`, where the decode part of its prefill
+    /// steps is read ([`EngineFit::observe_engine_matched`](super::EngineFit::observe_engine_matched)).
+    #[serde(default)]
+    pub running: f64,
+    /// The worker's KV fill then, summed.
+    #[serde(default)]
+    pub fill: f64,
     /// Of `shared`, at most what was already pending on the worker when
     /// each request was routed: the queue ahead of it (partly the step in
     /// progress), which the engine's prefill clock does not count. Recorded
@@ -185,6 +193,14 @@ impl MatchedSums {
     /// Adds one request: `computed` tokens after `cached` ones, `shared`
     /// other prefill beside it, `queued` of that pending when it came.
     pub fn add(&mut self, computed: f64, cached: f64, shared: f64, queued: f64) {
+        self.add_at(computed, cached, shared, queued, (0.0, 0.0));
+    }
+
+    /// [`MatchedSums::add`], with the worker's running requests and KV
+    /// fill when its first token came.
+    pub fn add_at(&mut self, computed: f64, cached: f64, shared: f64, queued: f64, (running, fill): (f64, f64)) {
+        self.running += running;
+        self.fill += fill;
         self.squared += computed * computed;
         self.context += computed * cached;
         self.shared += shared;

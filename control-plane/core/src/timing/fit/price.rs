@@ -110,7 +110,7 @@ impl EngineFit {
     /// decode steps' rate, 28 % high, the moment it had its ten (67e9b7f).
     pub(super) fn score(&mut self, o: &EnginePrefill, m: &MatchedSums) {
         let Some(q) = self.clock.ratio() else { return };
-        let [_, n, n2, nc, _] = o.matched_features(m);
+        let [_, n, n2, nc, _, _] = o.matched_features(m, 0.0);
         let took = o.ms / o.requests * q;
         let miss = |a: Along| took - a.rate * n - a.growth * n2 - a.context * nc;
         let r = self.rates;

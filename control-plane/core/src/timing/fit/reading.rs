@@ -132,10 +132,10 @@ pub(super) fn along<const N: usize>(fit: &Rls<N>, range: Option<(f64, f64)>, pri
 /// context) put the cached token at 3.7 times the cold rate, and priced
 /// flat there the cold prompts were 180 % off and the run took 688
 /// requests to within 10 % instead of 292 (replayed on its journal).
-pub(super) fn compared(fit: &Rls<5>, warm: Option<(f64, f64)>, prior: f64, within: f64) -> Option<Along> {
+pub(super) fn compared(fit: &Rls<6>, warm: Option<(f64, f64)>, prior: f64, within: f64) -> Option<Along> {
     let (n, c) = warm?;
     let (n, c) = (n.max(0.0) / K, c / K);
-    let d = [0.0, 1.0, 2.0 * n, c - n, 0.0];
+    let d = [0.0, 1.0, 2.0 * n, c - n, 0.0, 0.0];
     let (v, se) = (fit.predict(&d), fit.predict_stderr(&d));
     if !(v > 0.0 && known_within(v, se, fit.prior_share_at(&d), fit.samples(), prior, within)) {
         return None;
