@@ -6,7 +6,7 @@
 //! | first token | gateway TTFT of a request that did not wait for a batch slot | `1, n, n², n·c, a, R` | overhead, prefill per token, its growth with the chunk, with the cached context, prefill queued ahead per token, per running request |
 //! | decode step | mean inter-token time of a stream | `1, R̄, f̄, q̄, q̄c` | step base, per running request, KV fill, prefill tokens sharing the steps, those tokens times the cached context they follow |
 //! | engine prefill | the engine's own mean prefill time over the requests that finished between two heartbeats (vLLM's histograms, engine clock), once matched as below or given up; not where they shared their steps with more prefill than their own | `1, N̄` | per request, per computed token |
-//! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees), crowded or not | `1, N̄, N²̄, N·c̄, S̄` | per request, per computed token, its growth with the prompt, with the cached context, per token of other requests' prefill that may have shared its steps |
+//! | engine prefill, matched | the same, where the gateway saw exactly those requests end (their sum of computed tokens agrees), crowded or not | `1, N̄, N²̄, N·c̄, S̄, D̄` | per request, per computed token, its growth with the prompt, with the cached context, per token of other requests' prefill that may have shared its steps, per ms of the decode step beside it |
 //!
 //! `n` new prompt tokens (prompt − cached: as the router predicted when the
 //! first token is learned as it comes, as the engine reported when it is
@@ -72,6 +72,16 @@
 //! shared prefill (as the gateway saw it) as a term of its own, up to
 //! three times its own ([`SHARED_LEARNED_MAX`]). Half of the calibration's
 //! intervals are crowded, and most of its first ones.
+//!
+//! A prefill step also carries the decodes running beside it, which cost
+//! more as the KV cache fills; the calibration's cold prompts come early,
+//! at a low fill, its follow-ups later at a high one. `D̄` is the learned
+//! decode step (the decode fit, read through the clock) at the worker's
+//! running requests and KV fill when each request's first token came, 0
+//! until the decode fit and the clock are known; its coefficient starts
+//! at 1. Without it the matched fit read `dynamo-mocker`'s cheaper early
+//! steps as a lower rate and more growth: the 2,100-token cold prompt
+//! 10–18 % low (DECISIONS, "The decode step beside a prefill").
 //!
 //! The decode rate `kv` prices a running request with is what one more
 //! request adds to a step at the class's operating point: the per-request
@@ -423,17 +433,12 @@ impl EngineFit {
     /// in the engine's clock (the matched fit's); 0 while the decode fit or
     /// the clock is not known.
     pub(super) fn decode_step_engine_ms(&self, running: f64, fill: f64) -> f64 {
-        if std::env::var("KVG_NO_STEP").is_ok() || running <= 0.0 || self.decode.samples() < MIN_SAMPLES {
+        if running <= 0.0 || self.decode.samples() < MIN_SAMPLES {
             return 0.0;
         }
         let Some(q) = self.clock.ratio().filter(|q| *q > 0.0) else { return 0.0 };
-        let d = Decode {
-            itl_ms: 0.0,
-            running,
-            kv_fill: fill,
-            prefill_tokens_per_step: 0.0,
-            prefill_context_per_step: 0.0,
-        };
+        let d =
+            Decode { itl_ms: 0.0, running, kv_fill: fill, prefill_tokens_per_step: 0.0, prefill_context_per_step: 0.0 };
         self.predict_step_ms(&d) / q
     }
 
