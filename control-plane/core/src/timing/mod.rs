@@ -504,7 +504,7 @@ impl Calibration {
             return Resolved::Waiting;
         }
         let (sum, sums) = a.ended.drain(..k).fold((0.0, MatchedSums::default()), |(s, mut m), e| {
-            m.add_at(e.computed, e.cached, e.shared, e.queued, e.at_first);
+            m.add(e.computed, e.cached, e.shared, e.queued, e.at_first);
             (s + e.computed, m)
         });
         if (sum - owed.computed_tokens).abs() > 0.5 {

@@ -191,14 +191,10 @@ pub struct MatchedSums {
 
 impl MatchedSums {
     /// Adds one request: `computed` tokens after `cached` ones, `shared`
-    /// other prefill beside it, `queued` of that pending when it came.
-    pub fn add(&mut self, computed: f64, cached: f64, shared: f64, queued: f64) {
-        self.add_at(computed, cached, shared, queued, (0.0, 0.0));
-    }
-
-    /// [`MatchedSums::add`], with the worker's running requests and KV
-    /// fill when its first token came.
-    pub fn add_at(&mut self, computed: f64, cached: f64, shared: f64, queued: f64, (running, fill): (f64, f64)) {
+    /// other prefill beside it, `queued` of that pending when it came, and
+    /// the worker's running requests and KV fill when its first token came
+    /// (`(0, 0)` where not known).
+    pub fn add(&mut self, computed: f64, cached: f64, shared: f64, queued: f64, (running, fill): (f64, f64)) {
         self.running += running;
         self.fill += fill;
         self.squared += computed * computed;

@@ -324,7 +324,7 @@ fn the_matched_fit_is_known_by_the_choice_kv_makes_for_a_warm_prompt() {
             let shared = rng.f64() * 2.0 * n;
             engine_ms += 2.0 * (truth(n, c) + 0.3 * 0.0325 * shared) + noise(&mut rng, 20.0);
             computed += n;
-            m.add(n, c, shared, 0.0);
+            m.add(n, c, shared, 0.0, (0.0, 0.0));
         }
         let r = f64::from(k);
         let o = EnginePrefill { requests: r, ms: engine_ms, computed_tokens: computed, ..EnginePrefill::default() };
@@ -369,7 +369,7 @@ fn the_choice_is_priced_by_the_matched_fit_only_once_known_to_a_quarter() {
             let ms = 2.0 * (20.0 + 0.05 * n) + noise(&mut rng, 5.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
             let mut m = MatchedSums::default();
-            m.add(n, c, 0.0, 0.0);
+            m.add(n, c, 0.0, 0.0, (0.0, 0.0));
             assert!(fit.observe_engine_matched(&o, &m));
         }
         let read = fit.readings().matched.map(|m| m.0);
@@ -402,7 +402,7 @@ fn a_known_cold_rate_prices_cold_prompts_below_the_cached_tokens_price() {
         let ms = truth(n, c) + noise(&mut rng, 2.0);
         let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
         let mut m = MatchedSums::default();
-        m.add(n, c, 0.0, 0.0);
+        m.add(n, c, 0.0, 0.0, (0.0, 0.0));
         assert!(fit.observe_engine_matched(&o, &m));
     }
     let cached = compared(&fit.matched, fit.warm.point(), PRIOR.prefill_ms_per_token * K, QUARTER).map(|a| a.mean);
@@ -896,8 +896,8 @@ fn the_decode_part_of_a_prefill_step_is_read_at_its_first_token() {
             let ms = prefill(n) + decode(fill) + noise(&mut rng, 2.0);
             let o = EnginePrefill { requests: 1.0, ms, computed_tokens: n, ..EnginePrefill::default() };
             let (mut m, mut blind) = (MatchedSums::default(), MatchedSums::default());
-            m.add_at(n, c, 0.0, 0.0, (20.0, fill));
-            blind.add(n, c, 0.0, 0.0);
+            m.add(n, c, 0.0, 0.0, (20.0, fill));
+            blind.add(n, c, 0.0, 0.0, (0.0, 0.0));
             assert!(with.observe_engine_matched(&o, &m));
             assert!(without.observe_engine_matched(&o, &blind));
         }
