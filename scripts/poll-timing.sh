@@ -4,7 +4,8 @@
 # the run, not only at its end (the run dir's timing.json). One line per
 # poll: `<unix seconds> <cell> <the admin endpoint's JSON>`, appended to OUT.
 # Cells run one after another, so only the newest cell's control plane is
-# polled (an ended cell's port may be reused by the next one's). Stops by itself when no `kvgate-bench` with that run dir is left.
+# polled (an ended cell's port may be reused by the next one's). Stops by
+# itself when no `kvgate-bench` with that run dir is left.
 #
 #   target/release/kvgate-bench doks --levels 120 --preset vllm-v1 --modes kv \
 #       --repeats 3 --run-dir /tmp/diag --out /tmp/diag.json &
@@ -16,7 +17,8 @@ set -euo pipefail
 run_dir=${1:?usage: scripts/poll-timing.sh RUN_DIR OUT [INTERVAL_S]}
 out=${2:?usage: scripts/poll-timing.sh RUN_DIR OUT [INTERVAL_S]}
 interval=${3:-0.5}
-while pgrep -f -- "--run-dir $run_dir" >/dev/null; do
+# The run dir whole, not a prefix of another (`/tmp/diag` is not `/tmp/diag2`).
+while pgrep -f -- "--run-dir ${run_dir}( |\$)" >/dev/null; do
     # shellcheck disable=SC2012 # cell names are ours: mode-level-repeat
     log=$(ls -t "$run_dir"/*/*/serve.log 2>/dev/null | head -n 1 || true)
     if [ -n "$log" ]; then
