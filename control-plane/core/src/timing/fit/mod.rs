@@ -64,8 +64,11 @@
 //! known to a tenth before they are scored; else, for an engine whose
 //! intervals are never matched (its requests come through another
 //! gateway), the straight line; the two indirect estimates stand in until
-//! then. The engine times each prefill from its first scheduled step, so
-//! in a burst of cold prompts each counts the others' chunks: where an
+//! then, within a factor of two of the straight line once it is known
+//! (beyond, or where they are not known, the line stands in:
+//! [`LINE_BOUND`](price::LINE_BOUND)). The engine times each prefill from
+//! its first scheduled step, so in a burst of cold prompts each counts
+//! the others' chunks: where an
 //! interval's requests shared their steps with more prefill than their
 //! own ([`SHARED_MAX`]), the straight line does not learn from it, nor are
 //! the estimates scored on it, and the matched fit learns from it with the

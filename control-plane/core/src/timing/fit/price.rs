@@ -9,6 +9,19 @@ use super::reading::{
 };
 use super::{EngineFit, EnginePrefill, K, MatchedSums};
 
+/// How far the indirect prefill estimates may stand from the engine's own
+/// straight line before the line stands in for them, while the matched fit
+/// is not known (a factor, either way). The line is the engine's compute
+/// alone, and through a convex cost it moves with the mix of prompts (on
+/// `dynamo-mocker` 28 % high for 150 requests, 2b9ef7f), so within the
+/// factor the indirect estimates keep the price. The first token's carries
+/// every wait that grows with the prompt: on `vllm-v1` at concurrency 120
+/// it, and the rate held from it where no estimate was known, priced
+/// prefill at 3.4–10 times the engine's line (itself 8–16 % below the
+/// preset) for the first 750–900 requests
+/// (`bench/results/doks-vllm-v1-120-prices.json`).
+pub(super) const LINE_BOUND: f64 = 2.0;
+
 /// The rates that are known, with their standard errors.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(super) struct Rates {
@@ -40,7 +53,9 @@ pub(super) struct Rates {
 pub enum PrefillFrom {
     /// The matched engine fit, with its growth with the prompt.
     EngineMatched,
-    /// The engine's straight line (its intervals are never matched).
+    /// The engine's straight line: its intervals are never matched, or
+    /// the indirect estimates are not known or stand beyond
+    /// [`LINE_BOUND`] of it.
     EnginePrefill,
     /// The two indirect estimates, weighed ([`EngineFit::timing`]).
     #[serde(rename = "first_token+decode")]
@@ -176,7 +191,8 @@ impl EngineFit {
         // requests, 3e6750a).
         let tenth = half.filter(|m| m.se < TENTH * m.mean.abs().max(0.1 * p_prior));
         let (matched, matched_alone) = (q.zip(half).map(|(q, m)| m.scaled(q)), q.zip(tenth).map(|(q, m)| m.scaled(q)));
-        let line = q.zip(known_positive(&self.engine, 1, p_prior)).filter(|_| self.matched.samples() == 0);
+        let engine_line = q.zip(known_positive(&self.engine, 1, p_prior)).map(|(q, (v, se))| (v * q, se * q));
+        let line = engine_line.filter(|_| self.matched.samples() == 0);
         // The indirect estimates' mean rates over the prompts, as one.
         let (indirect_mean, indirect_from) = match (from_first, from_steps) {
             (Some(a), Some(b)) => (Some(self.weigh(a, b)), PrefillFrom::FirstTokenAndDecode),
@@ -213,15 +229,20 @@ impl EngineFit {
         });
         // The price used: the matched fit and the indirect estimates
         // weighed once both were scored, else the matched fit alone once
-        // known to a tenth, else the straight line, else the indirect
-        // estimates. The engine's own rate comes with its own growth (none
-        // for the straight line).
+        // known to a tenth, else the straight line where no interval is
+        // matched, else the indirect estimates, but the straight line where
+        // they stand beyond [`LINE_BOUND`] of it or are not known. The
+        // engine's own rate comes with its own growth (none for the
+        // straight line).
         let (price, prefill_from) =
             match (matched.zip(indirect).and_then(|(m, i)| self.blend(m, i)), matched_alone, line) {
                 (Some(b), _, _) => (Some(b), PrefillFrom::EngineMatchedAndIndirect),
                 (None, Some(m), _) => (Some(m), PrefillFrom::EngineMatched),
-                (None, None, Some((q, (v, se)))) => (Some(Along::flat(v * q, se * q)), PrefillFrom::EnginePrefill),
-                (None, None, None) => (indirect, indirect_from),
+                (None, None, Some((v, se))) => (Some(Along::flat(v, se)), PrefillFrom::EnginePrefill),
+                (None, None, None) => match Self::beyond_line(engine_line, indirect) {
+                    Some(l) => (Some(l), PrefillFrom::EnginePrefill),
+                    None => (indirect, indirect_from),
+                },
             };
         let indirect_only =
             matches!(prefill_from, PrefillFrom::FirstTokenAndDecode | PrefillFrom::FirstToken | PrefillFrom::Decode);
@@ -258,6 +279,16 @@ impl EngineFit {
             indirect,
             matched,
         }
+    }
+
+    /// The engine's straight line (`line`, fit units in the gateway's
+    /// clock), where the indirect estimates' price as one (`indirect`)
+    /// stands more than [`LINE_BOUND`] times from it either way, or where
+    /// they are not known (a measured line before a rate held from
+    /// earlier); `None` within the bound or without a known line.
+    fn beyond_line(line: Option<(f64, f64)>, indirect: Option<Along>) -> Option<Along> {
+        let (v, se) = line?;
+        indirect.is_none_or(|i| !(v / LINE_BOUND..=v * LINE_BOUND).contains(&i.mean)).then(|| Along::flat(v, se))
     }
 
     /// The matched fit's price and the indirect estimates', as one: weighed

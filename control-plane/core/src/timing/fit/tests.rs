@@ -738,14 +738,16 @@ fn the_engines_own_prefill_times_set_the_rate_in_the_gateways_clock() {
     assert_eq!(fit.engine_prefill().samples, before);
 }
 
-/// The straight line stands in for the engine's prefill rate only
-/// where none of its intervals is matched to the gateway's requests:
-/// where they are, the matched fit (with the prompt's growth) is
-/// waited for, and the line's rate, which moves with the mix of
-/// prompts, is not used meanwhile.
+/// The straight line stands in for the engine's prefill rate where none
+/// of its intervals is matched to the gateway's requests. Where they are,
+/// the matched fit (with the prompt's growth) is waited for, and the
+/// indirect estimates stand in meanwhile while within `LINE_BOUND` (2) of
+/// the line (which moves with the mix of prompts); beyond it, or with no
+/// estimate at all, the line does. Here the line says 0.3 ms a token in
+/// the gateway's clock.
 #[test]
-fn the_straight_line_stands_in_only_where_nothing_is_matched() {
-    let learn = |matched: bool| {
+fn the_straight_line_bounds_the_indirect_estimates_until_the_matched_fit_is_known() {
+    let learn = |matched: bool, first: Option<f64>| {
         let mut fit = EngineFit::new(PRIOR);
         let mut rng = fastrand::Rng::with_seed(9);
         clock_at_half(&mut fit);
@@ -763,13 +765,26 @@ fn the_straight_line_stands_in_only_where_nothing_is_matched() {
             engine(&mut fit, &o);
             fit.observe_engine_matched(&o, &sums(o.computed_tokens * o.computed_tokens, 0.0));
         }
+        if let Some(p) = first {
+            indirect(&mut fit, &mut rng, 8000.0, (p, p));
+        }
         for _ in 0..200 {
             engine(&mut fit, &interval(&mut rng));
         }
-        fit.timing().prefill_ms_per_token
+        (fit.timing().prefill_ms_per_token, fit.prefill_from())
     };
-    assert!(near(learn(false), 0.3, 0.05), "{}", learn(false));
-    assert!(near(learn(true), PRIOR.prefill_ms_per_token, 1e-9), "{}", learn(true));
+    let line = PrefillFrom::EnginePrefill;
+    for (matched, first, want, from) in [
+        (false, None, 0.3, line),
+        (false, Some(0.45), 0.3, line),
+        (true, None, 0.3, line),
+        (true, Some(0.45), 0.45, PrefillFrom::FirstTokenAndDecode),
+        (true, Some(0.9), 0.3, line),
+        (true, Some(0.1), 0.3, line),
+    ] {
+        let (got, got_from) = learn(matched, first);
+        assert!(near(got, want, 0.05) && got_from == from, "{matched} {first:?}: {got} from {got_from:?}");
+    }
 }
 
 /// A prefill cost that grows with the prompt (`30 + 0.01 n + 1e-6 n²`
