@@ -52,7 +52,7 @@ use serde_json::{Value, json};
 
 use crate::probe::{WorkerMetrics, scrape};
 use crate::runner::{self, Windows};
-use crate::stack::{FleetSpec, Frontend, MODEL, PRESETS, Stack};
+use crate::stack::{FleetSpec, Frontend, MODEL, PRESETS, Stack, get_json};
 use crate::workload::Doks;
 
 pub mod replay;
@@ -383,14 +383,6 @@ struct Snapshot {
     draining: bool,
     /// The model's entry.
     timing: Value,
-}
-
-fn get_json(addr: SocketAddr, path: &str) -> Result<Value> {
-    let r = http_request(addr, "GET", path, &[], b"")?;
-    if r.status != 200 {
-        bail!("GET {path}: {}", r.status);
-    }
-    Ok(serde_json::from_slice(&r.body)?)
 }
 
 /// Runs every preset and writes the result file and plots.

@@ -196,6 +196,12 @@ struct SweepArgs {
     /// again); a row is the median of its runs, which it also lists.
     #[arg(long, default_value_t = 1)]
     repeats: usize,
+    /// Poll the control plane's `/admin/timing` every this many wall ms
+    /// while each cell runs, into the cell's `timing-polls.json` (the
+    /// prices `kv` routed with over the run). 0: off. The polls cost CPU:
+    /// read prices from such a run, not latencies.
+    #[arg(long, default_value_t = 0)]
+    timing_polls_ms: u64,
 }
 
 impl SweepArgs {
@@ -226,6 +232,8 @@ struct Sweep {
     measure_s: f64,
     cpu_limit: f64,
     repeats: usize,
+    /// `--timing-polls-ms`, when on.
+    timing_polls: Option<Duration>,
     commit: String,
     machine: String,
     stamp: u64,
@@ -262,6 +270,7 @@ impl Sweep {
             measure_s,
             cpu_limit: a.cpu_limit,
             repeats: a.repeats,
+            timing_polls: (a.timing_polls_ms > 0).then(|| Duration::from_millis(a.timing_polls_ms)),
             commit,
             machine,
             stamp,
@@ -294,7 +303,11 @@ impl Sweep {
                     let dir = self.run_dir.join(format!("{tag}-{}", self.stamp)).join(name);
                     let mut stack = Stack::start(&dir, &self.fleet, front)
                         .with_context(|| format!("starting the stack for {mode}"))?;
+                    let polls = self.timing_polls.and_then(|i| stack.poll_timing(i));
                     let (run, row) = cell(self, &load, &stack, &mode, level)?;
+                    if let Some(p) = polls {
+                        p.finish(&dir)?;
+                    }
                     stack.check().with_context(|| format!("{mode} at {level}: a process of the stack died"))?;
                     stack.save_diagnostics(&dir);
                     drop(stack);
@@ -413,7 +426,7 @@ impl Sweep {
 /// A cell's line in the sweep's log.
 fn print_row(row: &stats::Row) {
     println!(
-        "   {:>3} {:<19} TTFT p50 {:>7.0} p95 {:>7.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} % (oracle {:>5.1} %)  n {}  errors {}  CPU {:.0} %{}",
+        "   {:>3} {:<19} TTFT p50 {:>7.0} p95 {:>7.0} ms  ITL {:>5.1} ms  E2E {:>5.1} s  {:>5.0} tok/s  hit {:>5.1} % (oracle {:>5.1} %){}  n {}  errors {}  CPU {:.0} %{}",
         row.concurrency,
         row.mode,
         row.ttft_p50_ms,
@@ -423,6 +436,7 @@ fn print_row(row: &stats::Row) {
         row.output_tok_per_s,
         row.hit_rate * 100.0,
         row.oracle_hit_rate * 100.0,
+        row.moved.map_or_else(String::new, |m| format!("  moved {m}")),
         row.requests,
         row.errors,
         row.host_cpu * 100.0,

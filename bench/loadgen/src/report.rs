@@ -156,14 +156,14 @@ pub fn all_modes(rows: &[Row], level: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| {level} | mode | TTFT p50 / p90 / p95 / p99 ms | ITL p50 / p95 ms | E2E p50 / p95 s | out tok/s | req/s | hit (oracle) | mispredicted | skew / spread p95 / max waiting | errors | host CPU |"
+        "| {level} | mode | TTFT p50 / p90 / p95 / p99 ms | ITL p50 / p95 ms | E2E p50 / p95 s | out tok/s | req/s | hit (oracle) | mispredicted | moved follow-ups | skew / spread p95 / max waiting | errors | host CPU |"
     );
-    let _ = writeln!(s, "|---:|---|---|---|---|---:|---:|---|---:|---|---:|---:|");
+    let _ = writeln!(s, "|---:|---|---|---|---|---:|---:|---|---:|---:|---|---:|---:|");
     for c in levels(rows) {
         for r in rows.iter().filter(|r| r.concurrency == c) {
             let _ = writeln!(
                 s,
-                "| {c} | {} | {:.0} / {:.0} / {:.0} / {:.0} | {:.1} / {:.1} | {:.1} / {:.1} | {:.0} | {:.2} | {:.1} % ({:.1} %) | {} | {:.2} / {:.0} / {:.0} | {} | {:.0} %{} |",
+                "| {c} | {} | {:.0} / {:.0} / {:.0} / {:.0} | {:.1} / {:.1} | {:.1} / {:.1} | {:.0} | {:.2} | {:.1} % ({:.1} %) | {} | {} | {:.2} / {:.0} / {:.0} | {} | {:.0} %{} |",
                 r.mode,
                 r.ttft_p50_ms,
                 r.ttft_p90_ms,
@@ -179,6 +179,10 @@ pub fn all_modes(rows: &[Row], level: &str) -> String {
                 r.oracle_hit_rate * 100.0,
                 match (r.mispredicted, r.predicted) {
                     (Some(m), Some(p)) => format!("{m} of {p}"),
+                    _ => "–".to_owned(),
+                },
+                match (r.moved, r.follow_ups) {
+                    (Some(m), Some(n)) => format!("{m} of {n}"),
                     _ => "–".to_owned(),
                 },
                 r.load_skew_mean,

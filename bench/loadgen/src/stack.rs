@@ -26,6 +26,37 @@ use kvgate_testkit::{
 
 pub use crate::runner::MODEL;
 
+/// A GET of `path` on `addr` whose answer is JSON (200 only).
+pub fn get_json(addr: SocketAddr, path: &str) -> Result<serde_json::Value> {
+    let r = http_request(addr, "GET", path, &[], b"")?;
+    if r.status != 200 {
+        bail!("GET {path}: {}", r.status);
+    }
+    Ok(serde_json::from_slice(&r.body)?)
+}
+
+/// The control plane's `/admin/timing` polled while a cell runs
+/// ([`Stack::poll_timing`]): the prices `kv` routed with over the run, not
+/// only at its end (`timing.json`). The polls cost CPU (on a 2-core VM
+/// host CPU ~30 → ~50 % at 2 a second): read prices from such a run, not
+/// its latencies.
+pub struct TimingPolls {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<serde_json::Value>>,
+}
+
+impl TimingPolls {
+    /// Stops polling and writes every poll to `dir/timing-polls.json`:
+    /// `[{t, timing}]`, `t` seconds from the first poll, `timing` the
+    /// endpoint's whole answer.
+    pub fn finish(self, dir: &Path) -> Result<()> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let polls = self.thread.join().map_err(|_| anyhow::anyhow!("the timing poller panicked"))?;
+        std::fs::write(dir.join("timing-polls.json"), serde_json::to_vec(&polls)?)?;
+        Ok(())
+    }
+}
+
 /// The simulated fleet.
 #[derive(Debug, Clone)]
 pub struct FleetSpec {
@@ -732,6 +763,26 @@ impl Stack {
             self.check()?;
             Ok(http_request(front, "GET", "/v1/models", &[], b"").is_ok_and(|r| r.status == 200))
         })
+    }
+
+    /// Polls the control plane's `/admin/timing` every `interval` on a
+    /// thread of its own until [`TimingPolls::finish`]; `None` for a mode
+    /// without a kvgate control plane.
+    pub fn poll_timing(&self, interval: Duration) -> Option<TimingPolls> {
+        let admin = self.cp_admin?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let (t0, mut polls) = (Instant::now(), Vec::new());
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(v) = get_json(admin, "/admin/timing") {
+                    polls.push(serde_json::json!({"t": t0.elapsed().as_secs_f64(), "timing": v}));
+                }
+                std::thread::sleep(interval);
+            }
+            polls
+        });
+        Some(TimingPolls { stop, thread })
     }
 
     /// Saves the control plane's own view (its metrics and workers) and

@@ -86,6 +86,16 @@ pub struct Row {
     /// Requests routed for a believed cached prefix (the denominator).
     #[serde(default)]
     pub predicted: Option<usize>,
+    /// Later turns of a conversation that a router sent to another worker
+    /// than the turn before ([`moved`]): each leaves the worker holding its
+    /// history and recomputes it. `None` for routers that do not say where
+    /// they sent a request.
+    #[serde(default)]
+    pub moved: Option<usize>,
+    /// Later turns whose turn before went to a known worker (the
+    /// denominator).
+    #[serde(default)]
+    pub follow_ups: Option<usize>,
     /// Mean TTFT at the client (ms, simulated time).
     #[serde(default)]
     pub ttft_mean_ms: f64,
@@ -210,6 +220,28 @@ fn mispredicted(ok: &[&&Record], oracle: Oracle<'_>, block: u64) -> Option<(usiz
     Some((believed, wrong))
 }
 
+/// (later turns whose turn before went to a known worker, of which the
+/// router sent to another worker) over the `ok` records, `None` when no
+/// record carries a route. A turn's worker is the one its route names,
+/// whether the prefix or load decided; the turn before is looked up among
+/// every record, inside the window or not.
+fn moved(records: &[Record], ok: &[&&Record]) -> Option<(usize, usize)> {
+    fn named(r: &Record) -> Option<&str> {
+        r.route.as_ref().map(|x| x.worker.as_str()).filter(|w| !w.is_empty())
+    }
+    let worker: std::collections::HashMap<(u64, usize), &str> =
+        records.iter().filter_map(|r| Some(((r.conv, r.turn), named(r)?))).collect();
+    if worker.is_empty() {
+        return None;
+    }
+    let pairs = ok.iter().filter(|r| r.turn > 0).filter_map(|r| {
+        let here = named(r)?;
+        let before = *worker.get(&(r.conv, r.turn - 1))?;
+        Some(here != before)
+    });
+    Some(pairs.fold((0, 0), |(n, m), moved| (n + 1, m + usize::from(moved))))
+}
+
 /// The request's tokens before its last segment (what it can share with
 /// earlier requests of a request-level workload), by its share of words.
 fn shared_prefix_tokens(r: &Record, wl: &crate::workload::Requests) -> u64 {
@@ -330,6 +362,7 @@ pub fn summarize(
     };
 
     let predictions = mispredicted(&ok, oracle, block);
+    let moves = moved(&run.records, &ok);
 
     let (m0, m1) = &run.metrics;
     let (dh, dq) =
@@ -378,6 +411,8 @@ pub fn summarize(
         errors: inside.len() - ok.len(),
         mispredicted: predictions.map(|p| p.1),
         predicted: predictions.map(|p| p.0),
+        moved: moves.map(|m| m.1),
+        follow_ups: moves.map(|m| m.0),
         ttft_mean_ms: r3(ttft_mean),
         worker_ttft_mean_ms: r3(if tn > 0.0 { ts / tn * 1e3 } else { 0.0 }),
         requests: inside.len(),
@@ -465,6 +500,8 @@ pub(crate) mod tests {
             errors: 0,
             mispredicted: None,
             predicted: None,
+            moved: None,
+            follow_ups: None,
             ttft_mean_ms: 350.0,
             worker_ttft_mean_ms: 330.0,
             requests: 100,
@@ -668,5 +705,39 @@ pub(crate) mod tests {
         assert_eq!((r.load_skew_mean, r.inflight_spread_p95, r.max_waiting), (1.25, 2.0, 1.0));
         assert!(r.valid);
         assert_eq!(r.cpu_by_role, vec![("envoy".to_owned(), 0.1)]);
+    }
+
+    /// A later turn moved when its route names another worker than the
+    /// turn before's, wherever that one started; turns without a route,
+    /// or whose turn before has none, are not counted.
+    #[test]
+    fn later_turns_sent_to_another_worker_are_counted_as_moved() {
+        let on = |r: Record, w: &str| Record {
+            route: Some(crate::client::Route {
+                reason: "kv".into(),
+                matched_blocks: 0,
+                worker: w.into(),
+                passed_over_blocks: 0,
+            }),
+            ..r
+        };
+        let records = vec![
+            on(rec(1, 0, 0.1, 0.01, 0.5, 100, 10), "w0"),
+            on(rec(1, 1, 1.0, 0.01, 0.5, 200, 10), "w0"),
+            on(rec(1, 2, 2.0, 0.01, 0.5, 300, 10), "w1"),
+            on(rec(2, 0, 1.1, 0.01, 0.5, 100, 10), "w1"),
+            on(rec(2, 1, 2.1, 0.01, 0.5, 200, 10), "w2"),
+            rec(3, 0, 1.2, 0.01, 0.5, 100, 10),
+            on(rec(3, 1, 2.2, 0.01, 0.5, 200, 10), "w2"),
+            on(rec(4, 0, 1.3, 0.01, 0.5, 100, 10), "w0"),
+            rec(4, 1, 2.3, 0.01, 0.5, 200, 10),
+        ];
+        let all: Vec<&Record> = records.iter().collect();
+        let ok: Vec<&&Record> = all.iter().filter(|r| r.start >= 1.0).collect();
+        // Conv 1 turn 1 stayed, turn 2 and conv 2 turn 1 moved; conv 3's
+        // turn before and conv 4's own turn carry no route.
+        assert_eq!(moved(&records, &ok), Some((3, 2)));
+        let unrouted: Vec<Record> = records.into_iter().map(|r| Record { route: None, ..r }).collect();
+        assert_eq!(moved(&unrouted, &[]), None);
     }
 }
