@@ -68,12 +68,12 @@
 //! (beyond, or where they are not known, the line stands in:
 //! [`LINE_BOUND`](price::LINE_BOUND)). The engine times each prefill from
 //! its first scheduled step, so in a burst of cold prompts each counts
-//! the others' chunks: where an
-//! interval's requests shared their steps with more prefill than their
-//! own ([`SHARED_MAX`]), the straight line does not learn from it, nor are
-//! the estimates scored on it, and the matched fit learns from it with the
-//! shared prefill (as the gateway saw it) as a term of its own, up to
-//! three times its own ([`SHARED_LEARNED_MAX`]). Half of the calibration's
+//! the others' chunks: where an interval's requests shared their steps
+//! with more prefill than their own ([`SHARED_MAX`]), the straight line
+//! does not learn from it, nor are the estimates scored on it, and the
+//! matched fit learns from it with the shared prefill (as the gateway saw
+//! it) as a term of its own, up to three times its own
+//! ([`SHARED_LEARNED_MAX`]). Half of the calibration's
 //! intervals are crowded, and most of its first ones.
 //!
 //! A prefill step also carries the decodes running beside it, which cost
