@@ -16,6 +16,8 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -41,7 +43,7 @@ pub fn get_json(addr: SocketAddr, path: &str) -> Result<serde_json::Value> {
 /// host CPU ~30 → ~50 % at 2 a second): read prices from such a run, not
 /// its latencies.
 pub struct TimingPolls {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<Vec<serde_json::Value>>,
 }
 
@@ -50,7 +52,7 @@ impl TimingPolls {
     /// `[{t, timing}]`, `t` seconds from the first poll, `timing` the
     /// endpoint's whole answer.
     pub fn finish(self, dir: &Path) -> Result<()> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop.store(true, Ordering::Relaxed);
         let polls = self.thread.join().map_err(|_| anyhow::anyhow!("the timing poller panicked"))?;
         std::fs::write(dir.join("timing-polls.json"), serde_json::to_vec(&polls)?)?;
         Ok(())
@@ -770,11 +772,11 @@ impl Stack {
     /// without a kvgate control plane.
     pub fn poll_timing(&self, interval: Duration) -> Option<TimingPolls> {
         let admin = self.cp_admin?;
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::spawn(move || {
             let (t0, mut polls) = (Instant::now(), Vec::new());
-            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+            while !stopped.load(Ordering::Relaxed) {
                 if let Ok(v) = get_json(admin, "/admin/timing") {
                     polls.push(serde_json::json!({"t": t0.elapsed().as_secs_f64(), "timing": v}));
                 }

@@ -107,6 +107,41 @@ impl Operating {
     }
 }
 
+/// The share of a decode step that one more running request adds (the
+/// decode fit's marginal over its step at the operating point, both read
+/// after each decode observation where the marginal is known), averaged
+/// over about the last thousand. The step at the operating point is well
+/// determined and follows a change of the engine's speed at once; the
+/// marginal is the difference of nearly collinear terms under steady
+/// load (a worker's running requests hardly vary), and it wanders: on
+/// `vllm-v1` at concurrency 150 the decode price went 0.12–0.53 ms a
+/// request within one measured window (the preset's linear equivalent is
+/// 0.34; the fit's fixed part 0.4–22 ms), and `kv` moved conversations
+/// as it rose. `kv` prices decode as the step now times this share
+/// ([`EngineFit::marginal`](super::EngineFit::marginal)).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Share(pub(super) Averages<1>);
+
+impl Default for Share {
+    fn default() -> Self {
+        Self(Averages::new(0.001))
+    }
+}
+
+impl Share {
+    /// Adds a share; one not finite or below zero is skipped.
+    pub(super) fn observe(&mut self, share: f64) {
+        if share.is_finite() && share >= 0.0 {
+            self.0.observe([share]);
+        }
+    }
+
+    /// The average, once one is in.
+    pub(super) fn get(&self) -> Option<f64> {
+        (self.0.weight >= 1.0).then_some(self.0.of[0])
+    }
+}
+
 /// Prompts' tokens and their squares, averaged as [`Operating`] (the
 /// matched intervals' means per request; the first tokens' new tokens):
 /// the spread of the prompts a fit saw, along which its rate is read

@@ -126,7 +126,7 @@ mod reading;
 #[cfg(test)]
 mod tests;
 
-use averages::{Clock, Held, Operating, Prompts, Scored, Warm};
+use averages::{Clock, Held, Operating, Prompts, Scored, Share, Warm};
 pub use observation::{Decode, EnginePrefill, FirstToken, MatchedSums, Observation, SHARED_LEARNED_MAX, SHARED_MAX};
 use price::Rates;
 pub use price::{PrefillFrom, Readings, Scores};
@@ -243,6 +243,9 @@ pub struct EngineFit {
     /// (exponential averages): the operating point at which one more
     /// request's step cost is read from the decode fit.
     operating: Operating,
+    /// The share of the step one more running request adds, averaged
+    /// ([`Share`]): how `kv` prices decode.
+    share: Share,
     /// The matched intervals' computed tokens per request: the range of
     /// prompts along which the matched fit's rate is read.
     prompts: Prompts,
@@ -284,6 +287,7 @@ impl EngineFit {
             matched,
             clock: Clock::default(),
             operating: Operating::default(),
+            share: Share::default(),
             prompts: Prompts::default(),
             warm: Warm::default(),
             first_prompts: Prompts::default(),
@@ -348,6 +352,9 @@ impl EngineFit {
         let used = o.itl_ms > 0.0 && self.decode.observe(o.features(), o.itl_ms);
         if used {
             self.operating.observe(o);
+            if let Some((marginal, step)) = self.marginal_and_step() {
+                self.share.observe(marginal.max(0.0) / step);
+            }
         }
         self.updated_if(used)
     }

@@ -148,7 +148,6 @@ impl EngineFit {
     /// prefill rate must be positive; the decode rate is at least 0.
     pub(super) fn rates_now(&self) -> Rates {
         let p_prior = self.prior.prefill_ms_per_token * K;
-        let d_prior = self.prior.decode_ms_per_seq * 10.0;
         // The prefill rate, measured twice: from first tokens (whole
         // prompts, but every wait before the first token is in the same
         // number) and from the decode steps that prefill shared (compute
@@ -192,7 +191,6 @@ impl EngineFit {
         let tenth = half.filter(|m| m.se < TENTH * m.mean.abs().max(0.1 * p_prior));
         let (matched, matched_alone) = (q.zip(half).map(|(q, m)| m.scaled(q)), q.zip(tenth).map(|(q, m)| m.scaled(q)));
         let engine_line = q.zip(known_positive(&self.engine, 1, p_prior)).map(|(q, (v, se))| (v * q, se * q));
-        let line = engine_line.filter(|_| self.matched.samples() == 0);
         // The indirect estimates' mean rates over the prompts, as one.
         let (indirect_mean, indirect_from) = match (from_first, from_steps) {
             (Some(a), Some(b)) => (Some(self.weigh(a, b)), PrefillFrom::FirstTokenAndDecode),
@@ -234,15 +232,15 @@ impl EngineFit {
         // they stand beyond [`LINE_BOUND`] of it or are not known. The
         // engine's own rate comes with its own growth (none for the
         // straight line).
+        let line = engine_line.filter(|&(v, _)| {
+            self.matched.samples() == 0 || indirect.is_none_or(|i| !(v / LINE_BOUND..=v * LINE_BOUND).contains(&i.mean))
+        });
         let (price, prefill_from) =
             match (matched.zip(indirect).and_then(|(m, i)| self.blend(m, i)), matched_alone, line) {
                 (Some(b), _, _) => (Some(b), PrefillFrom::EngineMatchedAndIndirect),
                 (None, Some(m), _) => (Some(m), PrefillFrom::EngineMatched),
                 (None, None, Some((v, se))) => (Some(Along::flat(v, se)), PrefillFrom::EnginePrefill),
-                (None, None, None) => match Self::beyond_line(engine_line, indirect) {
-                    Some(l) => (Some(l), PrefillFrom::EnginePrefill),
-                    None => (indirect, indirect_from),
-                },
+                (None, None, None) => (indirect, indirect_from),
             };
         let indirect_only =
             matches!(prefill_from, PrefillFrom::FirstTokenAndDecode | PrefillFrom::FirstToken | PrefillFrom::Decode);
@@ -261,17 +259,17 @@ impl EngineFit {
         } else {
             price.map_or(0.0, |p| p.context / K)
         };
-        // What one more running request adds to a step: its own share of
-        // the per-request term and of the KV-fill term, at the fill per
-        // request the worker has been running at. The two terms are nearly
-        // collinear under steady load (fill grows with the requests), so
-        // each alone wanders while their sum along the data stays put.
-        let marginal = [0.0, 1.0, 10.0 * self.operating.fill_per_request(), 0.0, 0.0];
-        let (dv, dve) = (self.decode.predict(&marginal), self.decode.predict_stderr(&marginal));
+        // What one more running request adds to a step, as `kv` prices it:
+        // the step at the operating point now times the share of it one
+        // more request added on average ([`Share`](super::averages::Share)), where the decode
+        // fit's marginal is known ([`EngineFit::marginal`]).
+        let decode = self.marginal().map(|(dv, dve)| {
+            let d = self.share.get().zip(self.step_now()).map_or(dv.max(0.0), |(share, step)| share * step);
+            (d / 10.0, dve / 10.0)
+        });
         Rates {
             prefill,
-            decode: known(dv, dve, self.decode.prior_share_at(&marginal), self.decode.samples(), d_prior)
-                .then(|| (dv.max(0.0) / 10.0, dve / 10.0)),
+            decode,
             growth: (chunk_growth / K, context_growth),
             prefill_from,
             first,
@@ -281,14 +279,31 @@ impl EngineFit {
         }
     }
 
-    /// The engine's straight line (`line`, fit units in the gateway's
-    /// clock), where the indirect estimates' price as one (`indirect`)
-    /// stands more than [`LINE_BOUND`] times from it either way, or where
-    /// they are not known (a measured line before a rate held from
-    /// earlier); `None` within the bound or without a known line.
-    fn beyond_line(line: Option<(f64, f64)>, indirect: Option<Along>) -> Option<Along> {
-        let (v, se) = line?;
-        indirect.is_none_or(|i| !(v / LINE_BOUND..=v * LINE_BOUND).contains(&i.mean)).then(|| Along::flat(v, se))
+    /// What one more running request adds to a decode step (fit units:
+    /// ms per ten requests) with its standard error, where known: its own
+    /// share of the per-request term and of the KV-fill term, at the fill
+    /// per request the worker has been running at.
+    pub(super) fn marginal(&self) -> Option<(f64, f64)> {
+        let marginal = [0.0, 1.0, 10.0 * self.operating.fill_per_request(), 0.0, 0.0];
+        let (dv, dve) = (self.decode.predict(&marginal), self.decode.predict_stderr(&marginal));
+        let d_prior = self.prior.decode_ms_per_seq * 10.0;
+        known(dv, dve, self.decode.prior_share_at(&marginal), self.decode.samples(), d_prior).then_some((dv, dve))
+    }
+
+    /// The decode step at the operating point (the decode observations'
+    /// mean running requests and KV fill, no prefill in the step), where
+    /// above zero.
+    fn step_now(&self) -> Option<f64> {
+        let [fill, running] = self.operating.0.of;
+        let step = self.decode.predict(&[1.0, running / 10.0, fill, 0.0, 0.0]);
+        (step.is_finite() && step > 0.0 && self.operating.0.weight >= 1.0).then_some(step)
+    }
+
+    /// [`EngineFit::marginal`]'s value and the step now
+    /// ([`EngineFit::step_now`]), where both are known: their ratio is the
+    /// share [`Share`](super::averages::Share) averages.
+    pub(super) fn marginal_and_step(&self) -> Option<(f64, f64)> {
+        self.marginal().map(|(dv, _)| dv).zip(self.step_now())
     }
 
     /// The matched fit's price and the indirect estimates', as one: weighed

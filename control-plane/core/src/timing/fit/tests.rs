@@ -923,3 +923,45 @@ fn the_decode_part_of_a_prefill_step_is_read_at_its_first_token() {
     assert!(worst.0 < 0.05, "the prefill alone is {:.1} % off", worst.0 * 100.0);
     assert!(worst.1 > 0.10, "without the decode part {:.1} % off", worst.1 * 100.0);
 }
+
+/// Steady load: every worker runs about fifty requests, so the step's
+/// cost per request and its fixed part are nearly collinear, and a cost
+/// the features do not hold (here one that comes and goes with the load,
+/// as the prompts behind a busy worker's requests do) moves the decode
+/// fit's marginal with it while the step stays well predicted. `kv`
+/// prices decode as the step now times the marginal's share averaged
+/// over the run ([`Share`]), which moves far less.
+#[test]
+fn the_decode_price_under_steady_load_is_the_steps_averaged_share() {
+    let mut fit = EngineFit::new(PRIOR);
+    let mut rng = fastrand::Rng::with_seed(12);
+    // 0.3 ms a request on 8 ms: a ramp, where the requests vary, first.
+    let step = |r: f64| 8.0 + 0.3 * r;
+    for _ in 0..300 {
+        let r = rng.f64() * 60.0;
+        let d = window(r, r * 0.01, 0.0);
+        assert!(fit.observe_decode(&Decode { itl_ms: step(r) + noise(&mut rng, 0.2), ..d }));
+    }
+    let (mut priced, mut own) = ((f64::MAX, f64::MIN), (f64::MAX, f64::MIN));
+    let widen = |(lo, hi): (f64, f64), v: f64| (lo.min(v), hi.max(v));
+    for i in 0..3_000 {
+        // The requests swing by three every hundred observations, and the
+        // unseen cost swings with them, one way for four hundred, then
+        // the other.
+        let swing = (std::f64::consts::TAU * f64::from(i) / 100.0).sin();
+        let r = 50.0 + 3.0 * swing;
+        let d = window(r, r * 0.01, 0.0);
+        let unseen = if (i / 400) % 2 == 0 { 0.6 * swing } else { -0.6 * swing };
+        assert!(fit.observe_decode(&Decode { itl_ms: step(r) + unseen + noise(&mut rng, 0.2), ..d }));
+        priced = widen(priced, fit.timing().decode_ms_per_seq);
+        own = widen(own, fit.marginal().map_or(f64::NAN, |(v, _)| v / 10.0));
+    }
+    assert!(
+        own.0 < 0.3 * 0.6 && own.1 > 0.3 * 1.4,
+        "the fit's own marginal, {own:?}, hardly moved: the test shows nothing"
+    );
+    // The price moves a third as far, and stays within 40 % of the
+    // engine's (the share's average keeps some of the swing's bias).
+    assert!(priced.1 - priced.0 < (own.1 - own.0) / 3.0, "priced {priced:?} against the fit's {own:?}");
+    assert!(priced.0 > 0.3 * 0.6 && priced.1 < 0.3 * 1.4, "priced {priced:?} ms a request, the engine's 0.3");
+}
