@@ -114,10 +114,10 @@ impl Operating {
 /// determined and follows a change of the engine's speed at once; the
 /// marginal is the difference of nearly collinear terms under steady
 /// load (a worker's running requests hardly vary), and it wanders: on
-/// `vllm-v1` at concurrency 150 the decode price went 0.12–0.53 ms a
-/// request within one measured window (the preset's linear equivalent is
-/// 0.34; the fit's fixed part 0.4–22 ms), and `kv` moved conversations
-/// as it rose. `kv` prices decode as the step now times this share
+/// `vllm-v1` at concurrency 150 the decode price went 0.41 → 0.12 ms a
+/// request within one measured window and 0.53 just after (the preset's
+/// linear equivalent is 0.34; the fit's fixed part 0.4–22 ms), and `kv`
+/// moved conversations as it rose. `kv` prices decode as the step now times this share
 /// ([`EngineFit::marginal`](super::EngineFit::marginal)).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Share(pub(super) Averages<1>);
