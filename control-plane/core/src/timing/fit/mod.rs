@@ -92,9 +92,13 @@
 //! adds (the decode observations' mean fill over their mean running
 //! requests). Under steady load the two terms are nearly collinear, so each
 //! alone wandered (on `hetero`'s H100 class at concurrency 180 the
-//! per-request term went from 0.045 to 0.017 ms in one run) while their
-//! sum along the data stays put (0.037–0.046 ms; the formula's marginal
-//! 0.042).
+//! per-request term went from 0.045 to 0.017 ms in one run), and with the
+//! fixed part their sum wandered too (on `vllm-v1` at 150, 0.41 → 0.12 ms
+//! within one window). `kv` prices it as the step at the operating point
+//! now times the share of that step one more request added, averaged over
+//! about the last thousand decode observations ([`Share`](averages::Share)):
+//! the step follows a change of the engine's speed at once, the share is
+//! what the data pin down poorly.
 //!
 //! A rate a fit is no longer sure of (it forgot it after a detected change,
 //! or the traffic stopped varying the way that pins it down) is held: at
@@ -109,8 +113,8 @@
 //! |---|---|
 //! | `mod.rs` | [`EngineFit`]: its fits, learning from each observation, and the timing `kv` reads |
 //! | `observation.rs` | [`Observation`] and its kinds: what the fits learn from (a journal's records) |
-//! | `averages.rs` | the running averages beside the coefficients: the engine's clock, the operating point, the prompts and warm requests seen, the estimates' scores |
-//! | `price.rs` | the prefill price: which estimates are known, scoring them on matched intervals, weighing them ([`PrefillFrom`], [`Readings`]) |
+//! | `averages.rs` | the running averages beside the coefficients: the engine's clock, the operating point, the decode step's share per request, the prompts and warm requests seen, the estimates' scores |
+//! | `price.rs` | the prices: prefill (which estimates are known, scoring them on matched intervals, weighing them: [`PrefillFrom`], [`Readings`]) and decode (the step now times its averaged share) |
 //! | `reading.rs` | reading a fit: when a coefficient is known, a rate read along the prompts or at the warm choice |
 //! | `tests.rs` | unit and property tests |
 

@@ -1,5 +1,6 @@
-//! The prefill price `kv` uses: which estimates are known, how the
-//! matched engine intervals score them, and how they are weighed.
+//! The prices `kv` uses. Prefill: which estimates are known, how the
+//! matched engine intervals score them, and how they are weighed. Decode:
+//! the step at the operating point times its averaged share per request.
 
 use serde::Serialize;
 
