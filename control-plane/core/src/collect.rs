@@ -251,6 +251,10 @@ fn timing_rows(s: &mut Sheet, c: &crate::timing::Calibration, l: LabelsOf<'_>) {
             let help = "Control-plane milliseconds per engine millisecond, from the two sides' inter-token times (about 1 for a real engine; a simulator's speed-up).";
             s.gauge_f64("kvgate_engine_timing_clock_ratio", help, l(&[("class", class)]), ratio);
         }
+        if let Some(share) = fit.decode_share() {
+            let help = "Share of the decode step at the operating point that one more running request adds, averaged over about the last thousand decodes; kv prices decode as the step now times it.";
+            s.gauge_f64("kvgate_engine_timing_decode_share", help, l(&[("class", class)]), share);
+        }
         for (param, v) in fit.timing().params() {
             let help = "Engine timing the kv policy uses for the class (learned, or the prior until trusted).";
             s.gauge_f64("kvgate_engine_timing_used", help, l(&[("class", class), ("param", param)]), v);

@@ -118,7 +118,9 @@ impl Operating {
 /// request within one measured window and 0.53 just after (the preset's
 /// linear equivalent is 0.34; the fit's fixed part 0.4–22 ms), and `kv`
 /// moved conversations as it rose. `kv` prices decode as the step now times this share
-/// ([`EngineFit::marginal`](super::EngineFit::marginal)).
+/// ([`EngineFit::marginal`](super::EngineFit::marginal)). Kept per ten requests (the
+/// decode fit's unit); exported per request
+/// ([`EngineFit::decode_share`](super::EngineFit::decode_share)).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Share(pub(super) Averages<1>);
 

@@ -336,6 +336,7 @@ impl EngineFit {
             "engine_prefill": self.engine_prefill(),
             "engine_matched": self.engine_matched(),
             "clock_ratio": self.clock_ratio(),
+            "decode_share": self.decode_share(),
             "used": used,
             "prefill_from": self.prefill_from(),
             "readings": self.readings(),
@@ -600,6 +601,14 @@ impl EngineFit {
     /// Control-plane ms per engine ms, once measured (see [`Clock`]).
     pub fn clock_ratio(&self) -> Option<f64> {
         self.clock.ratio()
+    }
+
+    /// The share of the decode step at the operating point that one more
+    /// running request adds, averaged ([`Share`]; it is kept per ten
+    /// requests, the decode fit's unit): `kv` prices decode as the step now
+    /// times it. `None` before the decode fit's marginal is known.
+    pub fn decode_share(&self) -> Option<f64> {
+        self.share.get().map(|s| s / 10.0)
     }
 }
 

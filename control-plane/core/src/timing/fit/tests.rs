@@ -964,4 +964,9 @@ fn the_decode_price_under_steady_load_is_the_steps_averaged_share() {
     // engine's (the share's average keeps some of the swing's bias).
     assert!(priced.1 - priced.0 < (own.1 - own.0) / 3.0, "priced {priced:?} against the fit's {own:?}");
     assert!(priced.0 > 0.3 * 0.6 && priced.1 < 0.3 * 1.4, "priced {priced:?} ms a request, the engine's 0.3");
+    // The admin API and the metrics show the share: 0.3 on a step of about
+    // 23 ms at 50 requests is about 1.3 %.
+    let share = fit.decode_share();
+    assert!(share.is_some_and(|s| (0.008..0.018).contains(&s)), "share {share:?}");
+    assert_eq!(fit.admin_json()["decode_share"].as_f64(), share);
 }
