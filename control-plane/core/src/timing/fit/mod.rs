@@ -139,6 +139,11 @@ use reading::{Along, by_misses, finite_nonneg};
 /// Thousand.
 const K: f64 = 1000.0;
 
+/// Running requests per unit of the first-token and decode fits' running
+/// terms: their coefficients, the decode marginal and its share are per ten
+/// requests.
+const TEN: f64 = 10.0;
+
 /// Starting values of a fit, from the model's configuration: priors, not
 /// truths.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -225,8 +230,8 @@ pub const ENGINE_MATCHED_PARAMS: [&str; 6] = [
 /// Scales from a coefficient on scaled features back to the name's units.
 const ENGINE_PREFILL_SCALE: [f64; 2] = [1.0, 1.0 / K];
 const ENGINE_MATCHED_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 1.0];
-const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 0.1];
-const DECODE_SCALE: [f64; 5] = [1.0, 0.1, 1.0, 1.0 / K, 1.0 / K];
+const FIRST_TOKEN_SCALE: [f64; 6] = [1.0, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / K, 1.0 / TEN];
+const DECODE_SCALE: [f64; 5] = [1.0, 1.0 / TEN, 1.0, 1.0 / K, 1.0 / K];
 
 /// Fewer samples than this and the fit is not trusted over the prior.
 pub const MIN_SAMPLES: u64 = 20;
@@ -278,7 +283,7 @@ impl EngineFit {
     /// deviations).
     pub fn new(prior: Prior) -> Self {
         let p = prior.prefill_ms_per_token * K;
-        let d = prior.decode_ms_per_seq * 10.0;
+        let d = prior.decode_ms_per_seq * TEN;
         let first = Rls::new([50.0, p, 0.0, 0.0, p, d], [500.0, 5.0 * p, 2.0 * p, 2.0 * p, 5.0 * p, 5.0 * d], 50.0);
         let decode = Rls::new([10.0, d, 0.0, p, 0.0], [50.0, 5.0 * d, 50.0, 5.0 * p, 2.0 * p], 5.0);
         let engine = Rls::new([20.0, p], [500.0, 5.0 * p], 50.0);
@@ -608,7 +613,7 @@ impl EngineFit {
     /// requests, the decode fit's unit): `kv` prices decode as the step now
     /// times it. `None` before the decode fit's marginal is known.
     pub fn decode_share(&self) -> Option<f64> {
-        self.share.get().map(|s| s / 10.0)
+        self.share.get().map(|s| s / TEN)
     }
 }
 

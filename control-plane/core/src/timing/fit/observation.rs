@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::K;
+use super::{K, TEN};
 
 /// One observation, as [`EngineFit::apply`](super::EngineFit::apply) learns from it: what a
 /// journal of a class's observations holds ([`Calibration::journal_take`](super::super::Calibration::journal_take)),
@@ -55,7 +55,7 @@ pub struct FirstToken {
 impl FirstToken {
     pub(super) fn features(&self) -> [f64; 6] {
         let n = self.new_tokens / K;
-        [1.0, n, n * n, n * self.cached_tokens / K, self.ahead_tokens / K, self.running / 10.0]
+        [1.0, n, n * n, n * self.cached_tokens / K, self.ahead_tokens / K, self.running / TEN]
     }
 }
 
@@ -81,7 +81,7 @@ pub struct Decode {
 impl Decode {
     pub(super) fn features(&self) -> [f64; 5] {
         let f = self.kv_fill.clamp(0.0, 1.0);
-        [1.0, self.running / 10.0, f, self.prefill_tokens_per_step / K, self.prefill_context_per_step / (K * K)]
+        [1.0, self.running / TEN, f, self.prefill_tokens_per_step / K, self.prefill_context_per_step / (K * K)]
     }
 }
 

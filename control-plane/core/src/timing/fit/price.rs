@@ -8,7 +8,7 @@ use super::reading::{
     Along, HALF, QUARTER, TENTH, along, by_misses, by_precision, clearly_positive, compared, known, known_positive,
     shrunk,
 };
-use super::{EngineFit, EnginePrefill, K, MatchedSums};
+use super::{EngineFit, EnginePrefill, K, MatchedSums, TEN};
 
 /// How far the indirect prefill estimates may stand from the engine's own
 /// straight line before the line stands in for them, while the matched fit
@@ -266,7 +266,7 @@ impl EngineFit {
         // fit's marginal is known ([`EngineFit::marginal`]).
         let decode = self.marginal().map(|(dv, dve)| {
             let d = self.share.get().zip(self.step_now()).map_or(dv.max(0.0), |(share, step)| share * step);
-            (d / 10.0, dve / 10.0)
+            (d / TEN, dve / TEN)
         });
         Rates {
             prefill,
@@ -285,9 +285,9 @@ impl EngineFit {
     /// share of the per-request term and of the KV-fill term, at the fill
     /// per request the worker has been running at.
     pub(super) fn marginal(&self) -> Option<(f64, f64)> {
-        let marginal = [0.0, 1.0, 10.0 * self.operating.fill_per_request(), 0.0, 0.0];
+        let marginal = [0.0, 1.0, TEN * self.operating.fill_per_request(), 0.0, 0.0];
         let (dv, dve) = (self.decode.predict(&marginal), self.decode.predict_stderr(&marginal));
-        let d_prior = self.prior.decode_ms_per_seq * 10.0;
+        let d_prior = self.prior.decode_ms_per_seq * TEN;
         known(dv, dve, self.decode.prior_share_at(&marginal), self.decode.samples(), d_prior).then_some((dv, dve))
     }
 
@@ -296,7 +296,7 @@ impl EngineFit {
     /// above zero.
     fn step_now(&self) -> Option<f64> {
         let [fill, running] = self.operating.0.of;
-        let step = self.decode.predict(&[1.0, running / 10.0, fill, 0.0, 0.0]);
+        let step = self.decode.predict(&[1.0, running / TEN, fill, 0.0, 0.0]);
         (step.is_finite() && step > 0.0 && self.operating.0.weight >= 1.0).then_some(step)
     }
 
