@@ -90,6 +90,22 @@ pub enum Timing {
     },
 }
 
+/// Where a preset's marginal costs are read ([`Timing::linear_equivalent`]):
+/// a workload's typical prompt and decode on one worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OperatingPoint {
+    /// Tokens of context already computed before a prefill chunk.
+    pub context: f64,
+    /// New tokens of the chunk.
+    pub chunk: f64,
+    /// Tokens of KV a decoding request holds and reads.
+    pub decode_context: f64,
+    /// Decoding requests on the worker.
+    pub running: f64,
+    /// The worker's KV cache, tokens.
+    pub capacity_tokens: f64,
+}
+
 /// What a step computed: the input of every timing model.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepShape {
@@ -240,22 +256,31 @@ impl Timing {
     }
 
     /// The preset's marginal costs at an operating point, in the form of
-    /// the router's two linear constants: ms per prefill token of a chunk
-    /// of `chunk` tokens after `context` computed ones, and ms each
-    /// decoding request at `decode_context` tokens of context adds to a
-    /// step (0 where the preset's decode time does not grow with requests:
-    /// `dynamo-mocker`'s depends on KV fill only). For the benchmark's
-    /// `kv_true_constants` mode, the one place a router is told a preset.
-    pub fn linear_equivalent(&self, context: f64, chunk: f64, decode_context: f64) -> (f64, f64) {
+    /// the router's two linear constants: ms each more prefill token of a
+    /// chunk adds (a chunk of `op.chunk` tokens after `op.context` computed
+    /// ones), and ms each more decoding request adds to a step. A fixed cost
+    /// per step (a base, `dynamo-mocker`'s 16.5 ms per prefill step) is not
+    /// marginal: every candidate of a choice pays it alike. For the
+    /// benchmark's `kv_true_constants` mode, the one place a router is told
+    /// a preset.
+    ///
+    /// A decoding request adds its own token's work and the KV it holds:
+    /// `vllm-v1` reads its `op.decode_context` tokens of KV every step;
+    /// `dynamo-mocker`'s step grows with the KV fill `p` only, and one more
+    /// request adds `op.decode_context / op.capacity_tokens` to it, at the
+    /// formula's slope where `op.running` such requests fill the cache.
+    pub fn linear_equivalent(&self, op: &OperatingPoint) -> (f64, f64) {
         match *self {
             Timing::Linear { per_seq_ms, per_prefill_token_ms, .. } => (per_prefill_token_ms, per_seq_ms),
             Timing::DynamoMocker => {
-                let t = chunk.max(1.0);
-                ((4.21e-7 * t * t + 0.01518 * t + 16.5) / t, 0.0)
+                let share = if op.capacity_tokens > 0.0 { op.decode_context / op.capacity_tokens } else { 0.0 };
+                let p = (op.running * share).clamp(0.0, 1.0);
+                let slope = (54.01 - 2.0 * 25.74 * p).max(0.0);
+                (2.0 * 4.21e-7 * op.chunk.max(0.0) + 0.01518, slope * share)
             }
             Timing::Roofline { per_seq_ms, per_decode_ktok_ms, per_prefill_token_ms, per_prefill_mpair_ms, .. } => (
-                per_prefill_token_ms + per_prefill_mpair_ms * (context + (chunk + 1.0) / 2.0) / 1e6,
-                per_seq_ms + per_decode_ktok_ms * decode_context / 1000.0,
+                per_prefill_token_ms + per_prefill_mpair_ms * (op.context + (op.chunk + 1.0) / 2.0) / 1e6,
+                per_seq_ms + per_decode_ktok_ms * op.decode_context / 1000.0,
             ),
         }
     }

@@ -1,7 +1,7 @@
 //! The engine's batching and timing.
 
 use kvgate_sim::engine::{Engine, EngineConfig, Output, Request};
-use kvgate_sim::timing::Timing;
+use kvgate_sim::timing::{OperatingPoint, Timing};
 
 fn engine(max_num_seqs: usize, num_blocks: usize) -> Engine {
     Engine::new(EngineConfig {
@@ -226,14 +226,31 @@ fn a_slowdown_scales_every_step() {
 
 #[test]
 fn linear_equivalents_are_the_presets_marginal_costs() {
+    let op = OperatingPoint {
+        context: 5_000.0,
+        chunk: 900.0,
+        decode_context: 5_500.0,
+        running: 40.0,
+        capacity_tokens: 368_000.0,
+    };
     let h200 = Timing::preset("h200-llama70b-fp8").unwrap();
-    assert_eq!(h200.linear_equivalent(5_000.0, 900.0, 5_500.0), (0.08, 0.65));
-    let (p, d) = Timing::preset("vllm-v1").unwrap().linear_equivalent(5_000.0, 900.0, 5_500.0);
+    assert_eq!(h200.linear_equivalent(&op), (0.08, 0.65));
+    let (p, d) = Timing::preset("vllm-v1").unwrap().linear_equivalent(&op);
     // 0.0325 ms of matmuls + 1.06e-6 ms × 5,450 pairs per token; 0.0325 +
     // 0.0559 × 5.5 ms per decoding request.
     assert!((p - 0.0383).abs() < 0.001 && (d - 0.34).abs() < 0.01, "{p} {d}");
-    let (p, d) = Timing::preset("dynamo-mocker").unwrap().linear_equivalent(0.0, 1_000.0, 0.0);
-    assert!((p - (4.21e-4 + 0.01518 + 0.0165)).abs() < 1e-9 && d == 0.0, "{p} {d}");
+    // The prefill formula's slope at 900 tokens, without its 16.5 ms per
+    // step; decode: 40 requests of 5,500 tokens fill 59.8 % of the cache,
+    // where the step grows 54.01 − 51.48 × 0.598 = 23.2 ms per unit of
+    // fill, and one request adds 1.49 % of it.
+    let dm = Timing::preset("dynamo-mocker").unwrap();
+    let (p, d) = dm.linear_equivalent(&op);
+    assert!((p - (2.0 * 4.21e-7 * 900.0 + 0.01518)).abs() < 1e-12, "{p}");
+    assert!((d - 0.347).abs() < 0.001, "{d}");
+    // Both are what one more token or request adds to a step.
+    let step = |tokens: usize, running: f64| dm.step_ms(1, tokens, running * op.decode_context / op.capacity_tokens);
+    assert!(((step(901, 40.0) - step(900, 40.0)) - p).abs() < 1e-6);
+    assert!(((step(900, 40.5) - step(900, 39.5)) - d).abs() < 1e-3);
 }
 
 /// With a host tier, a prompt evicted from the device is loaded back: its
