@@ -90,6 +90,11 @@ pub enum Timing {
     },
 }
 
+/// `dynamo-mocker`'s prefill step, `a·T² + b·T + c` ms for `T` new tokens.
+const DM_PREFILL: [f64; 3] = [4.21e-7, 0.01518, 16.5];
+/// `dynamo-mocker`'s decode step, `a·p² + b·p + c` ms at KV fill `p`.
+const DM_DECODE: [f64; 3] = [-25.74, 54.01, 5.74];
+
 /// Where a preset's marginal costs are read ([`Timing::linear_equivalent`]):
 /// a workload's typical prompt and decode on one worker.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -247,9 +252,11 @@ impl Timing {
             }
             Timing::DynamoMocker => {
                 let t = prefill_tokens as f64;
-                let prefill = if prefill_tokens > 0 { 4.21e-7 * t * t + 0.01518 * t + 16.5 } else { 0.0 };
+                let [pa, pb, pc] = DM_PREFILL;
+                let prefill = if prefill_tokens > 0 { pa * t * t + pb * t + pc } else { 0.0 };
                 let p = kv_fill.clamp(0.0, 1.0);
-                let decode = if decode_seqs > 0 { (-25.74 * p * p + 54.01 * p + 5.74).max(1.0) } else { 0.0 };
+                let [da, db, dc] = DM_DECODE;
+                let decode = if decode_seqs > 0 { (da * p * p + db * p + dc).max(1.0) } else { 0.0 };
                 (prefill + decode).max(if decode_seqs + prefill_tokens > 0 { 1.0 } else { 0.0 })
             }
         }
@@ -275,8 +282,8 @@ impl Timing {
             Timing::DynamoMocker => {
                 let share = if op.capacity_tokens > 0.0 { op.decode_context / op.capacity_tokens } else { 0.0 };
                 let p = (op.running * share).clamp(0.0, 1.0);
-                let slope = (54.01 - 2.0 * 25.74 * p).max(0.0);
-                (2.0 * 4.21e-7 * op.chunk.max(0.0) + 0.01518, slope * share)
+                let slope = (2.0 * DM_DECODE[0] * p + DM_DECODE[1]).max(0.0);
+                (2.0 * DM_PREFILL[0] * op.chunk.max(0.0) + DM_PREFILL[1], slope * share)
             }
             Timing::Roofline { per_seq_ms, per_decode_ktok_ms, per_prefill_token_ms, per_prefill_mpair_ms, .. } => (
                 per_prefill_token_ms + per_prefill_mpair_ms * (op.context + (op.chunk + 1.0) / 2.0) / 1e6,
