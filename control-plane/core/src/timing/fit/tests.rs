@@ -1,4 +1,4 @@
-use super::reading::{HALF, QUARTER, TENTH, along, clearly_positive, compared};
+use super::reading::{HALF, QUARTER, TENTH, Terms, along, clearly_positive, compared};
 use super::*;
 use proptest::prelude::*;
 
@@ -969,4 +969,31 @@ fn the_decode_price_under_steady_load_is_the_steps_averaged_share() {
     let share = fit.decode_share();
     assert!(share.is_some_and(|s| (0.008..0.018).contains(&s)), "share {share:?}");
     assert_eq!(fit.admin_json()["decode_share"].as_f64(), share);
+}
+
+/// A context term below zero within two standard errors counts as zero:
+/// the price keeps its terms however surely the rest is known. The numbers
+/// are `dynamo-mocker`'s matched fit at the request where the price went
+/// flat (fit units: ms per 1,000 tokens, per 1,000 tokens of chunk or of
+/// context), read at a warm turn of 900 new after 5,900 cached tokens.
+#[test]
+fn a_context_term_within_its_noise_of_zero_does_not_flatten_the_price() {
+    let (n, c) = (0.9, 5.9);
+    let price = |t: Terms| {
+        let v = t.rate + 2.0 * n * t.growth + (c - n) * t.context;
+        let own = t.rate + 2.0 * n * t.growth + (c - n) * t.context.max(0.0);
+        (v, own)
+    };
+    let noise = Terms { rate: 15.42, growth: 0.45, context: -0.57, context_se: 0.39 };
+    let (v, own) = price(noise);
+    // The price at the warm turn is known to ±1.0; the context moves it by 2.9.
+    assert!((own - v).abs() > 1.0);
+    assert!(noise.price_by_terms(own, v, 1.0), "within 1.5 standard errors of zero: priced by its terms");
+    // Clearly below zero, and moving the price by more than its error: flat.
+    let clear = Terms { context_se: 0.1, ..noise };
+    assert!(!clear.price_by_terms(own, v, 1.0));
+    // Clearly below zero but within the price's error: its terms.
+    assert!(clear.price_by_terms(own, v, 3.0));
+    // A growth below zero: flat, whatever the context.
+    assert!(!Terms { growth: -0.1, ..noise }.price_by_terms(own, v, 3.0));
 }
