@@ -119,15 +119,17 @@ pub const A100_40GB_LLAMA8B_BLOCKS: usize = 4_038;
 /// turns resend a history of ~3,750–6,400 tokens (mean ~5,000) of which the
 /// last answer and the follow-up (~900 tokens) are new; decoding requests
 /// hold and attend to ~5,500 tokens; 40 of them run on each worker (the
-/// sweep's middle level, 120 conversations on three workers). The KV
-/// capacity is the fleet's ([`FleetSpec::true_constants`]).
-pub const DOKS_OPERATING_POINT: kvgate_sim::timing::OperatingPoint = kvgate_sim::timing::OperatingPoint {
-    context: 5_000.0,
-    chunk: 900.0,
-    decode_context: 5_500.0,
-    running: 40.0,
-    capacity_tokens: 0.0,
-};
+/// sweep's middle level, 120 conversations on three workers), on a worker
+/// whose KV cache holds `capacity_tokens`.
+pub fn doks_operating_point(capacity_tokens: f64) -> kvgate_sim::timing::OperatingPoint {
+    kvgate_sim::timing::OperatingPoint {
+        context: 5_000.0,
+        chunk: 900.0,
+        decode_context: 5_500.0,
+        running: 40.0,
+        capacity_tokens,
+    }
+}
 
 impl FleetSpec {
     /// The DOKS demo's fleet (REFERENCE-RESULTS.md §A): 3× H200 with
@@ -189,8 +191,7 @@ impl FleetSpec {
         let t = kvgate_sim::timing::Timing::preset(&self.timing)
             .with_context(|| format!("no timing preset {:?}", self.timing))?;
         let capacity_tokens = (self.num_blocks as f64) * f64::from(self.block_size);
-        let op = kvgate_sim::timing::OperatingPoint { capacity_tokens, ..DOKS_OPERATING_POINT };
-        let (p, s) = t.linear_equivalent(&op);
+        let (p, s) = t.linear_equivalent(&doks_operating_point(capacity_tokens));
         Ok(vec![
             "learn_timing = false".into(),
             format!("prefill_ms_per_token = {p}"),

@@ -90,10 +90,30 @@ pub enum Timing {
     },
 }
 
-/// `dynamo-mocker`'s prefill step, `a·T² + b·T + c` ms for `T` new tokens.
-const DM_PREFILL: [f64; 3] = [4.21e-7, 0.01518, 16.5];
-/// `dynamo-mocker`'s decode step, `a·p² + b·p + c` ms at KV fill `p`.
-const DM_DECODE: [f64; 3] = [-25.74, 54.01, 5.74];
+/// A quadratic `a·x² + b·x + c`, the shape of `dynamo-mocker`'s formulas.
+#[derive(Debug, Clone, Copy)]
+struct Quadratic {
+    a: f64,
+    b: f64,
+    c: f64,
+}
+
+impl Quadratic {
+    /// The value at `x`.
+    fn at(self, x: f64) -> f64 {
+        self.a * x * x + self.b * x + self.c
+    }
+
+    /// The slope at `x`, `2a·x + b`.
+    fn slope(self, x: f64) -> f64 {
+        2.0 * self.a * x + self.b
+    }
+}
+
+/// `dynamo-mocker`'s prefill step in ms for `T` new tokens.
+const DM_PREFILL: Quadratic = Quadratic { a: 4.21e-7, b: 0.01518, c: 16.5 };
+/// `dynamo-mocker`'s decode step in ms at KV fill `p`.
+const DM_DECODE: Quadratic = Quadratic { a: -25.74, b: 54.01, c: 5.74 };
 
 /// Where a preset's marginal costs are read ([`Timing::linear_equivalent`]):
 /// a workload's typical prompt and decode on one worker.
@@ -251,12 +271,9 @@ impl Timing {
                 base_ms + per_seq_ms * decode_seqs as f64 + per_prefill_token_ms * prefill_tokens as f64
             }
             Timing::DynamoMocker => {
-                let t = prefill_tokens as f64;
-                let [pa, pb, pc] = DM_PREFILL;
-                let prefill = if prefill_tokens > 0 { pa * t * t + pb * t + pc } else { 0.0 };
+                let prefill = if prefill_tokens > 0 { DM_PREFILL.at(prefill_tokens as f64) } else { 0.0 };
                 let p = kv_fill.clamp(0.0, 1.0);
-                let [da, db, dc] = DM_DECODE;
-                let decode = if decode_seqs > 0 { (da * p * p + db * p + dc).max(1.0) } else { 0.0 };
+                let decode = if decode_seqs > 0 { DM_DECODE.at(p).max(1.0) } else { 0.0 };
                 (prefill + decode).max(if decode_seqs + prefill_tokens > 0 { 1.0 } else { 0.0 })
             }
         }
@@ -282,8 +299,8 @@ impl Timing {
             Timing::DynamoMocker => {
                 let share = if op.capacity_tokens > 0.0 { op.decode_context / op.capacity_tokens } else { 0.0 };
                 let p = (op.running * share).clamp(0.0, 1.0);
-                let slope = (2.0 * DM_DECODE[0] * p + DM_DECODE[1]).max(0.0);
-                (2.0 * DM_PREFILL[0] * op.chunk.max(0.0) + DM_PREFILL[1], slope * share)
+                let slope = DM_DECODE.slope(p).max(0.0);
+                (DM_PREFILL.slope(op.chunk.max(0.0)), slope * share)
             }
             Timing::Roofline { per_seq_ms, per_decode_ktok_ms, per_prefill_token_ms, per_prefill_mpair_ms, .. } => (
                 per_prefill_token_ms + per_prefill_mpair_ms * (op.context + (op.chunk + 1.0) / 2.0) / 1e6,
