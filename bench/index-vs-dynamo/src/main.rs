@@ -27,6 +27,11 @@
 //!   allocator), divided by the resident (block, worker) pairs;
 //! * agreement: for every lookup, both must report the same overlap per
 //!   worker (else the comparison would be meaningless).
+//!
+//! `--only-kvgate N` is a profiling aid: it replays only kvgate's one-shard
+//! ingest N times (for `perf` or `valgrind`), then once more with every
+//! event timed (stores against removals) and the stored blocks hashed alone,
+//! and writes no result.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -95,6 +100,9 @@ struct Args {
     batch: usize,
     repeats: usize,
     out: String,
+    /// Profiling aid: only replay kvgate's one-shard ingest this many
+    /// times, print its times and write no result.
+    only_kvgate: usize,
 }
 
 fn parse_args() -> Result<Args> {
@@ -110,6 +118,7 @@ fn parse_args() -> Result<Args> {
         batch: 1024,
         repeats: 5,
         out: "bench/results/index-vs-dynamo.json".into(),
+        only_kvgate: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -126,6 +135,7 @@ fn parse_args() -> Result<Args> {
             "--batch" => a.batch = v.parse::<usize>()?.max(1),
             "--repeats" => a.repeats = v.parse::<usize>()?.max(1),
             "--out" => a.out = v,
+            "--only-kvgate" => a.only_kvgate = v.parse()?,
             _ => bail!("unknown flag {k}"),
         }
     }
@@ -328,6 +338,10 @@ fn ingest_dynamo(
     Ok((dynamo, s, cpu, (live() - before) as f64))
 }
 
+/// The last round's indexes, kept for memory and lookups: kvgate's index,
+/// its workers and live bytes, Dynamo's indexer and its live bytes.
+type Kept = (Index, Vec<kvgate_index::WorkerIdx>, f64, ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, f64);
+
 fn main() -> Result<()> {
     let a = parse_args()?;
     let bs = BlockSize::new(a.block_size)?;
@@ -339,14 +353,43 @@ fn main() -> Result<()> {
     // ---- ingest, A/B alternated `repeats` times (Dynamo's two index
     // threads make its wall time vary run to run); the medians are reported,
     // and the last pair of indexes is kept for memory and lookups ----
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     let names: Vec<String> = (0..a.workers).map(|w| format!("worker-{w}")).collect();
+    if a.only_kvgate > 0 {
+        for round in 0..a.only_kvgate {
+            let (_, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1)?;
+            eprintln!("round {round}: kvgate one shard ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
+        }
+        // The same replay with each event timed: stores against removals.
+        let mut ours = Index::new(IndexConfig { shards: 1, ..IndexConfig::new(bs) });
+        let idx: Vec<_> = names.iter().map(|n| ours.add_worker(n)).collect();
+        let (mut st, mut rm) = (0f64, 0f64);
+        for op in &trace.ops {
+            let (w, ev) = to_event(op, &idx, a.block_size);
+            let t = Instant::now();
+            ours.apply(w, &ev).map_err(|e| anyhow::anyhow!("kvgate skipped an event: {e}"))?;
+            match op {
+                Op::Store { .. } => st += t.elapsed().as_secs_f64(),
+                Op::Remove { .. } => rm += t.elapsed().as_secs_f64(),
+            }
+        }
+        let t = Instant::now();
+        let mut sink = 0u64;
+        for op in &trace.ops {
+            if let Op::Store { tokens, .. } = op {
+                sink ^= sequence_hashes(tokens, bs, BlockSeed::BASE).last().map_or(0, |h| h.0);
+            }
+        }
+        eprintln!("hashing the stored blocks alone: {:.1} ns/block ({sink:x})", t.elapsed().as_secs_f64() * 1e9 / trace.stored_blocks as f64);
+        eprintln!("timed: stores {st:.3} s ({:.1} ns/block), removals {rm:.3} s ({:.1} ns/block)", st * 1e9 / trace.stored_blocks as f64, rm * 1e9 / trace.removed_blocks as f64);
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     let mut ours_runs: Vec<(f64, f64)> = Vec::new();
     let mut one_runs: Vec<(f64, f64, f64)> = Vec::new();
     // The last one-shard index, for lookups beside the sharded one.
     let mut kept_one: Option<Index> = None;
     let mut dyn_runs: Vec<(f64, f64)> = Vec::new();
-    let mut kept: Option<(Index, Vec<kvgate_index::WorkerIdx>, f64, ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, f64)> = None;
+    let mut kept: Option<Kept> = None;
     for round in 0..a.repeats {
         kept_one = None;
         if let Some((o, _, _, d, _)) = kept.take() {

@@ -255,6 +255,8 @@ impl Engine {
     /// have grown, the same size when stale buckets filled it). At the same
     /// size the table is cleared in place: a new one would be fresh pages
     /// the kernel zeroes on first touch.
+    #[cold]
+    #[inline(never)]
     fn rebuild(&mut self) {
         let mut bits = MIN_BUCKETS.trailing_zeros();
         while self.len * 8 > (3usize << bits) && bits < 32 {
@@ -323,6 +325,7 @@ impl Engine {
 
     /// Stores `entry` where `at`, a probe of its engine hash that found
     /// nothing, taken since the table last changed, says it goes.
+    #[inline]
     pub(crate) fn insert_at(&mut self, at: Probe, entry: Entry) -> u32 {
         let slot = match self.free.pop() {
             Some(s) => s,
@@ -337,7 +340,18 @@ impl Engine {
         };
         let (p, i) = split(slot);
         if let Some(e) = self.pages.get_mut(p).and_then(|page| page.get_mut(i)) {
-            *e = entry;
+            // Field by field: a whole-struct copy loads the entry back from
+            // the stack in 16-byte pieces, which the CPU cannot forward
+            // from the narrower stores that built it; the load then waits
+            // for every older store to reach the cache.
+            let Entry { engine, loc, parent, born, children, refs, has_parent } = entry;
+            e.engine = engine;
+            e.loc = loc;
+            e.parent = parent;
+            e.born = born;
+            e.children = children;
+            e.refs = refs;
+            e.has_parent = has_parent;
         }
         if let Some(x) = self.buckets.get_mut(at.bucket) {
             *x = Bucket { tag: at.tag, slot };

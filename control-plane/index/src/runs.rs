@@ -142,6 +142,7 @@ impl Runs {
     /// (`None`: the first block of a chain), created when absent. `parent`
     /// must be a position the caller holds. `rest`: blocks of the chain from
     /// this one on, room for which a run that grows is given at once.
+    #[inline]
     pub(crate) fn place(&mut self, parent: Option<Loc>, seq: SequenceHash, rest: usize) -> Loc {
         let held =
             parent.and_then(|p| Some((p, self.runs.get(p.run as usize).filter(|r| (p.off as usize) < r.len())?)));
@@ -244,6 +245,7 @@ impl Runs {
         }
     }
 
+    #[inline]
     fn slot_mut(&mut self, loc: Loc, tier: Tier) -> Option<(&mut WorkerSet, &mut ManySets)> {
         let run = self.runs.get_mut(loc.run as usize)?;
         let off = loc.off as usize;
@@ -261,6 +263,7 @@ impl Runs {
     }
 
     /// Adds `w` to the holders of `loc` in `tier`; false when it was there.
+    #[inline]
     pub(crate) fn add(&mut self, loc: Loc, tier: Tier, w: WorkerIdx) -> bool {
         let Some((set, many)) = self.slot_mut(loc, tier) else { return false };
         if *set == WorkerSet::EMPTY {
@@ -275,6 +278,7 @@ impl Runs {
 
     /// Removes `w` from the holders of `loc` in `tier`. A block left with
     /// no holder is trimmed at the next [`Runs::trim`] if it can be.
+    #[inline]
     pub(crate) fn remove(&mut self, loc: Loc, tier: Tier, w: WorkerIdx) {
         let Some((set, many)) = self.slot_mut(loc, tier) else { return };
         if *set == WorkerSet::EMPTY || many.remove(set, w).is_some() {

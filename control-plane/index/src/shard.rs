@@ -223,29 +223,24 @@ impl Shard {
     /// Applies one event of worker `w`. A skipped event changes nothing but
     /// the counters (and, for [`Skip::UnknownParent`], the resync mark).
     pub(crate) fn apply(&mut self, w: WorkerIdx, event: &KvEvent<'_>) -> Result<(), Skip> {
-        if self.slot(w).is_none() {
-            self.counters.skipped_unknown_worker += 1;
-            return Err(Skip::UnknownWorker);
-        }
-        let r = match event {
-            KvEvent::Stored(s) => self.apply_stored(w, s),
-            KvEvent::Removed { engine_hashes, tier } => {
-                let mut hint = Hint::default();
-                for (i, h) in engine_hashes.iter().enumerate() {
-                    let found = self.hinted(w, *tier, *h, hint);
-                    if found.is_none() {
-                        self.prefetch_removal(w, *tier, engine_hashes, i);
-                    }
-                    hint = self.remove_ref(w, *tier, *h, found);
+        let r = match self.held(w) {
+            None => Err(Skip::UnknownWorker),
+            Some(mut held) => match event {
+                KvEvent::Stored(s) => held.apply_stored(s),
+                KvEvent::Removed { engine_hashes, tier } => {
+                    held.apply_removed(engine_hashes, *tier);
+                    Ok(())
                 }
-                Ok(())
-            }
-            KvEvent::Cleared => {
-                self.clear_worker(w);
-                self.counters.clears += 1;
-                Ok(())
-            }
+                KvEvent::Cleared => {
+                    held.clear();
+                    held.counters.clears += 1;
+                    Ok(())
+                }
+            },
         };
+        if matches!(event, KvEvent::Stored(s) if s.tier == Tier::Device) && r.is_ok() {
+            self.enforce_capacity(w);
+        }
         match r {
             Ok(()) => self.counters.events_applied += 1,
             Err(Skip::Malformed) => self.counters.skipped_malformed += 1,
@@ -257,290 +252,26 @@ impl Shard {
         r
     }
 
-    fn apply_stored(&mut self, w: WorkerIdx, s: &Stored<'_>) -> Result<(), Skip> {
-        let bs = self.config.block_size;
-        if s.block_size != bs.get() {
-            return Err(Skip::BlockSize { got: s.block_size, want: bs.get() });
-        }
-        if s.engine_hashes.is_empty() || s.token_ids.len() != s.engine_hashes.len() * bs.as_usize() {
-            return Err(Skip::Malformed);
-        }
-        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else {
-            return Err(Skip::UnknownWorker);
-        };
-        let (mut prev, mut prev_loc) = match s.parent {
-            None => (None, None),
-            Some(p) => {
-                let held = worker.engine.iter().find_map(|m| m.find(p).and_then(|s| m.get(s))).map(|e| e.loc);
-                match held.and_then(|loc| Some((self.runs.hash(loc)?, loc))) {
-                    Some((seq, loc)) => (Some(seq), Some(loc)),
-                    None => {
-                        worker.needs_resync = true;
-                        return Err(Skip::UnknownParent);
-                    }
-                }
-            }
-        };
-        let mut seqs = std::mem::take(&mut self.seq_scratch);
-        seqs.clear();
-        for block in s.token_ids.chunks_exact(bs.as_usize()) {
-            let seq = next_sequence_hash(prev, local_block_hash(block, s.seed));
-            seqs.push(seq);
-            prev = Some(seq);
-        }
-        let mut parent = s.parent;
-        let mut parent_slot = None;
-        for (i, (h, seq)) in s.engine_hashes.iter().zip(&seqs).enumerate() {
-            self.prefetch_store(w, s.tier, s.engine_hashes, i);
-            let rest = seqs.len() - i;
-            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot, parent_loc: prev_loc, rest };
-            // Unreachable `else`: the worker and its tier exist.
-            let Some((slot, loc)) = self.store_ref(w, s.tier, block, s.origin) else { break };
-            (parent_slot, prev_loc) = (Some(slot), Some(loc));
-            parent = Some(*h);
-        }
-        self.seq_scratch = seqs;
-        if s.tier == Tier::Device {
-            self.enforce_capacity(w);
-        }
-        Ok(())
-    }
-
-    /// Software pipeline of a removal batch, run before removing block
-    /// `i` when no [`Hint`] found it (at the start of an event, and where
-    /// a removal batch leaves a chain or follows no stored order): the bucket of block `i + 3L` is prefetched, the entry of block
-    /// `i + 2L` (its bucket is in by now), and the prefix-tree block of
-    /// block `i + L` (its entry is in by now), L = [`LOOKAHEAD`]. By the time
-    /// a block is removed, the three dependent misses of its removal have
-    /// been started one after the other, overlapping with other blocks' work.
-    #[inline]
-    fn prefetch_removal(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], i: usize) {
-        let Some(map) = self.slot(w).and_then(|s| s.engine.get(tier.idx())) else { return };
-        for j in ahead(i, 3 * LOOKAHEAD, hashes.len()) {
-            map.prefetch_bucket(hashes[j]);
-        }
-        for j in ahead(i, 2 * LOOKAHEAD, hashes.len()) {
-            map.prefetch_entry(hashes[j]);
-        }
-        for j in ahead(i, LOOKAHEAD, hashes.len()) {
-            if let Some(e) = map.prefetch_entry(hashes[j]).and_then(|slot| map.get(slot)) {
-                self.runs.prefetch(e.loc, tier);
-            }
-        }
-    }
-
-    /// Prefetch for a stored chain, run before storing block `i`: the
-    /// engine bucket of block `i + L` and the free slot its entry will
-    /// probably take (the prefix tree is walked in memory order).
-    #[inline]
-    fn prefetch_store(&self, w: WorkerIdx, tier: Tier, hashes: &[u64], i: usize) {
-        let Some(map) = self.slot(w).and_then(|s| s.engine.get(tier.idx())) else { return };
-        for j in ahead(i, LOOKAHEAD, hashes.len()) {
-            map.prefetch_bucket(hashes[j]);
-            map.prefetch_free(j - i);
-        }
-    }
-
-    /// Adds a reference to `block`; returns its entry's slot and its place.
-    fn store_ref(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, origin: Origin) -> Option<(u32, Loc)> {
-        let NewBlock { engine, seq, .. } = block;
-        let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
-        let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
-        let map = worker.engine.get_mut(tier.idx())?;
-        let probe = map.probe(engine);
-        let mut vacant = Some(probe);
-        if let Some(slot) = probe.slot
-            && let Some(e) = map.get_mut(slot)
-        {
-            if self.runs.hash(e.loc) == Some(seq) {
-                match origin {
-                    Origin::Reused => self.counters.reused_reports += 1,
-                    _ if e.refs >= max_refs => self.counters.refs_capped += 1,
-                    _ => {
-                        e.refs += 1;
-                        self.counters.blocks_stored += 1;
-                    }
-                }
-                return Some((slot, e.loc));
-            }
-            // Same engine hash, other content: replace the old entry.
-            self.counters.hash_conflicts += 1;
-            self.remove_entry(w, tier, slot, Some(probe));
-            vacant = None;
-        }
-        let slot = self.insert_entry(w, tier, block, vacant);
-        if origin == Origin::Reused {
-            self.counters.reused_reports += 1;
-        } else {
-            self.counters.blocks_stored += 1;
-        }
-        slot
-    }
-
-    /// Creates a worker's entry and its membership, with parent accounting;
-    /// returns its slot and place. `vacant`: the probe that found its engine
-    /// hash absent, when the table has not changed since (saves a second
-    /// probe).
-    fn insert_entry(&mut self, w: WorkerIdx, tier: Tier, block: NewBlock, vacant: Option<Probe>) -> Option<(u32, Loc)> {
-        let NewBlock { engine, seq, parent, parent_slot, parent_loc, rest } = block;
-        let loc = self.runs.place(parent_loc, seq, rest);
-        let t = tier.idx();
-        let worker = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
-        let born = worker.tick();
-        let (Some(map), Some(holes), Some(unreliable)) =
-            (worker.engine.get_mut(t), worker.holes.get_mut(t), worker.holes_unreliable.get_mut(t))
-        else {
-            return None;
-        };
-        // The parent's slot: the hint when it still holds the parent's
-        // engine hash, else a lookup.
-        let pslot = parent
-            .and_then(|p| parent_slot.filter(|s| map.get(*s).is_some_and(|e| e.engine == p)).or_else(|| map.find(p)));
-        match pslot.and_then(|s| map.get_mut(s)) {
-            Some(pe) => match pe.children.checked_add(1) {
-                Some(c) => pe.children = c,
-                None => *unreliable = true,
-            },
-            None if parent.is_some() => *holes += 1,
-            None => {}
-        }
-        let entry = Entry {
-            engine,
-            loc,
-            parent: pslot.unwrap_or(NO_SLOT),
-            born,
-            children: 0,
-            refs: 1,
-            has_parent: parent.is_some(),
-        };
-        let slot = match vacant {
-            Some(at) => map.insert_at(at, entry),
-            None => map.insert(entry),
-        };
-        self.add_membership(w, tier, loc, seq);
-        Some((slot, loc))
-    }
-
-    /// Deletes a worker's entry (all references) and its membership, with
-    /// parent/child accounting: its held children become holes; it stops
-    /// being its parent's child, or a hole.
-    ///
-    /// `found`: the probe that found it, when the table has not changed
-    /// since (saves a second probe).
-    fn remove_entry(&mut self, w: WorkerIdx, tier: Tier, slot: u32, found: Option<Probe>) -> bool {
-        let t = tier.idx();
-        let Some(worker) = self.workers.get_mut(w.0 as usize).and_then(Option::as_mut) else { return false };
-        let (Some(map), Some(holes)) = (worker.engine.get_mut(t), worker.holes.get_mut(t)) else { return false };
-        let removed = match found {
-            Some(at) if at.slot == Some(slot) => map.remove_at(at),
-            _ => map.remove(slot),
-        };
-        let Some(e) = removed else { return false };
-        *holes += u64::from(e.children);
-        if e.has_parent {
-            match map.get_mut(e.parent) {
-                // Its original parent (older than it): it was counted there.
-                Some(pe) if pe.born < e.born => pe.children = pe.children.saturating_sub(1),
-                // Parent gone, reborn later, or never in this tier: it was a hole.
-                _ => *holes = holes.saturating_sub(1),
-            }
-        }
-        self.drop_membership(w, tier, e.loc);
-        true
-    }
-
-    /// The slot of `engine` if one of `hint`'s guesses holds it (checked by
-    /// engine hash).
-    fn hinted(&self, w: WorkerIdx, tier: Tier, engine: u64, hint: Hint) -> Option<u32> {
-        let map = self.slot(w)?.engine.get(tier.idx())?;
-        [hint.parent, hint.after, hint.before]
-            .into_iter()
-            .flatten()
-            .find(|s| map.get(*s).is_some_and(|e| e.engine == engine))
-    }
-
-    /// Drops one reference to `engine`; `found`: its slot, when a hint
-    /// found it (else it is probed for). Returns the guesses for the next
-    /// removal of the batch.
-    fn remove_ref(&mut self, w: WorkerIdx, tier: Tier, engine: u64, found: Option<u32>) -> Hint {
-        let Some(map) =
-            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.engine.get_mut(tier.idx()))
-        else {
-            return Hint::default();
-        };
-        let (slot, probe) = match found {
-            Some(slot) => (slot, None),
-            None => {
-                let probe = map.probe(engine);
-                let Some(slot) = probe.slot else {
-                    self.counters.unknown_removals += 1;
-                    return Hint::default();
-                };
-                (slot, Some(probe))
-            }
-        };
-        let Some(e) = map.get_mut(slot) else { return Hint::default() };
-        self.counters.blocks_removed += 1;
-        let hint = Hint {
-            parent: (e.has_parent && e.parent != NO_SLOT).then_some(e.parent),
-            after: slot.checked_add(1),
-            before: slot.checked_sub(1),
-        };
-        if e.refs > 1 {
-            e.refs -= 1;
-            return hint;
-        }
-        self.remove_entry(w, tier, slot, probe);
-        hint
-    }
-
-    /// Records that `w` holds `seq` (at `loc`) under one more engine hash.
-    fn add_membership(&mut self, w: WorkerIdx, tier: Tier, loc: Loc, seq: SequenceHash) {
-        if !self.runs.add(loc, tier, w)
-            && let Some(aliases) = self.slot_mut(w).and_then(|s| s.aliases.get_mut(tier.idx()))
-        {
-            *aliases.entry(seq).or_insert(0) += 1;
-        }
-    }
-
-    /// Records that `w` holds the block at `loc` under one engine hash fewer.
-    fn drop_membership(&mut self, w: WorkerIdx, tier: Tier, loc: Loc) {
-        if let Some(aliases) =
-            self.workers.get_mut(w.0 as usize).and_then(Option::as_mut).and_then(|s| s.aliases.get_mut(tier.idx()))
-            && !aliases.is_empty()
-            && let Some(seq) = self.runs.hash(loc)
-            && let MapEntry::Occupied(mut a) = aliases.entry(seq)
-        {
-            *a.get_mut() -= 1;
-            if *a.get() == 0 {
-                a.remove();
-            }
-            return;
-        }
-        self.runs.remove(loc, tier, w);
+    /// Worker `w` with the shard's prefix tree and counters, borrowed
+    /// apart: what applying one of its events touches.
+    fn held(&mut self, w: WorkerIdx) -> Option<Held<'_>> {
+        let Self { config, runs, workers, counters, seq_scratch, .. } = self;
+        let worker = workers.get_mut(w.0 as usize).and_then(Option::as_mut)?;
+        Some(Held { w, worker, runs, counters, config, seqs: seq_scratch })
     }
 
     fn clear_worker(&mut self, w: WorkerIdx) {
-        let Some(worker) = self.slot_mut(w) else { return };
-        let maps: Vec<Engine> = worker.engine.iter_mut().map(std::mem::take).collect();
-        for a in &mut worker.aliases {
-            a.clear();
-        }
-        worker.holes = [0; 2];
-        worker.holes_unreliable = [false; 2];
-        for (tier, map) in Tier::ALL.iter().zip(maps) {
-            for (_, e) in map.iter() {
-                self.runs.remove(e.loc, *tier, w);
-            }
+        if let Some(mut held) = self.held(w) {
+            held.clear();
         }
     }
 
     /// Trims a worker's device blocks to its capacity, oldest first, down to
     /// 15/16 of it so that trimming is amortized.
     fn enforce_capacity(&mut self, w: WorkerIdx) {
-        let Some(worker) = self.slot(w) else { return };
-        let Some(cap) = worker.capacity else { return };
-        let Some(map) = worker.engine.get(Tier::Device.idx()) else { return };
+        let Some(mut held) = self.held(w) else { return };
+        let Some(cap) = held.worker.capacity else { return };
+        let map = &held.worker.engine[Tier::Device.idx()];
         if map.len() <= cap {
             return;
         }
@@ -552,8 +283,8 @@ impl Shard {
         }
         ages.truncate(excess);
         for (_, slot) in ages {
-            if self.remove_entry(w, Tier::Device, slot, None) {
-                self.counters.capacity_evictions += 1;
+            if held.remove_entry(Tier::Device, slot, None) {
+                held.counters.capacity_evictions += 1;
             }
         }
     }
@@ -758,6 +489,298 @@ impl Shard {
     ) -> Option<(SequenceHash, u16)> {
         let map = self.slot(w)?.engine.get(tier.idx())?;
         map.get(map.find(engine.0)?).and_then(|e| Some((self.runs.hash(e.loc)?, u16::from(e.refs))))
+    }
+}
+
+/// One worker of a shard, with the shard's prefix tree and counters
+/// borrowed beside it: taken once per event ([`Shard::held`]), so that the
+/// work on each block does not look the worker up again.
+struct Held<'a> {
+    w: WorkerIdx,
+    worker: &'a mut Worker,
+    runs: &'a mut Runs,
+    counters: &'a mut Counters,
+    config: &'a IndexConfig,
+    /// The shard's scratch vector for an event's sequence hashes.
+    seqs: &'a mut Vec<SequenceHash>,
+}
+
+impl Held<'_> {
+    fn apply_stored(&mut self, s: &Stored<'_>) -> Result<(), Skip> {
+        let bs = self.config.block_size;
+        if s.block_size != bs.get() {
+            return Err(Skip::BlockSize { got: s.block_size, want: bs.get() });
+        }
+        if s.engine_hashes.is_empty() || s.token_ids.len() != s.engine_hashes.len() * bs.as_usize() {
+            return Err(Skip::Malformed);
+        }
+        let (mut prev, mut prev_loc) = match s.parent {
+            None => (None, None),
+            Some(p) => {
+                let held = self.worker.engine.iter().find_map(|m| m.find(p).and_then(|s| m.get(s))).map(|e| e.loc);
+                match held.and_then(|loc| Some((self.runs.hash(loc)?, loc))) {
+                    Some((seq, loc)) => (Some(seq), Some(loc)),
+                    None => {
+                        self.worker.needs_resync = true;
+                        return Err(Skip::UnknownParent);
+                    }
+                }
+            }
+        };
+        let mut seqs = std::mem::take(self.seqs);
+        seqs.clear();
+        for block in s.token_ids.chunks_exact(bs.as_usize()) {
+            let seq = next_sequence_hash(prev, local_block_hash(block, s.seed));
+            seqs.push(seq);
+            prev = Some(seq);
+        }
+        let max_refs = self.config.max_refs.clamp(1, u16::from(u8::MAX)) as u8;
+        let mut parent = s.parent;
+        let mut parent_slot = None;
+        for (i, (h, seq)) in s.engine_hashes.iter().zip(&seqs).enumerate() {
+            self.prefetch_store(s.tier, s.engine_hashes, i);
+            let rest = seqs.len() - i;
+            let block = NewBlock { engine: *h, seq: *seq, parent, parent_slot, parent_loc: prev_loc, rest };
+            let (slot, loc) = self.store_ref(s.tier, block, s.origin, max_refs);
+            (parent_slot, prev_loc) = (Some(slot), Some(loc));
+            parent = Some(*h);
+        }
+        *self.seqs = seqs;
+        Ok(())
+    }
+
+    fn apply_removed(&mut self, engine_hashes: &[u64], tier: Tier) {
+        let mut hint = Hint::default();
+        for (i, h) in engine_hashes.iter().enumerate() {
+            let found = self.hinted(tier, *h, hint);
+            if found.is_none() {
+                self.prefetch_removal(tier, engine_hashes, i);
+            }
+            hint = self.remove_ref(tier, *h, found);
+        }
+    }
+
+    /// Software pipeline of a removal batch, run before removing block
+    /// `i` when no [`Hint`] found it (at the start of an event, and where
+    /// a removal batch leaves a chain or follows no stored order): the bucket of block `i + 3L` is prefetched, the entry of block
+    /// `i + 2L` (its bucket is in by now), and the prefix-tree block of
+    /// block `i + L` (its entry is in by now), L = [`LOOKAHEAD`]. By the time
+    /// a block is removed, the three dependent misses of its removal have
+    /// been started one after the other, overlapping with other blocks' work.
+    #[inline]
+    fn prefetch_removal(&self, tier: Tier, hashes: &[u64], i: usize) {
+        let map = &self.worker.engine[tier.idx()];
+        for j in ahead(i, 3 * LOOKAHEAD, hashes.len()) {
+            map.prefetch_bucket(hashes[j]);
+        }
+        for j in ahead(i, 2 * LOOKAHEAD, hashes.len()) {
+            map.prefetch_entry(hashes[j]);
+        }
+        for j in ahead(i, LOOKAHEAD, hashes.len()) {
+            if let Some(e) = map.prefetch_entry(hashes[j]).and_then(|slot| map.get(slot)) {
+                self.runs.prefetch(e.loc, tier);
+            }
+        }
+    }
+
+    /// Prefetch for a stored chain, run before storing block `i`: the
+    /// engine bucket of block `i + L` and the free slot its entry will
+    /// probably take (the prefix tree is walked in memory order).
+    #[inline]
+    fn prefetch_store(&self, tier: Tier, hashes: &[u64], i: usize) {
+        let map = &self.worker.engine[tier.idx()];
+        for j in ahead(i, LOOKAHEAD, hashes.len()) {
+            map.prefetch_bucket(hashes[j]);
+            map.prefetch_free(j - i);
+        }
+    }
+
+    /// Adds a reference to `block`; returns its entry's slot and its place.
+    #[inline]
+    fn store_ref(&mut self, tier: Tier, block: NewBlock, origin: Origin, max_refs: u8) -> (u32, Loc) {
+        let NewBlock { engine, seq, .. } = block;
+        let map = &mut self.worker.engine[tier.idx()];
+        let probe = map.probe(engine);
+        let mut vacant = Some(probe);
+        if let Some(slot) = probe.slot
+            && let Some(e) = map.get_mut(slot)
+        {
+            if self.runs.hash(e.loc) == Some(seq) {
+                match origin {
+                    Origin::Reused => self.counters.reused_reports += 1,
+                    _ if e.refs >= max_refs => self.counters.refs_capped += 1,
+                    _ => {
+                        e.refs += 1;
+                        self.counters.blocks_stored += 1;
+                    }
+                }
+                return (slot, e.loc);
+            }
+            // Same engine hash, other content: replace the old entry.
+            self.counters.hash_conflicts += 1;
+            self.remove_entry(tier, slot, Some(probe));
+            vacant = None;
+        }
+        let placed = self.insert_entry(tier, block, vacant);
+        if origin == Origin::Reused {
+            self.counters.reused_reports += 1;
+        } else {
+            self.counters.blocks_stored += 1;
+        }
+        placed
+    }
+
+    /// Creates the worker's entry and its membership, with parent
+    /// accounting; returns its slot and place. `vacant`: the probe that
+    /// found its engine hash absent, when the table has not changed since
+    /// (saves a second probe).
+    #[inline]
+    fn insert_entry(&mut self, tier: Tier, block: NewBlock, vacant: Option<Probe>) -> (u32, Loc) {
+        let NewBlock { engine, seq, parent, parent_slot, parent_loc, rest } = block;
+        let loc = self.runs.place(parent_loc, seq, rest);
+        let t = tier.idx();
+        let born = self.worker.tick();
+        let map = &mut self.worker.engine[t];
+        // The parent's slot: the hint when it still holds the parent's
+        // engine hash, else a lookup.
+        let pslot = parent
+            .and_then(|p| parent_slot.filter(|s| map.get(*s).is_some_and(|e| e.engine == p)).or_else(|| map.find(p)));
+        match pslot.and_then(|s| map.get_mut(s)) {
+            Some(pe) => match pe.children.checked_add(1) {
+                Some(c) => pe.children = c,
+                None => self.worker.holes_unreliable[t] = true,
+            },
+            None if parent.is_some() => self.worker.holes[t] += 1,
+            None => {}
+        }
+        let entry = Entry {
+            engine,
+            loc,
+            parent: pslot.unwrap_or(NO_SLOT),
+            born,
+            children: 0,
+            refs: 1,
+            has_parent: parent.is_some(),
+        };
+        let map = &mut self.worker.engine[t];
+        let slot = match vacant {
+            Some(at) => map.insert_at(at, entry),
+            None => map.insert(entry),
+        };
+        self.add_membership(tier, loc, seq);
+        (slot, loc)
+    }
+
+    /// Deletes the worker's entry (all references) and its membership, with
+    /// parent/child accounting: its held children become holes; it stops
+    /// being its parent's child, or a hole.
+    ///
+    /// `found`: the probe that found it, when the table has not changed
+    /// since (saves a second probe).
+    #[inline]
+    fn remove_entry(&mut self, tier: Tier, slot: u32, found: Option<Probe>) -> bool {
+        let t = tier.idx();
+        let map = &mut self.worker.engine[t];
+        let removed = match found {
+            Some(at) if at.slot == Some(slot) => map.remove_at(at),
+            _ => map.remove(slot),
+        };
+        let Some(e) = removed else { return false };
+        let holes = &mut self.worker.holes[t];
+        *holes += u64::from(e.children);
+        if e.has_parent {
+            match map.get_mut(e.parent) {
+                // Its original parent (older than it): it was counted there.
+                Some(pe) if pe.born < e.born => pe.children = pe.children.saturating_sub(1),
+                // Parent gone, reborn later, or never in this tier: it was a hole.
+                _ => *holes = holes.saturating_sub(1),
+            }
+        }
+        self.drop_membership(tier, e.loc);
+        true
+    }
+
+    /// The slot of `engine` if one of `hint`'s guesses holds it (checked by
+    /// engine hash).
+    #[inline]
+    fn hinted(&self, tier: Tier, engine: u64, hint: Hint) -> Option<u32> {
+        let map = &self.worker.engine[tier.idx()];
+        [hint.parent, hint.after, hint.before]
+            .into_iter()
+            .flatten()
+            .find(|s| map.get(*s).is_some_and(|e| e.engine == engine))
+    }
+
+    /// Drops one reference to `engine`; `found`: its slot, when a hint
+    /// found it (else it is probed for). Returns the guesses for the next
+    /// removal of the batch.
+    #[inline]
+    fn remove_ref(&mut self, tier: Tier, engine: u64, found: Option<u32>) -> Hint {
+        let map = &mut self.worker.engine[tier.idx()];
+        let (slot, probe) = match found {
+            Some(slot) => (slot, None),
+            None => {
+                let probe = map.probe(engine);
+                let Some(slot) = probe.slot else {
+                    self.counters.unknown_removals += 1;
+                    return Hint::default();
+                };
+                (slot, Some(probe))
+            }
+        };
+        let Some(e) = map.get_mut(slot) else { return Hint::default() };
+        self.counters.blocks_removed += 1;
+        let hint = Hint {
+            parent: (e.has_parent && e.parent != NO_SLOT).then_some(e.parent),
+            after: slot.checked_add(1),
+            before: slot.checked_sub(1),
+        };
+        if e.refs > 1 {
+            e.refs -= 1;
+            return hint;
+        }
+        self.remove_entry(tier, slot, probe);
+        hint
+    }
+
+    /// Records that the worker holds `seq` (at `loc`) under one more engine hash.
+    #[inline]
+    fn add_membership(&mut self, tier: Tier, loc: Loc, seq: SequenceHash) {
+        if !self.runs.add(loc, tier, self.w) {
+            *self.worker.aliases[tier.idx()].entry(seq).or_insert(0) += 1;
+        }
+    }
+
+    /// Records that the worker holds the block at `loc` under one engine hash fewer.
+    #[inline]
+    fn drop_membership(&mut self, tier: Tier, loc: Loc) {
+        let aliases = &mut self.worker.aliases[tier.idx()];
+        if !aliases.is_empty()
+            && let Some(seq) = self.runs.hash(loc)
+            && let MapEntry::Occupied(mut a) = aliases.entry(seq)
+        {
+            *a.get_mut() -= 1;
+            if *a.get() == 0 {
+                a.remove();
+            }
+            return;
+        }
+        self.runs.remove(loc, tier, self.w);
+    }
+
+    /// Drops all of the worker's blocks in every tier.
+    fn clear(&mut self) {
+        let maps: Vec<Engine> = self.worker.engine.iter_mut().map(std::mem::take).collect();
+        for a in &mut self.worker.aliases {
+            a.clear();
+        }
+        self.worker.holes = [0; 2];
+        self.worker.holes_unreliable = [false; 2];
+        for (tier, map) in Tier::ALL.iter().zip(maps) {
+            for (_, e) in map.iter() {
+                self.runs.remove(e.loc, *tier, self.w);
+            }
+        }
     }
 }
 
