@@ -266,8 +266,15 @@ fn to_event<'t>(op: &'t Op, idx: &[kvgate_index::WorkerIdx], block_size: u32) ->
 /// Replays the trace into a fresh kvgate index of `shards` shards, in
 /// batches of `a.batch` events (`Index::apply_batch`; one shard applies them
 /// one by one): (index, workers, wall s, CPU s, bytes allocated and still
-/// live).
-fn ingest_ours<'t>(trace: &'t Trace, a: &Args, names: &[String], shards: u16) -> Result<(Index, Vec<kvgate_index::WorkerIdx>, f64, f64, f64)> {
+/// live). With `timed` (one shard only), every event is timed and the
+/// seconds of stores and of removals are added to it.
+fn ingest_ours<'t>(
+    trace: &'t Trace,
+    a: &Args,
+    names: &[String],
+    shards: u16,
+    mut timed: Option<&mut (f64, f64)>,
+) -> Result<(Index, Vec<kvgate_index::WorkerIdx>, f64, f64, f64)> {
     let bs = BlockSize::new(a.block_size)?;
     let before = live();
     let mut ours = Index::new(IndexConfig { shards, ..IndexConfig::new(bs) });
@@ -280,7 +287,14 @@ fn ingest_ours<'t>(trace: &'t Trace, a: &Args, names: &[String], shards: u16) ->
     if shards <= 1 {
         for op in &trace.ops {
             let (w, ev) = event(op);
+            let t = timed.is_some().then(Instant::now);
             ours.apply(w, &ev).map_err(|e| anyhow::anyhow!("kvgate skipped an event: {e}"))?;
+            if let (Some(t), Some((st, rm))) = (t, timed.as_deref_mut()) {
+                match op {
+                    Op::Store { .. } => *st += t.elapsed().as_secs_f64(),
+                    Op::Remove { .. } => *rm += t.elapsed().as_secs_f64(),
+                }
+            }
         }
     } else {
         for ops in trace.ops.chunks(a.batch.max(1)) {
@@ -356,22 +370,13 @@ fn main() -> Result<()> {
     let names: Vec<String> = (0..a.workers).map(|w| format!("worker-{w}")).collect();
     if a.only_kvgate > 0 {
         for round in 0..a.only_kvgate {
-            let (_, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1)?;
+            let (_, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1, None)?;
             eprintln!("round {round}: kvgate one shard ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
         }
         // The same replay with each event timed: stores against removals.
-        let mut ours = Index::new(IndexConfig { shards: 1, ..IndexConfig::new(bs) });
-        let idx: Vec<_> = names.iter().map(|n| ours.add_worker(n)).collect();
-        let (mut st, mut rm) = (0f64, 0f64);
-        for op in &trace.ops {
-            let (w, ev) = to_event(op, &idx, a.block_size);
-            let t = Instant::now();
-            ours.apply(w, &ev).map_err(|e| anyhow::anyhow!("kvgate skipped an event: {e}"))?;
-            match op {
-                Op::Store { .. } => st += t.elapsed().as_secs_f64(),
-                Op::Remove { .. } => rm += t.elapsed().as_secs_f64(),
-            }
-        }
+        let mut timed = (0f64, 0f64);
+        ingest_ours(&trace, &a, &names, 1, Some(&mut timed))?;
+        let (st, rm) = timed;
         let t = Instant::now();
         let mut sink = 0u64;
         for op in &trace.ops {
@@ -398,12 +403,12 @@ fn main() -> Result<()> {
             drop(d);
         }
         if a.shards > 1 {
-            let (one, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1)?;
+            let (one, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1, None)?;
             eprintln!("round {round}: kvgate one shard ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
             one_runs.push((s, cpu, bytes));
             kept_one = Some(one);
         }
-        let (ours, idx, s, cpu, bytes) = ingest_ours(&trace, &a, &names, a.shards)?;
+        let (ours, idx, s, cpu, bytes) = ingest_ours(&trace, &a, &names, a.shards, None)?;
         eprintln!("round {round}: kvgate ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
         ours_runs.push((s, cpu));
         let (dynamo, s, cpu, dbytes) = ingest_dynamo(&rt, &trace, &a)?;

@@ -173,10 +173,10 @@ impl Shard {
     /// Sets the device-block capacity of a worker (from its heartbeats); a
     /// worker holding more is trimmed, oldest stores first.
     pub(crate) fn set_capacity(&mut self, w: WorkerIdx, blocks: Option<usize>) {
-        if let Some(s) = self.slot_mut(w) {
-            s.capacity = blocks;
+        if let Some(mut held) = self.held(w) {
+            held.worker.capacity = blocks;
+            held.enforce_capacity();
         }
-        self.enforce_capacity(w);
         self.runs.trim();
     }
 
@@ -238,9 +238,6 @@ impl Shard {
                 }
             },
         };
-        if matches!(event, KvEvent::Stored(s) if s.tier == Tier::Device) && r.is_ok() {
-            self.enforce_capacity(w);
-        }
         match r {
             Ok(()) => self.counters.events_applied += 1,
             Err(Skip::Malformed) => self.counters.skipped_malformed += 1,
@@ -263,29 +260,6 @@ impl Shard {
     fn clear_worker(&mut self, w: WorkerIdx) {
         if let Some(mut held) = self.held(w) {
             held.clear();
-        }
-    }
-
-    /// Trims a worker's device blocks to its capacity, oldest first, down to
-    /// 15/16 of it so that trimming is amortized.
-    fn enforce_capacity(&mut self, w: WorkerIdx) {
-        let Some(mut held) = self.held(w) else { return };
-        let Some(cap) = held.worker.capacity else { return };
-        let map = &held.worker.engine[Tier::Device.idx()];
-        if map.len() <= cap {
-            return;
-        }
-        let target = cap - cap / 16;
-        let mut ages: Vec<(u32, u32)> = map.iter().map(|(slot, e)| (e.born, slot)).collect();
-        let excess = ages.len() - target;
-        if excess < ages.len() {
-            ages.select_nth_unstable(excess);
-        }
-        ages.truncate(excess);
-        for (_, slot) in ages {
-            if held.remove_entry(Tier::Device, slot, None) {
-                held.counters.capacity_evictions += 1;
-            }
         }
     }
 
@@ -546,7 +520,32 @@ impl Held<'_> {
             parent = Some(*h);
         }
         *self.seqs = seqs;
+        if s.tier == Tier::Device {
+            self.enforce_capacity();
+        }
         Ok(())
+    }
+
+    /// Trims the worker's device blocks to its capacity, oldest first, down
+    /// to 15/16 of it so that trimming is amortized.
+    fn enforce_capacity(&mut self) {
+        let Some(cap) = self.worker.capacity else { return };
+        let map = &self.worker.engine[Tier::Device.idx()];
+        if map.len() <= cap {
+            return;
+        }
+        let target = cap - cap / 16;
+        let mut ages: Vec<(u32, u32)> = map.iter().map(|(slot, e)| (e.born, slot)).collect();
+        let excess = ages.len() - target;
+        if excess < ages.len() {
+            ages.select_nth_unstable(excess);
+        }
+        ages.truncate(excess);
+        for (_, slot) in ages {
+            if self.remove_entry(Tier::Device, slot, None) {
+                self.counters.capacity_evictions += 1;
+            }
+        }
     }
 
     fn apply_removed(&mut self, engine_hashes: &[u64], tier: Tier) {
