@@ -243,9 +243,9 @@ impl Beats {
         }
     }
 
-    /// Every second, until the task is aborted.
-    pub(crate) fn spawn(self) -> tokio::task::JoinHandle<()> {
-        tokio::spawn(async move {
+    /// Every second on `on`, until the task is aborted.
+    pub(crate) fn spawn(self, on: &tokio::runtime::Handle) -> tokio::task::JoinHandle<()> {
+        on.spawn(async move {
             let mut t = tokio::time::interval(Duration::from_secs(1));
             loop {
                 t.tick().await;

@@ -20,9 +20,10 @@
 //! two replicas asked the same request choose alike (`agreement`).
 //!
 //! Everything shares this machine's cores: the client, the fleet's
-//! generator, nats-server and the control plane. The generator's churn
-//! runs on a thread of its own, not on the client's runtime, so that its
-//! work does not delay the answers the client times. Results:
+//! generator, nats-server and the control plane. The generator's churn,
+//! heartbeats and NATS connection run on a runtime of their own (one
+//! thread), not on the client's, so that neither its work nor its socket
+//! writes delay the answers the client times. Results:
 //! `bench/results/scale.json`.
 //!
 //! For an A/B of one step: `--rates 2000` replaces every mix's ladder,
@@ -271,21 +272,23 @@ async fn churn(fleet: &mut Fleet, ops_per_s: u64, stop: tokio::sync::watch::Rece
     sent
 }
 
-/// [`churn`] on a thread of its own (a current-thread runtime): the
-/// generator stands for relays on other machines, so its work must not
-/// queue on the client's runtime and delay the answers the client times.
-/// Returns the fleet and the block operations sent.
-async fn churn_apart(mut fleet: Fleet, ops_per_s: u64, stop: tokio::sync::watch::Receiver<bool>) -> (Fleet, u64) {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("fleet-churn".into())
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("fleet runtime");
-            let ops = rt.block_on(churn(&mut fleet, ops_per_s, stop));
-            let _ = tx.send((fleet, ops));
-        })
-        .expect("fleet thread");
-    rx.await.expect("the fleet thread ended")
+/// [`churn`] on the fleet's runtime (one thread of its own, which also
+/// runs the fleet's NATS connection and heartbeats): the generator stands
+/// for relays on other machines, so neither its work nor its socket writes
+/// may queue on the client's runtime and delay the answers the client
+/// times. Returns the fleet and the block operations sent.
+async fn churn_apart(
+    on: &tokio::runtime::Handle,
+    mut fleet: Fleet,
+    ops_per_s: u64,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> (Fleet, u64) {
+    on.spawn(async move {
+        let ops = churn(&mut fleet, ops_per_s, stop).await;
+        (fleet, ops)
+    })
+    .await
+    .expect("the fleet's churn ended")
 }
 
 fn row(workers: usize, replicas: usize, path: &str, mix: &str, lat: &Samples, extra: Value) -> Value {
@@ -435,6 +438,13 @@ fn main() {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.tools/models/deepseek-v3"));
     let tk = kvgate_tokenize::ChatTokenizer::from_dir(&tk_dir).expect("tokenizer (run scripts/setup.sh)");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    // The fake fleet's own runtime: its NATS connection, heartbeats and churn.
+    let fleet_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("fleet")
+        .enable_all()
+        .build()
+        .expect("fleet runtime");
     let mixes = Arc::new(Mixes::new(&tk));
     let mut rows = Vec::new();
     let mut agreements = Vec::new();
@@ -443,14 +453,14 @@ fn main() {
         if !a.grpc {
             continue;
         }
-        let (r, agree) = rt.block_on(over_grpc(&a, workers, 1, &a.mixes, &tk, &tk_dir, &mixes));
+        let (r, agree) = rt.block_on(over_grpc(&a, fleet_rt.handle(), workers, 1, &a.mixes, &tk, &tk_dir, &mixes));
         rows.extend(r);
         agreements.extend(agree);
     }
     // Replicas: the smallest fleet, the DOKS new-turn mix.
     if let Some(&workers) = a.workers.iter().min().filter(|_| a.grpc) {
         for &n in a.replicas.iter().filter(|n| **n > 1) {
-            let (r, agree) = rt.block_on(over_grpc(&a, workers, n, &["doks_new_turn"], &tk, &tk_dir, &mixes));
+            let (r, agree) = rt.block_on(over_grpc(&a, fleet_rt.handle(), workers, n, &["doks_new_turn"], &tk, &tk_dir, &mixes));
             rows.extend(r);
             agreements.extend(agree);
         }
@@ -470,7 +480,7 @@ fn main() {
         "replicas_setup": "n control planes (--replica-id scale-0..n-1) on one nats-server, each ingesting every event and sharing in-flight load over NATS; the client sends each request to the replica its conversation hashes to (as the gateway's ring hash on the conversation), each replica's answers reported to it; replica_capacity = the highest offered DOKS new-turn rate of the ladder answered in full (>= 95 %, nothing refused) with p99 within the bound; agreement = identical DOKS Picks to replicas 0 and 1 (to replica 0 twice with one replica), with the fleet churning: concurrent (both at once) and sequential (150 ms apart, the first reported finished: converged views); same_worker = share of pairs choosing the same worker (ties are broken at random), same_matched_blocks = share whose workers held as many of the prompt's blocks",
         "staleness": "p99 of kvgate_event_lag_seconds during the step, as the upper bound of its bucket",
         "server_pick": "server_pick_p99_ms: p99 of kvgate_pick_duration_seconds during the step (the process's own time from receipt of a Pick to its answer, lock waits included; not the transport, the runtime's queue or the client), as the upper bound of its bucket (buckets 0.5, 1, 2, 5 ms ...); ingest_hold_p99_ms / ingest_hold_p999_ms: the same of kvgate_ingest_lock_hold_seconds (one application of KV batches under the index's write lock, which a Pick's lookup waits for)",
-        "shared_cores": "client, fleet generator, nats-server and control plane share the machine (the generator's churn on a thread of its own, not on the client's runtime); machine_busy = share of all its cores busy during the step (/proc/stat)",
+        "shared_cores": "client, fleet generator, nats-server and control plane share the machine (the generator's churn, heartbeats and NATS connection on a runtime of their own, one thread, not on the client's runtime); machine_busy = share of all its cores busy during the step (/proc/stat)",
         "commit": commit,
         "machine": machine,
     });
@@ -516,6 +526,7 @@ fn replica_capacity(rows: &[Value]) -> Vec<Value> {
 #[allow(clippy::too_many_arguments)]
 async fn over_grpc(
     a: &Args,
+    fleet_rt: &tokio::runtime::Handle,
     workers: usize,
     replicas: usize,
     run_mixes: &[&'static str],
@@ -558,9 +569,15 @@ async fn over_grpc(
     // CPU seconds summed over the replicas, and the largest RSS.
     let usage =
         |pids: &[u32]| pids.iter().map(|p| proc_usage(*p)).fold((0.0, 0.0f64), |(c, r), (c1, r1)| (c + c1, r.max(r1)));
-    let client = async_nats::ConnectOptions::new().connect(nats_url.as_str()).await.expect("NATS");
+    // Connected from the fleet's runtime, so that its connection task runs there.
+    let url = nats_url.clone();
+    let client = fleet_rt
+        .spawn(async move { async_nats::ConnectOptions::new().connect(url.as_str()).await })
+        .await
+        .expect("the fleet's runtime")
+        .expect("NATS");
     let mut fleet = Fleet::new(Sink::Nats(client.clone()), workers);
-    let beats = fleet.beats(2 * a.blocks as u64).spawn();
+    let beats = fleet.beats(2 * a.blocks as u64).spawn(fleet_rt);
     let t = Instant::now();
     // Flow control: the consumer keeps within 20,000 messages.
     let settle = |published: u64| {
@@ -652,7 +669,7 @@ async fn over_grpc(
         let ingest = a.ingest;
         let churner = async {
             let t = Instant::now();
-            let (f, ops) = churn_apart(fleet, ingest, stop_rx).await;
+            let (f, ops) = churn_apart(fleet_rt, fleet, ingest, stop_rx).await;
             (f, ops as f64 / t.elapsed().as_secs_f64())
         };
         let load = async {
@@ -733,7 +750,7 @@ async fn over_grpc(
     }
     // Decision agreement, with the fleet churning and no other load.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let churner = churn_apart(fleet, a.ingest, stop_rx);
+    let churner = churn_apart(fleet_rt, fleet, a.ingest, stop_rx);
     let probe = async {
         let pair = (0, 1 % replicas);
         let c = load::agreement(&group, pair, true, mixes, 100, next_id).await;
