@@ -460,7 +460,8 @@ fn main() {
     // Replicas: the smallest fleet, the DOKS new-turn mix.
     if let Some(&workers) = a.workers.iter().min().filter(|_| a.grpc) {
         for &n in a.replicas.iter().filter(|n| **n > 1) {
-            let (r, agree) = rt.block_on(over_grpc(&a, fleet_rt.handle(), workers, n, &["doks_new_turn"], &tk, &tk_dir, &mixes));
+            let (r, agree) =
+                rt.block_on(over_grpc(&a, fleet_rt.handle(), workers, n, &["doks_new_turn"], &tk, &tk_dir, &mixes));
             rows.extend(r);
             agreements.extend(agree);
         }
