@@ -481,6 +481,7 @@ fn main() {
         "replicas_setup": "n control planes (--replica-id scale-0..n-1) on one nats-server, each ingesting every event and sharing in-flight load over NATS; the client sends each request to the replica its conversation hashes to (as the gateway's ring hash on the conversation), each replica's answers reported to it; replica_capacity = the highest offered DOKS new-turn rate of the ladder answered in full (>= 95 %, nothing refused) with p99 within the bound; agreement = identical DOKS Picks to replicas 0 and 1 (to replica 0 twice with one replica), with the fleet churning: concurrent (both at once) and sequential (150 ms apart, the first reported finished: converged views); same_worker = share of pairs choosing the same worker (ties are broken at random), same_matched_blocks = share whose workers held as many of the prompt's blocks",
         "staleness": "p99 of kvgate_event_lag_seconds during the step, as the upper bound of its bucket",
         "server_pick": "server_pick_p99_ms: p99 of kvgate_pick_duration_seconds during the step (the process's own time from receipt of a Pick to its answer, lock waits included; not the transport, the runtime's queue or the client), as the upper bound of its bucket (buckets 0.5, 1, 2, 5 ms ...); ingest_hold_p99_ms / ingest_hold_p999_ms: the same of kvgate_ingest_lock_hold_seconds (one application of KV batches under the index's write lock, which a Pick's lookup waits for)",
+        "cpu": "the control plane processes' CPU time (user + system, all replicas) during the step: cpu_s_per_s per second; cpu_us_per_pick per answered Pick, ingest included; pick_cpu_us_per_pick = (cpu_s_per_s - the ingest-only step's cpu_s_per_s) / answered Picks per second, what the Picks add (NaN without an ingest-only step)",
         "shared_cores": "client, fleet generator, nats-server and control plane share the machine (the generator's churn, heartbeats and NATS connection on a runtime of their own, one thread, not on the client's runtime); machine_busy = share of all its cores busy during the step (/proc/stat)",
         "commit": commit,
         "machine": machine,
@@ -659,6 +660,9 @@ async fn over_grpc(
         .chain(run_mixes.iter().flat_map(|m| ladder(m).iter().map(move |r| (*m, *r))))
         .collect();
     let mut saturated: Option<&str> = None;
+    // The processes' CPU in the ingest-only step (the first), CPU-s/s: a
+    // step's CPU beyond it is what its Picks cost.
+    let mut ingest_only_cpu: Option<f64> = None;
     for (mix, rate) in steps {
         if saturated == Some(mix) {
             continue;
@@ -710,6 +714,7 @@ async fn over_grpc(
         tokio::time::sleep(Duration::from_millis(500)).await;
         next_id += (rate * a.secs) as u64 + 1;
         let Some(step) = step else {
+            ingest_only_cpu = Some((cpu1 - cpu0) / a.secs);
             eprintln!(
                 "{workers} workers, ingest only: {ops_per_s:.0} block ops/s, CPU {:.2} s/s",
                 (cpu1 - cpu0) / a.secs
@@ -723,8 +728,13 @@ async fn over_grpc(
         };
         let pps = step.answered as f64 / step.secs;
         let cpu_per_pick = if step.answered > 0 { (cpu1 - cpu0) * 1e6 / step.answered as f64 } else { f64::NAN };
+        // Without the ingest that runs beside the Picks.
+        let pick_cpu = match ingest_only_cpu {
+            Some(base) if pps > 0.0 => ((cpu1 - cpu0) / step.secs - base) * 1e6 / pps,
+            _ => f64::NAN,
+        };
         eprintln!(
-            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick",
+            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick ({pick_cpu:.0} beyond ingest)",
             step.latency.quantile(0.5),
             step.latency.quantile(0.99),
             step.latency.quantile(0.999),
@@ -739,7 +749,8 @@ async fn over_grpc(
             json!({
                 "offered_per_s": rate, "picks_per_s": pps.round(), "failed": step.failed,
                 "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
-                "cpu_us_per_pick": cpu_per_pick.round(), "cpu_s_per_s": ((cpu1 - cpu0) / step.secs * 100.0).round() / 100.0,
+                "cpu_us_per_pick": cpu_per_pick.round(), "pick_cpu_us_per_pick": pick_cpu.round(),
+                "cpu_s_per_s": ((cpu1 - cpu0) / step.secs * 100.0).round() / 100.0,
                 "server_pick_p99_ms": server_p99_ms,
                 "ingest_hold_p99_ms": hold_p99_ms, "ingest_hold_p999_ms": hold_p999_ms, "machine_busy": machine_busy,
             }),
