@@ -356,6 +356,11 @@ fn ingest_dynamo(
 /// its workers and live bytes, Dynamo's indexer and its live bytes.
 type Kept = (Index, Vec<kvgate_index::WorkerIdx>, f64, ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, f64);
 
+/// One replay's line on stderr: wall seconds, CPU seconds, live bytes.
+fn ingest_line(round: usize, what: &str, s: f64, cpu: f64, bytes: f64) {
+    eprintln!("round {round}: {what} ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
+}
+
 fn main() -> Result<()> {
     let a = parse_args()?;
     let bs = BlockSize::new(a.block_size)?;
@@ -371,7 +376,7 @@ fn main() -> Result<()> {
     if a.only_kvgate > 0 {
         for round in 0..a.only_kvgate {
             let (_, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1, None)?;
-            eprintln!("round {round}: kvgate one shard ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
+            ingest_line(round, "kvgate one shard", s, cpu, bytes);
         }
         // The same replay with each event timed: stores against removals.
         let mut timed = (0f64, 0f64);
@@ -404,15 +409,15 @@ fn main() -> Result<()> {
         }
         if a.shards > 1 {
             let (one, _, s, cpu, bytes) = ingest_ours(&trace, &a, &names, 1, None)?;
-            eprintln!("round {round}: kvgate one shard ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
+            ingest_line(round, "kvgate one shard", s, cpu, bytes);
             one_runs.push((s, cpu, bytes));
             kept_one = Some(one);
         }
         let (ours, idx, s, cpu, bytes) = ingest_ours(&trace, &a, &names, a.shards, None)?;
-        eprintln!("round {round}: kvgate ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", bytes / 1e6);
+        ingest_line(round, "kvgate", s, cpu, bytes);
         ours_runs.push((s, cpu));
         let (dynamo, s, cpu, dbytes) = ingest_dynamo(&rt, &trace, &a)?;
-        eprintln!("round {round}: dynamo ingest {s:.3} s ({cpu:.2} CPU-s), {:.1} MB live", dbytes / 1e6);
+        ingest_line(round, "dynamo", s, cpu, dbytes);
         dyn_runs.push((s, cpu));
         kept = Some((ours, idx, bytes, dynamo, dbytes));
     }

@@ -661,7 +661,6 @@ impl Held<'_> {
             refs: 1,
             has_parent: parent.is_some(),
         };
-        let map = &mut self.worker.engine[t];
         let slot = match vacant {
             Some(at) => map.insert_at(at, entry),
             None => map.insert(entry),
