@@ -8,12 +8,20 @@
 //! plus ~100 new tokens, and each is reported finished right after, so the
 //! in-flight table stays at its warm-up size (two requests per worker).
 //!
+//! `…w_cold_8mib`: the same Pick after the core's L2 cache was overwritten
+//! (8 MiB written just before, not timed), as in the control plane, where
+//! the ingest thread streams through the index between Picks: what a
+//! Pick's working set costs when it comes from the shared L3.
+//! `KVGATE_BENCH_EVICT_MIB=640` (more than the L3) makes it come from
+//! memory (then `--sample-size 20 --measurement-time 10`: each eviction
+//! takes ~30 ms).
+//!
 //! `cargo bench -p kvgate-core --bench pick`
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvgate_core::model::{ModelConfig, ModelState, PickInput};
 use kvgate_protocol::{BlockSeed, pb};
 use kvgate_scheduler::Mode;
@@ -96,17 +104,39 @@ fn bench(c: &mut Criterion) {
         g.bench_function(BenchmarkId::from_parameter(format!("{workers}w")), |b| {
             b.iter(|| {
                 i += 1;
-                let t = request(&starters, i);
-                let id = format!("r{i}");
-                let out = st.pick(&input(&id, &t), 2);
-                let done =
-                    pb::CompletionReport { request_id: id, model: "m".into(), total_us: 1, ..Default::default() };
-                st.on_report(&done, 2);
-                out.map(|o| o.matched_blocks).unwrap_or(0)
+                one(&mut st, &starters, i)
             });
         });
+        if workers >= 100 {
+            let mib = std::env::var("KVGATE_BENCH_EVICT_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(8usize);
+            let mut evict = vec![0u8; mib << 20];
+            g.bench_function(BenchmarkId::from_parameter(format!("{workers}w_cold_{mib}mib")), |b| {
+                b.iter_batched(
+                    || {
+                        i += 1;
+                        for (k, line) in evict.chunks_mut(64).enumerate() {
+                            line[0] = line[0].wrapping_add(k as u8);
+                        }
+                        std::hint::black_box(&evict);
+                        i
+                    },
+                    |i| one(&mut st, &starters, i),
+                    BatchSize::PerIteration,
+                );
+            });
+        }
     }
     g.finish();
+}
+
+/// The `i`-th measured Pick, reported finished at once.
+fn one(st: &mut ModelState, starters: &[Vec<u32>], i: u64) -> u32 {
+    let t = request(starters, i);
+    let id = format!("r{i}");
+    let out = st.pick(&input(&id, &t), 2);
+    let done = pb::CompletionReport { request_id: id, model: "m".into(), total_us: 1, ..Default::default() };
+    st.on_report(&done, 2);
+    out.map(|o| o.matched_blocks).unwrap_or(0)
 }
 
 fn input<'a>(request_id: &'a str, tokens: &'a [u32]) -> PickInput<'a> {
