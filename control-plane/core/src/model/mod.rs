@@ -32,6 +32,8 @@ pub mod sync;
 pub mod workers;
 
 use std::collections::HashMap;
+
+use indexmap::IndexMap;
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
@@ -133,7 +135,9 @@ pub struct ModelState {
     persistence: kvgate_scheduler::LoadPersistence,
     policy: Box<dyn Policy>,
     mode: Mode,
-    workers: HashMap<String, Worker>,
+    /// By id, kept in id order (sorted when `order_stale`): a Pick lists the
+    /// candidates by walking it, front to back through one array.
+    workers: IndexMap<String, Worker>,
     /// Every registered worker's id, sorted (candidates are listed in this
     /// order, for reproducible ties); `Worker::rank` is a position here.
     order: std::sync::Arc<[String]>,
@@ -272,7 +276,7 @@ impl ModelState {
             ),
             policy: policy_for(config.mode, config.kv),
             mode: config.mode,
-            workers: HashMap::new(),
+            workers: IndexMap::new(),
             order: std::sync::Arc::from(Vec::new()),
             order_stale: true,
             names: HashMap::new(),

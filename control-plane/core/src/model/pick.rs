@@ -464,8 +464,12 @@ impl ModelState {
         if self.order_stale {
             self.sort_workers();
         }
-        // Each live worker at its place in the sorted order: no sort per Pick.
-        let mut slots: Vec<Option<(Candidate, pb::WorkerRole, bool)>> = vec![None; self.order.len()];
+        // The workers in id order (the map is kept sorted): each live one
+        // is listed where it stands, with no sort and no reordering per Pick.
+        let (mut cands, mut ranks, mut prefill, mut both, mut prefill_allowed) =
+            (Vec::with_capacity(self.workers.len()), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let fading = self.config.fading_load && self.mode == Mode::Kv;
+        let mut decoding: Vec<(WorkerIdx, f64)> = Vec::new();
         let mut prefill_registered = false;
         let mut timing = self.calibration.timings();
         for w in self.workers.values() {
@@ -490,16 +494,7 @@ impl ModelState {
                 decode_running: None,
                 excluded,
             };
-            if let Some(slot) = slots.get_mut(w.rank as usize) {
-                *slot = Some((cand, w.role, outside));
-            }
-        }
-        drop(timing);
-        let (mut cands, mut ranks, mut prefill, mut both, mut prefill_allowed) =
-            (Vec::with_capacity(slots.len()), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let fading = self.config.fading_load && self.mode == Mode::Kv;
-        let mut decoding: Vec<(WorkerIdx, f64)> = Vec::new();
-        for (rank, (cand, role, outside)) in slots.into_iter().enumerate().filter_map(|(r, s)| Some((r, s?))) {
+            let role = w.role;
             match role {
                 pb::WorkerRole::Prefill => {
                     if !outside {
@@ -515,8 +510,9 @@ impl ModelState {
                 decoding.push((cand.worker, f64::from(cand.load.effective_requests())));
             }
             cands.push(cand);
-            ranks.push(rank as u32);
+            ranks.push(w.rank);
         }
+        drop(timing);
         if fading {
             self.fade_load(&mut cands, &decoding, now_ms);
         }
@@ -541,14 +537,11 @@ impl ModelState {
 
     /// Sorts the registered workers' ids into `order` and gives each its rank.
     fn sort_workers(&mut self) {
-        let mut ids: Vec<String> = self.workers.keys().cloned().collect();
-        ids.sort_unstable();
-        for (rank, id) in ids.iter().enumerate() {
-            if let Some(w) = self.workers.get_mut(id) {
-                w.rank = rank as u32;
-            }
+        self.workers.sort_unstable_keys();
+        for (rank, w) in self.workers.values_mut().enumerate() {
+            w.rank = rank as u32;
         }
-        self.order = ids.into();
+        self.order = self.workers.keys().cloned().collect();
         self.order_stale = false;
     }
 

@@ -292,7 +292,7 @@ impl ModelState {
             .map(|(k, _)| k.clone())
             .collect();
         for id in &dead {
-            if let Some(w) = self.workers.remove(id) {
+            if let Some(w) = self.workers.shift_remove(id) {
                 self.order_stale = true;
                 let mut index = self.index.write();
                 index.remove_worker(w.idx);
