@@ -11,6 +11,13 @@
 //!   a busy fleet: each of its blocks has a holder per worker);
 //! * `inflight_shares`: what each worker's requests in flight share with
 //!   that prompt, on the same busy fleet.
+//! * `inflight_crowd`: the load tracker alone with many requests in flight
+//!   per worker, all on one shared system prompt (234 blocks, as
+//!   bench-scale's DOKS mix) and each with 16 blocks of its own, one in
+//!   twenty still prefilling: `shares` of
+//!   a new such prompt, and `add_done` of one more request. `100w_x40` is
+//!   bench-scale's 2,000 Picks/s × 2 s; `100w_x200` a fleet whose requests
+//!   last ten times as long.
 //!
 //! Index state: 20 "documents" as long as the prompt; every worker holds one
 //! of them up to a random length (so ~N/20 workers share each document at
@@ -193,5 +200,38 @@ fn routing(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, routing);
+/// The tracker with `per` requests in flight on each of `workers`, all on
+/// one shared 234-block prefix, each with 16 blocks of its own.
+fn crowd(c: &mut Criterion) {
+    use kvgate_protocol::SequenceHash;
+    let prompt = |id: u64| -> Vec<SequenceHash> {
+        (0..234u64).map(SequenceHash).chain((0..16u64).map(|i| SequenceHash((id + 1) << 32 | i))).collect()
+    };
+    for (workers, per) in [(100u32, 40u64), (100, 200), (1_000, 4)] {
+        let mut t = LoadTracker::new();
+        let mut rng = fastrand::Rng::with_seed(3);
+        for r in 0..u64::from(workers) * per {
+            let w = WorkerIdx(rng.u32(0..workers));
+            t.added(&format!("r{r}"), w, &prompt(r), 0, 16, 0).unwrap();
+            // One in twenty still prefilling, the rest decoding.
+            if r % 20 != 0 {
+                t.first_token(&format!("r{r}")).unwrap();
+            }
+        }
+        let label = format!("{workers}w_x{per}");
+        let fresh = prompt(u64::MAX >> 33);
+        let mut g = c.benchmark_group("inflight_crowd");
+        g.sample_size(30);
+        g.bench_function(BenchmarkId::new("shares", &label), |b| b.iter(|| t.inflight_shares(black_box(&fresh)).len()));
+        g.bench_function(BenchmarkId::new("add_done", &label), |b| {
+            b.iter(|| {
+                t.added("new", WorkerIdx(workers / 2), black_box(&fresh), 0, 16, 1).unwrap();
+                t.done("new").unwrap();
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, routing, crowd);
 criterion_main!(benches);

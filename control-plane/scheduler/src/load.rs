@@ -3,17 +3,17 @@
 //!
 //! n = prompt blocks, K = [`CHECKPOINT`], h = requests in flight on one
 //! worker that hold the prompt's last shared checkpoint, p = requests still
-//! prefilling on one worker (few).
+//! prefilling on one worker (few), W = workers holding a checkpoint.
 //!
 //! | operation | cost |
 //! |---|---|
-//! | [`LoadTracker::added`] | O(n / K) table updates + one share |
+//! | [`LoadTracker::added`] | O(n / K) table updates (each O(log W) + a push into the worker's run) + one share |
 //! | [`LoadTracker::first_token`] | O(p) |
-//! | [`LoadTracker::done`] | O(n / K) table updates + one share |
+//! | [`LoadTracker::done`] | O(n / K) table updates (each O(log W) + a swap-remove from the worker's run) + one share |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
-//! | share of one worker | O(log(n / K)) lookups + O(h · log K) comparisons + O(p · (log(n / K) + K)) |
-//! | [`LoadTracker::inflight_shares`] (every worker at once) | the prompt's checkpoints looked up once; each holder's last one found by one walk of their holders from the last back (at most what the binary searches would cost, which take over beyond), then one extension and share per worker holding the prompt's first block |
+//! | share of one worker | O(log(n / K)) lookups + O(h) reads (a bisection of O(log K) only for a request that extends the match) + O(p · (log(n / K) + K)) |
+//! | [`LoadTracker::inflight_shares`] (every worker at once) | the prompt's checkpoints looked up once; each holding worker's last one found by one walk of the workers holding them, from the last back (at most what the binary searches would cost, which take over beyond), then one extension and share per worker holding the prompt's first block |
 //!
 //! Active blocks are deduplicated per worker, as the engine's prefix cache
 //! does: ten requests sharing a 4,000-token system prompt count its blocks
@@ -39,6 +39,7 @@ use std::collections::hash_map::Entry;
 use foldhash::fast::RandomState;
 use kvgate_index::WorkerIdx;
 use kvgate_protocol::SequenceHash;
+use smallvec::{SmallVec, smallvec};
 
 use crate::policy::Load;
 
@@ -49,9 +50,20 @@ type Map<K, V> = HashMap<K, V, RandomState>;
 /// extensions per share.
 pub const CHECKPOINT: usize = 16;
 
-/// The requests in flight holding one checkpoint hash, as (worker, request
-/// slot), sorted: a worker's requests are one run, found by binary search.
-type Holders = Vec<(WorkerIdx, u32)>;
+/// One worker's requests in flight that hold a checkpoint hash: their
+/// slots, in no order (four inline, as most checkpoints past a shared
+/// prefix have one holder).
+#[derive(Debug)]
+struct Run {
+    worker: WorkerIdx,
+    slots: SmallVec<[u32; 4]>,
+}
+
+/// The requests in flight holding one checkpoint hash, one run per worker,
+/// sorted by worker: a worker's requests are found by binary search, and the
+/// workers holding a hash are walked without walking their requests (a
+/// shared system prompt is held by every request in flight).
+type Holders = Vec<Run>;
 
 /// Most leading prompt block hashes a replica shares per request (64 K
 /// tokens at block size 16; 32 KiB on the wire): enough for the prefixes a
@@ -109,11 +121,12 @@ pub struct InflightShare {
     pub computing: u32,
 }
 
-/// The run of `worker`'s entries in sorted holders.
-fn run(holders: &[(WorkerIdx, u32)], worker: WorkerIdx) -> &[(WorkerIdx, u32)] {
-    let from = holders.partition_point(|(w, _)| w.0 < worker.0);
-    let to = from + holders.get(from..).map_or(0, |r| r.partition_point(|(w, _)| w.0 == worker.0));
-    holders.get(from..to).unwrap_or_default()
+/// The slots of `worker`'s requests among a checkpoint's holders.
+fn run(holders: &[Run], worker: WorkerIdx) -> &[u32] {
+    match holders.binary_search_by_key(&worker.0, |r| r.worker.0) {
+        Ok(i) => holders.get(i).map_or(&[], |r| r.slots.as_slice()),
+        Err(_) => &[],
+    }
 }
 
 /// The last checkpoint position of the first `n` blocks at which `holds`
@@ -133,9 +146,9 @@ fn last_checkpoint(n: usize, holds: impl Fn(usize) -> bool) -> usize {
 /// A worker [`last_held`] did not place.
 const UNPLACED: u32 = u32::MAX;
 
-/// Entries [`last_held`] may walk before it leaves the rest to binary
+/// Runs [`last_held`] may walk before it leaves the rest to binary
 /// searches: about what those searches would cost for every holder of the
-/// first checkpoint (`first` entries, `lists` checkpoints held by someone).
+/// first checkpoint (`first` workers, `lists` checkpoints held by someone).
 fn walk_budget(first: usize, lists: usize) -> usize {
     let bits = |n: usize| (usize::BITS - n.leading_zeros()) as usize;
     first.saturating_mul(bits(lists)).saturating_mul(2 * bits(first))
@@ -146,26 +159,19 @@ fn walk_budget(first: usize, lists: usize) -> usize {
 /// one. Chained hashes: a request holding checkpoint k holds every earlier
 /// one, so walking the lists from the last one back, a worker's first
 /// appearance is its last checkpoint. The walk ends when every holder of
-/// the first is placed, or after `budget` entries; the workers not placed
+/// the first is placed, or after `budget` runs; the workers not placed
 /// then are [`UNPLACED`] (and others are 0).
-fn last_held(holders: &[&[(WorkerIdx, u32)]], top: usize, budget: usize) -> Vec<u32> {
+fn last_held(holders: &[&[Run]], top: usize, budget: usize) -> Vec<u32> {
     let mut last = vec![UNPLACED; top];
     let Some(first) = holders.first() else { return last };
-    let mut left = 0usize;
-    let mut prev = None;
-    for (w, _) in *first {
-        if prev != Some(*w) {
-            left += 1;
-        }
-        prev = Some(*w);
-    }
+    let mut left = first.len();
     let mut walked = 0usize;
     for (k, list) in holders.iter().enumerate().rev() {
         if left == 0 || (walked.saturating_add(list.len()) > budget && k > 0) {
             break;
         }
         walked += list.len();
-        for (w, _) in *list {
+        for Run { worker: w, .. } in *list {
             if let Some(l) = last.get_mut(w.0 as usize)
                 && *l == UNPLACED
             {
@@ -295,15 +301,10 @@ impl LoadTracker {
         let mut out: Vec<InflightShare> = Vec::new();
         let holders = self.prompt_holders(prompt);
         let Some(first) = holders.first() else { return out };
-        let top = first.last().map_or(0, |(w, _)| w.0 as usize + 1);
+        let top = first.last().map_or(0, |r| r.worker.0 as usize + 1);
         out.resize(top, InflightShare::default());
         let last = last_held(&holders, top, walk_budget(first.len(), holders.len()));
-        let mut prev = None;
-        for (w, _) in *first {
-            if prev == Some(*w) {
-                continue;
-            }
-            prev = Some(*w);
+        for Run { worker: w, .. } in *first {
             let at = |k: usize| holders.get(k).copied().unwrap_or_default();
             let blocks = match last.get(w.0 as usize) {
                 Some(k) if *k != UNPLACED => self.extend_from(*w, prompt, *k as usize * CHECKPOINT, at(*k as usize)),
@@ -321,7 +322,7 @@ impl LoadTracker {
     /// The requests holding each of `prompt`'s checkpoints (position
     /// `k · CHECKPOINT` at index k), up to the first one no request holds:
     /// none holds a later one (chained hashes).
-    fn prompt_holders<'a>(&'a self, prompt: &[SequenceHash]) -> Vec<&'a [(WorkerIdx, u32)]> {
+    fn prompt_holders<'a>(&'a self, prompt: &[SequenceHash]) -> Vec<&'a [Run]> {
         prompt
             .iter()
             .step_by(CHECKPOINT)
@@ -335,7 +336,7 @@ impl LoadTracker {
         &'a self,
         worker: WorkerIdx,
         prompt: &[SequenceHash],
-        at: impl Fn(usize) -> &'a [(WorkerIdx, u32)],
+        at: impl Fn(usize) -> &'a [Run],
         checkpoints: usize,
     ) -> InflightShare {
         let blocks = self.shared_along(worker, prompt, &at, checkpoints);
@@ -344,7 +345,7 @@ impl LoadTracker {
     }
 
     /// The requests holding the prompt's checkpoint k (all workers).
-    fn holders_at(&self, prompt: &[SequenceHash], k: usize) -> &[(WorkerIdx, u32)] {
+    fn holders_at(&self, prompt: &[SequenceHash], k: usize) -> &[Run] {
         prompt.get(k * CHECKPOINT).and_then(|h| self.checkpoints.get(h)).map_or(&[][..], Vec::as_slice)
     }
 
@@ -366,7 +367,7 @@ impl LoadTracker {
         &'a self,
         worker: WorkerIdx,
         prompt: &[SequenceHash],
-        at: impl Fn(usize) -> &'a [(WorkerIdx, u32)],
+        at: impl Fn(usize) -> &'a [Run],
         checkpoints: usize,
     ) -> usize {
         let on = |pos: usize| run(at(pos / CHECKPOINT), worker);
@@ -380,24 +381,30 @@ impl LoadTracker {
     /// The longest prefix of `prompt` that `worker`'s requests holding its
     /// checkpoint at position `at` share, given that none holds the next
     /// checkpoint: `held` are that checkpoint's holders (all workers).
-    fn extend_from(&self, worker: WorkerIdx, prompt: &[SequenceHash], at: usize, held: &[(WorkerIdx, u32)]) -> usize {
+    fn extend_from(&self, worker: WorkerIdx, prompt: &[SequenceHash], at: usize, held: &[Run]) -> usize {
         let end = prompt.len().min(at + CHECKPOINT);
         let mut best = at + 1;
-        for (_, slot) in run(held, worker) {
+        for slot in run(held, worker) {
+            if best >= end {
+                break;
+            }
             let Some(r) = self.request(*slot) else { continue };
             // Starting at `best` is enough: a request that agrees at a
             // position agrees at every one before it (chained hashes), so
-            // the first disagreement is found by bisection.
+            // the first disagreement is found by bisection. One that
+            // disagrees at `best` cannot extend it: one read, no bisection
+            // (the common case: requests that share a system prompt and
+            // differ after it).
             let same = |i: usize| r.prompt.get(i).is_some_and(|x| prompt.get(i) == Some(x));
-            let (mut lo, mut hi) = (best, end);
+            if !same(best) {
+                continue;
+            }
+            let (mut lo, mut hi) = (best + 1, end);
             while lo < hi {
                 let mid = lo + (hi - lo) / 2;
                 if same(mid) { lo = mid + 1 } else { hi = mid }
             }
             best = lo;
-            if best == end {
-                break;
-            }
         }
         best
     }
@@ -411,13 +418,7 @@ impl LoadTracker {
     /// requests holding the prompt's first block can share anything: the
     /// worker's prefilling requests or its holders of that block are walked,
     /// whichever list is shorter.
-    fn computing_on(
-        &self,
-        worker: WorkerIdx,
-        prompt: &[SequenceHash],
-        shared: usize,
-        first: &[(WorkerIdx, u32)],
-    ) -> u32 {
+    fn computing_on(&self, worker: WorkerIdx, prompt: &[SequenceHash], shared: usize, first: &[Run]) -> u32 {
         let Some(Some(w)) = self.workers.get(worker.0 as usize) else { return 0 };
         let first = run(first, worker);
         let span = |slot: u32| {
@@ -426,7 +427,7 @@ impl LoadTracker {
             (r.prefilling && r.own_from < shared && agrees).then(|| (r.own_from, common_prefix(&r.prompt, prompt)))
         };
         let spans = if first.len() < w.prefilling.len() {
-            first.iter().filter_map(|(_, s)| span(*s)).collect()
+            first.iter().filter_map(|s| span(*s)).collect()
         } else {
             w.prefilling.iter().filter_map(|s| span(*s)).collect()
         };
@@ -484,8 +485,14 @@ impl LoadTracker {
         };
         for h in prompt.iter().step_by(CHECKPOINT) {
             let holders = self.checkpoints.entry(*h).or_default();
-            let at = holders.partition_point(|e| *e < (worker, slot));
-            holders.insert(at, (worker, slot));
+            match holders.binary_search_by_key(&worker.0, |r| r.worker.0) {
+                Ok(i) => {
+                    if let Some(r) = holders.get_mut(i) {
+                        r.slots.push(slot);
+                    }
+                }
+                Err(i) => holders.insert(i, Run { worker, slots: smallvec![slot] }),
+            }
         }
         let w = worker_mut(&mut self.workers, worker);
         w.inflight += 1;
@@ -540,8 +547,16 @@ impl LoadTracker {
         for h in r.prompt.iter().step_by(CHECKPOINT) {
             let Entry::Occupied(mut o) = self.checkpoints.entry(*h) else { continue };
             let holders = o.get_mut();
-            if let Ok(i) = holders.binary_search(&(r.worker, slot)) {
-                holders.remove(i);
+            if let Ok(i) = holders.binary_search_by_key(&r.worker.0, |x| x.worker.0) {
+                let emptied = holders.get_mut(i).is_some_and(|run| {
+                    if let Some(j) = run.slots.iter().position(|s| *s == slot) {
+                        run.slots.swap_remove(j);
+                    }
+                    run.slots.is_empty()
+                });
+                if emptied {
+                    holders.remove(i);
+                }
             }
             if holders.is_empty() {
                 o.remove();
@@ -628,7 +643,8 @@ impl LoadTracker {
 
 #[cfg(test)]
 mod tests {
-    use super::{UNPLACED, WorkerIdx, last_held, round_to_u64};
+    use super::{Run, UNPLACED, WorkerIdx, last_held, round_to_u64};
+    use smallvec::smallvec;
 
     /// Every budget places a worker at its last checkpoint or leaves it to
     /// the binary search; a budget as large as the lists places them all.
@@ -636,19 +652,20 @@ mod tests {
     fn last_held_places_each_worker_at_its_last_checkpoint_or_not_at_all() {
         // Worker w holds checkpoints 0..=depth[w] (two requests on w 3).
         let depth = [0usize, 4, 2, 4, 1, 0, 3];
-        let lists: Vec<Vec<(WorkerIdx, u32)>> = (0..5)
+        let lists: Vec<Vec<Run>> = (0..5)
             .map(|k| {
-                let mut l: Vec<(WorkerIdx, u32)> = Vec::new();
+                let mut l: Vec<Run> = Vec::new();
                 for (w, _) in depth.iter().enumerate().filter(|(_, d)| **d >= k) {
-                    l.push((WorkerIdx(w as u32), 2 * w as u32));
+                    let mut slots = smallvec![2 * w as u32];
                     if w == 3 {
-                        l.push((WorkerIdx(3), 7));
+                        slots.push(7);
                     }
+                    l.push(Run { worker: WorkerIdx(w as u32), slots });
                 }
                 l
             })
             .collect();
-        let holders: Vec<&[(WorkerIdx, u32)]> = lists.iter().map(Vec::as_slice).collect();
+        let holders: Vec<&[Run]> = lists.iter().map(Vec::as_slice).collect();
         let total: usize = lists.iter().map(Vec::len).sum();
         for budget in 0..=total {
             let last = last_held(&holders, depth.len() + 2, budget);
