@@ -55,13 +55,14 @@ fn segments(messages: &[Value]) -> Vec<pb::Segment> {
 }
 
 impl Mixes {
-    /// Builds the texts (tokenizing to size them).
-    pub(crate) fn new(tk: &kvgate_tokenize::ChatTokenizer) -> Self {
-        let starters: Vec<String> = (0..10).map(|s| text_of(tk, 3750, 100 + s)).collect();
+    /// Builds the texts (tokenizing to size them); the DOKS conversations
+    /// start from `system_prompts` system prompts.
+    pub(crate) fn new(tk: &kvgate_tokenize::ChatTokenizer, system_prompts: usize) -> Self {
+        let starters: Vec<String> = (0..system_prompts.max(1) as u64).map(|s| text_of(tk, 3750, 100 + s)).collect();
         let conversations: Vec<Vec<Value>> = (0..200u64)
             .map(|c| {
                 vec![
-                    json!({"role": "system", "content": starters[(c % 10) as usize]}),
+                    json!({"role": "system", "content": starters[(c % starters.len() as u64) as usize]}),
                     json!({"role": "user", "content": words(7000 + c, 40)}),
                 ]
             })

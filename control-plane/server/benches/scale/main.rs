@@ -27,6 +27,8 @@
 //! `bench/results/scale.json`.
 //!
 //! For an A/B of one step: `--rates 2000` replaces every mix's ladder,
+//! `--system-prompts 1` starts every DOKS conversation from one system
+//! prompt instead of ten (every request in flight then shares it),
 //! `--grpc false` keeps only the in-process rows (e.g. `make bench-scale
 //! BENCH_ARGS="--workers 1000 --mixes doks_new_turn --grpc false --out
 //! bench/results/tmp.json"`).
@@ -61,6 +63,8 @@ struct Args {
     mixes: Vec<&'static str>,
     replicas: Vec<usize>,
     grpc: bool,
+    /// System prompts the DOKS conversations start from.
+    system_prompts: usize,
     out: PathBuf,
 }
 
@@ -77,6 +81,7 @@ fn args() -> Args {
         mixes: MIXES.to_vec(),
         replicas: vec![1, 2, 4],
         grpc: true,
+        system_prompts: 10,
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/scale.json"),
     };
     let v: Vec<String> = std::env::args().skip(1).filter(|x| x != "--bench").collect();
@@ -97,6 +102,9 @@ fn args() -> Args {
             }
             // `--grpc false`: the in-process rows only (an A/B of the core).
             "--grpc" => a.grpc = val != "false",
+            // `--system-prompts 1`: every DOKS conversation on one system
+            // prompt, as behind one product (default 10).
+            "--system-prompts" => a.system_prompts = val.parse().ok().filter(|n| *n > 0).unwrap_or(a.system_prompts),
             "--mixes" => a.mixes = MIXES.iter().copied().filter(|m| val.split(',').any(|x| x == *m)).collect(),
             // Relative to the repository (cargo runs benches in the crate's directory).
             "--out" => a.out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(val),
@@ -445,7 +453,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("fleet runtime");
-    let mixes = Arc::new(Mixes::new(&tk));
+    let mixes = Arc::new(Mixes::new(&tk, a.system_prompts));
     let mut rows = Vec::new();
     let mut agreements = Vec::new();
     for &workers in &a.workers {
@@ -475,6 +483,7 @@ fn main() {
         "step_secs": a.secs,
         "request_secs": a.request_secs,
         "elided": a.elide,
+        "doks_system_prompts": a.system_prompts,
         "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
         "replica_capacity": capacity,
         "agreement": agreements,
