@@ -139,7 +139,8 @@ pub struct ModelState {
     /// candidates by walking it, front to back through one array.
     workers: IndexMap<String, Worker>,
     /// Every registered worker's id, sorted (candidates are listed in this
-    /// order, for reproducible ties); `Worker::rank` is a position here.
+    /// order, for reproducible ties): the map's keys, snapshotted for the
+    /// candidates a Pick carries past `&mut self`.
     order: std::sync::Arc<[String]>,
     /// A worker was added or removed since `order` was built.
     order_stale: bool,

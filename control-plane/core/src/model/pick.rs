@@ -472,7 +472,8 @@ impl ModelState {
         let mut decoding: Vec<(WorkerIdx, f64)> = Vec::new();
         let mut prefill_registered = false;
         let mut timing = self.calibration.timings();
-        for w in self.workers.values() {
+        // A worker's rank is its position in the sorted map (and in `order`).
+        for (rank, w) in self.workers.values().enumerate() {
             let prefill_only = w.role == pb::WorkerRole::Prefill;
             prefill_registered |= prefill_only;
             if !self.live(w, now_ms) {
@@ -510,7 +511,7 @@ impl ModelState {
                 decoding.push((cand.worker, f64::from(cand.load.effective_requests())));
             }
             cands.push(cand);
-            ranks.push(w.rank);
+            ranks.push(rank as u32);
         }
         drop(timing);
         if fading {
@@ -535,12 +536,9 @@ impl ModelState {
         }
     }
 
-    /// Sorts the registered workers' ids into `order` and gives each its rank.
+    /// Sorts the registered workers by id, and their ids into `order`.
     fn sort_workers(&mut self) {
         self.workers.sort_unstable_keys();
-        for (rank, w) in self.workers.values_mut().enumerate() {
-            w.rank = rank as u32;
-        }
         self.order = self.workers.keys().cloned().collect();
         self.order_stale = false;
     }

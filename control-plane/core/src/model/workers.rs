@@ -37,8 +37,6 @@ pub(super) struct Worker {
     failures: Vec<u64>,
     /// No Pick before this time (a suspect).
     suspect_until_ms: u64,
-    /// Its position in the model's sorted worker ids (`ModelState::order`).
-    pub(super) rank: u32,
 }
 
 impl Worker {
@@ -57,7 +55,6 @@ impl Worker {
             sync,
             failures: Vec::new(),
             suspect_until_ms: 0,
-            rank: 0,
         }
     }
 }
