@@ -121,12 +121,15 @@ pub struct InflightShare {
     pub computing: u32,
 }
 
+/// Where `worker`'s run is among a checkpoint's holders (`Err`: where it
+/// would go).
+fn find_run(holders: &[Run], worker: WorkerIdx) -> Result<usize, usize> {
+    holders.binary_search_by_key(&worker.0, |r| r.worker.0)
+}
+
 /// The slots of `worker`'s requests among a checkpoint's holders.
 fn run(holders: &[Run], worker: WorkerIdx) -> &[u32] {
-    match holders.binary_search_by_key(&worker.0, |r| r.worker.0) {
-        Ok(i) => holders.get(i).map_or(&[], |r| r.slots.as_slice()),
-        Err(_) => &[],
-    }
+    find_run(holders, worker).ok().and_then(|i| holders.get(i)).map_or(&[], |r| r.slots.as_slice())
 }
 
 /// The last checkpoint position of the first `n` blocks at which `holds`
@@ -485,7 +488,7 @@ impl LoadTracker {
         };
         for h in prompt.iter().step_by(CHECKPOINT) {
             let holders = self.checkpoints.entry(*h).or_default();
-            match holders.binary_search_by_key(&worker.0, |r| r.worker.0) {
+            match find_run(holders, worker) {
                 Ok(i) => {
                     if let Some(r) = holders.get_mut(i) {
                         r.slots.push(slot);
@@ -547,7 +550,7 @@ impl LoadTracker {
         for h in r.prompt.iter().step_by(CHECKPOINT) {
             let Entry::Occupied(mut o) = self.checkpoints.entry(*h) else { continue };
             let holders = o.get_mut();
-            if let Ok(i) = holders.binary_search_by_key(&r.worker.0, |x| x.worker.0) {
+            if let Ok(i) = find_run(holders, r.worker) {
                 let emptied = holders.get_mut(i).is_some_and(|run| {
                     if let Some(j) = run.slots.iter().position(|s| *s == slot) {
                         run.slots.swap_remove(j);
