@@ -159,9 +159,10 @@ pub(crate) async fn nats_task(
 
 /// How long the replica-sync publisher lets this replica's in-flight events
 /// gather after the first of a batch before it publishes them. At 2,000
-/// Picks/s (and as many reports) a publish per event cost the process ~30 µs
+/// Picks/s (and as many reports) a publish per event cost the process ~26 µs
 /// of CPU per Pick (a task wake-up, a NATS publish, the client's write);
-/// gathered for 1 ms they go about five to a batch. A peer replica learns a
+/// gathered for 1 ms (1–2 ms with tokio's timer) they go several to a batch,
+/// and cost what publishing nothing costs, within the noise. A peer replica learns a
 /// decision up to this much later, which is small beside NATS's own delivery
 /// and the lifetime of a request (docs/DECISIONS.md).
 const SHARE_LINGER: Duration = Duration::from_millis(1);
