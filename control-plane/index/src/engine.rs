@@ -116,6 +116,9 @@ pub(crate) struct Engine {
     /// `used` above this rebuilds the table ([`Engine::draw_limit`]).
     limit: usize,
     hasher: RandomState,
+    /// Empty buckets made ahead for the next growth, outside the index's
+    /// write lock ([`Engine::growth_ahead`]); empty when none.
+    spare: Vec<Bucket>,
 }
 
 #[inline]
@@ -147,6 +150,30 @@ fn held(pages: &[Box<[Entry]>], next: u32) -> impl Iterator<Item = (u32, &Entry)
         .map(|(s, e)| (s as u32, e))
 }
 
+/// log2 of the buckets a rebuild gives `len` entries: the fewest (at least
+/// [`MIN_BUCKETS`]) of which they fill at most 3/8.
+fn bits_for(len: usize) -> u32 {
+    let mut bits = MIN_BUCKETS.trailing_zeros();
+    while len.saturating_mul(8) > (3usize << bits) && bits < 32 {
+        bits += 1;
+    }
+    bits
+}
+
+/// Empty buckets made ahead for one table's growth, outside the index's
+/// write lock: allocating them touches every page, and the kernel's zeroing
+/// of fresh pages is most of a growth's time on a VM (`docs/DECISIONS.md`),
+/// which a rebuild under the lock then does not wait for.
+#[derive(Debug)]
+pub(crate) struct SpareBuckets(Vec<Bucket>);
+
+impl SpareBuckets {
+    /// `buckets` empty buckets (a power of two).
+    pub(crate) fn new(buckets: usize) -> Self {
+        Self(vec![EMPTY_BUCKET; buckets.next_power_of_two()])
+    }
+}
+
 /// The load limit of a table of `buckets` buckets: between 5/8 and 3/4 of
 /// them, by `draw` (any number: its top 10 bits place the limit).
 fn load_limit(buckets: usize, draw: u64) -> usize {
@@ -165,6 +192,7 @@ impl Default for Engine {
             used: 0,
             limit: 0,
             hasher: RandomState::default(),
+            spare: Vec::new(),
         };
         e.draw_limit();
         e
@@ -254,16 +282,20 @@ impl Engine {
     /// a size where the entries fill at most 3/8 of it (doubling when they
     /// have grown, the same size when stale buckets filled it). At the same
     /// size the table is cleared in place: a new one would be fresh pages
-    /// the kernel zeroes on first touch.
+    /// the kernel zeroes on first touch. A growth takes the spare buckets
+    /// when they are its size (made ahead, their pages touched then).
     #[cold]
     #[inline(never)]
     fn rebuild(&mut self) {
-        let mut bits = MIN_BUCKETS.trailing_zeros();
-        while self.len * 8 > (3usize << bits) && bits < 32 {
-            bits += 1;
-        }
+        let bits = bits_for(self.len);
+        // A spare lives until the next rebuild at most: one of another size
+        // than this one needs is dropped, not kept in memory.
+        let spare = std::mem::take(&mut self.spare);
         if bits == self.bits {
             self.buckets.fill(EMPTY_BUCKET);
+        } else if spare.len() == 1 << bits {
+            self.buckets = spare;
+            self.bits = bits;
         } else {
             self.buckets = vec![EMPTY_BUCKET; 1 << bits];
             self.bits = bits;
@@ -282,6 +314,23 @@ impl Engine {
         }
         self.used = self.len;
         self.draw_limit();
+    }
+
+    /// How many buckets the table grows to if it is rebuilt within the
+    /// next `inserts` inserts, when it would grow and has no spare that
+    /// large: a table grows only at a rebuild, which comes when its
+    /// occupied buckets pass the limit.
+    pub(crate) fn growth_ahead(&self, inserts: usize) -> Option<usize> {
+        let after = self.len.saturating_add(inserts);
+        let buckets = 1usize << bits_for(after);
+        let may_rebuild = self.used.saturating_add(inserts) > self.limit && self.bits < 32;
+        (may_rebuild && buckets > self.buckets.len() && self.spare.len() < buckets).then_some(buckets)
+    }
+
+    /// Gives the table spare empty buckets for its next growth
+    /// ([`Engine::growth_ahead`]); they replace any it had.
+    pub(crate) fn give_spare(&mut self, spare: SpareBuckets) {
+        self.spare = spare.0;
     }
 
     /// Draws the load limit for the buckets as they are now
@@ -404,7 +453,7 @@ impl Engine {
 
     /// Heap bytes (table and slab).
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.buckets.capacity() * std::mem::size_of::<Bucket>()
+        (self.buckets.capacity() + self.spare.capacity()) * std::mem::size_of::<Bucket>()
             + self.pages.len() * PAGE * std::mem::size_of::<Entry>()
             + self.pages.capacity() * std::mem::size_of::<Box<[Entry]>>()
             + self.free.capacity() * std::mem::size_of::<u32>()
@@ -424,11 +473,17 @@ mod tests {
     proptest! {
         /// Against a HashMap: find, len, iter, and slots stay put.
         #[test]
-        fn behaves_like_a_map(ops in proptest::collection::vec((any::<bool>(), 0u64..3000), 1..4000)) {
+        /// Spare buckets are made now and then for the growth ahead.
+        fn behaves_like_a_map(ops in proptest::collection::vec((0u8..8, 0u64..3000), 1..4000)) {
             let mut model: HashMap<u64, u32> = HashMap::new();
             let mut e = Engine::default();
-            for (add, k) in ops {
-                if add {
+            for (op, k) in ops {
+                if op == 7 {
+                    if let Some(buckets) = e.growth_ahead(k as usize % 64) {
+                        prop_assert!(buckets > e.buckets.len());
+                        e.give_spare(SpareBuckets::new(buckets));
+                    }
+                } else if op < 4 {
                     if let std::collections::hash_map::Entry::Vacant(v) = model.entry(k) {
                         v.insert(e.insert(entry(k)));
                     }
@@ -463,6 +518,34 @@ mod tests {
         assert_eq!(again, slots);
         assert_eq!(e.find(12), Some(slots[2]));
         assert_eq!(e.find(2), None);
+    }
+
+    /// A table about to grow says so, and its growth takes the buckets
+    /// made for it; a table just rebuilt needs none.
+    #[test]
+    fn a_growth_takes_the_spare_made_for_it() {
+        let mut e = Engine::default();
+        let mut k = 0;
+        while e.growth_ahead(8).is_none() {
+            e.insert(entry(k));
+            k += 1;
+        }
+        let before = e.buckets.len();
+        let Some(buckets) = e.growth_ahead(8) else { return };
+        assert_eq!(buckets, before * 2);
+        let spare = SpareBuckets::new(buckets);
+        let at = spare.0.as_ptr();
+        e.give_spare(spare);
+        assert_eq!(e.growth_ahead(8), None, "it has a spare that large");
+        while e.buckets.len() == before {
+            e.insert(entry(k));
+            k += 1;
+        }
+        assert_eq!(e.buckets.as_ptr(), at);
+        assert_eq!(e.buckets.len(), buckets);
+        assert!(e.spare.is_empty());
+        assert!((0..k).all(|x| e.find(x).is_some()));
+        assert_eq!(e.growth_ahead(8), None, "just rebuilt");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use foldhash::fast::RandomState;
 use kvgate_protocol::{EngineBlockHash, SequenceHash};
 
+use crate::engine::SpareBuckets;
 use crate::event::{KvEvent, Tier};
 use crate::shard::Shard;
 use crate::types::take_slot;
@@ -19,6 +20,24 @@ pub use crate::types::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
 /// One shard's part of a batch: the shard, and (position in the batch, the
 /// worker's index in the shard) of each of its events.
 type Job<'s, 'l> = (&'s mut Shard, &'l [(usize, WorkerIdx)]);
+
+/// Empty buckets made ahead for the engine tables a batch's stores may grow
+/// ([`Index::spares_for`], under a shared borrow: beside lookups), handed
+/// to them with [`Index::give_spares`] before the batch is applied.
+#[derive(Debug, Default)]
+pub struct Spares(Vec<(WorkerIdx, Tier, SpareBuckets)>);
+
+impl Spares {
+    /// Tables given spare buckets.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether no table needs spare buckets.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
 
 /// Where a worker lives: its shard and its index there.
 #[derive(Debug, Clone, Copy)]
@@ -277,6 +296,45 @@ impl Index {
             }
         }
         results
+    }
+
+    /// Empty buckets for each engine table that `stores` (worker, tier,
+    /// blocks to store) may grow when applied. A table grows at a rebuild,
+    /// and growing writes a new bucket array: fresh pages, which the kernel
+    /// zeroes on first touch (on a VM a growth to 1 MiB of buckets took
+    /// ~5 ms, a rebuild in place ~0.6 ms: `docs/DECISIONS.md`).
+    /// Made here, under a shared borrow (a read lock lookups share), a
+    /// growth under the write lock takes them ready. Allocates only for
+    /// tables whose occupied buckets may pass their limit within the stores.
+    pub fn spares_for(&self, stores: &[(WorkerIdx, Tier, usize)]) -> Spares {
+        let mut sums: Vec<(WorkerIdx, Tier, usize)> = stores.to_vec();
+        sums.sort_unstable_by_key(|(w, t, _)| (*w, *t));
+        sums.dedup_by(|later, kept| {
+            let same = (later.0, later.1) == (kept.0, kept.1);
+            if same {
+                kept.2 = kept.2.saturating_add(later.2);
+            }
+            same
+        });
+        let mut out = Vec::new();
+        for (w, tier, n) in sums {
+            let Some(p) = self.place(w) else { continue };
+            if let Some(buckets) = self.shards.get(p.shard).and_then(|s| s.growth_ahead(p.local, tier, n)) {
+                out.push((w, tier, SpareBuckets::new(buckets)));
+            }
+        }
+        Spares(out)
+    }
+
+    /// Hands spare buckets ([`Index::spares_for`]) to their tables; those
+    /// of a worker gone since are dropped.
+    pub fn give_spares(&mut self, spares: Spares) {
+        for (w, tier, spare) in spares.0 {
+            let Some(p) = self.place(w) else { continue };
+            if let Some(s) = self.shards.get_mut(p.shard) {
+                s.give_spare(p.local, tier, spare);
+            }
+        }
     }
 
     /// Rewrites the workers of `out[start..]`, found in `shard`, as the

@@ -11,7 +11,7 @@
 //! | [`event`] | [`KvEvent`] borrowed from protobuf batches; [`Tier`], [`Origin`] |
 //! | [`index`] | [`Index`]: workers spread over shards, apply events (a batch's shards in parallel), [`Index::find_matches`], counters, invariants |
 //! | `shard` | one shard: its workers' engine tables and the prefix tree of what they hold |
-//! | `engine` | one worker's engine hash → entry table: a slab of fixed pages and a table of 4-byte slots |
+//! | `engine` | one worker's engine hash → entry table: a slab of fixed pages and a table of 8-byte buckets (slot and tag), grown with spare buckets made outside the write lock |
 //! | `runs` | the prefix tree: every distinct block in runs of consecutive blocks, with its holders per tier |
 //! | `types` | what the modules share: [`WorkerIdx`], [`IndexConfig`], [`Skip`], [`Counters`], [`Overlap`] |
 //! | `worker_set` | the worker set of one block in 8 bytes, with an O(1) equality fingerprint |
@@ -29,7 +29,7 @@ mod types;
 mod worker_set;
 
 pub use event::{KvEvent, Origin, Stored, Tier};
-pub use index::{Counters, Index, IndexConfig, Overlap, Skip, WorkerIdx};
+pub use index::{Counters, Index, IndexConfig, Overlap, Skip, Spares, WorkerIdx};
 
 /// Approximate heap bytes of a `HashMap` (hashbrown: buckets = capacity ·
 /// 8 / 7, one control byte each), for memory accounting.

@@ -10,7 +10,7 @@ use std::collections::hash_map::Entry as MapEntry;
 use foldhash::fast::RandomState;
 use kvgate_protocol::{EngineBlockHash, SequenceHash, local_block_hash, next_sequence_hash};
 
-use crate::engine::{Engine, Entry, NO_SLOT, Probe};
+use crate::engine::{Engine, Entry, NO_SLOT, Probe, SpareBuckets};
 use crate::event::{KvEvent, Origin, Stored, Tier};
 use crate::runs::{Loc, Path, Runs};
 use crate::types::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
@@ -210,6 +210,19 @@ impl Shard {
             total += s.name.capacity();
         }
         total
+    }
+
+    /// How many buckets the `tier` table of worker `w` grows to within the
+    /// next `inserts` inserts, if it may ([`Engine::growth_ahead`]).
+    pub(crate) fn growth_ahead(&self, w: WorkerIdx, tier: Tier, inserts: usize) -> Option<usize> {
+        self.slot(w)?.engine.get(tier.idx())?.growth_ahead(inserts)
+    }
+
+    /// Gives the `tier` table of worker `w` spare buckets for its growth.
+    pub(crate) fn give_spare(&mut self, w: WorkerIdx, tier: Tier, spare: SpareBuckets) {
+        if let Some(e) = self.slot_mut(w).and_then(|s| s.engine.get_mut(tier.idx())) {
+            e.give_spare(spare);
+        }
     }
 
     fn slot(&self, w: WorkerIdx) -> Option<&Worker> {

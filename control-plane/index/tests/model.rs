@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Overlap, Skip, Stored, Tier};
+use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Overlap, Skip, Stored, Tier, WorkerIdx};
 use kvgate_protocol::{BlockSeed, BlockSize, EngineBlockHash, SequenceHash, local_block_hash, next_sequence_hash};
 use proptest::prelude::*;
 
@@ -270,6 +270,14 @@ proptest! {
             if rest.is_empty() { break; }
             let (batch, tail) = rest.split_at((*cut).min(rest.len()));
             let batch: Vec<_> = batch.iter().map(|(w, e)| (sharded.worker(names()[*w]).unwrap(), *e)).collect();
+            // Spare buckets made ahead for the tables the batch may grow
+            // (as the control plane's ingest does) change no outcome.
+            let stores: Vec<_> = batch.iter().filter_map(|(w, e)| match e {
+                KvEvent::Stored(s) => Some((*w, s.tier, s.engine_hashes.len())),
+                _ => None,
+            }).collect();
+            let spares = sharded.spares_for(&stores);
+            sharded.give_spares(spares);
             got.extend(sharded.apply_batch(&batch));
             rest = tail;
         }
@@ -390,4 +398,47 @@ fn capacity_bounds_stale_blocks() {
     assert!(index.engine_entry(w, Tier::Device, EngineBlockHash(0)).is_none());
     assert_eq!(index.counters().capacity_evictions as usize, 100 - held);
     index.check_invariants().unwrap();
+}
+
+/// Spare buckets are made only for a table the stores may grow, are
+/// counted in the index's memory once given, and are not kept beside the
+/// grown table.
+#[test]
+fn spares_are_made_for_tables_about_to_grow() {
+    let bs = BlockSize::new(1).unwrap();
+    let mut index = Index::new(IndexConfig::new(bs));
+    let w = index.add_worker("w");
+    assert!(index.spares_for(&[(w, Tier::Device, 1)]).is_empty(), "an empty table is far from its limit");
+    assert!(index.spares_for(&[(WorkerIdx(7), Tier::Device, 1_000)]).is_empty(), "no such worker");
+    // Split stores of one table add up: 1,000 blocks may grow it.
+    assert_eq!(index.spares_for(&[(w, Tier::Device, 600), (w, Tier::Host, 1), (w, Tier::Device, 400)]).len(), 1);
+    let tokens: Vec<u32> = (0..2_000).collect();
+    let store = |index: &mut Index, h: u64| {
+        let stored = Stored {
+            engine_hashes: &[h],
+            parent: h.checked_sub(1),
+            token_ids: &tokens[h as usize..h as usize + 1],
+            block_size: 1,
+            seed: BlockSeed::BASE,
+            tier: Tier::Device,
+            origin: Origin::New,
+        };
+        index.apply(w, &KvEvent::Stored(stored)).unwrap();
+    };
+    let mut h = 0;
+    while h < 1_000 || index.spares_for(&[(w, Tier::Device, 1)]).is_empty() {
+        store(&mut index, h);
+        h += 1;
+    }
+    let before = index.approx_heap_bytes();
+    let spares = index.spares_for(&[(w, Tier::Device, 1)]);
+    index.give_spares(spares);
+    let given = index.approx_heap_bytes() - before;
+    assert!(given >= 2 * h as usize * 8, "{given} bytes for {h} blocks");
+    store(&mut index, h);
+    assert!(index.approx_heap_bytes() < before + given, "the spare became the table");
+    assert_eq!(index.worker_blocks(w, Tier::Device), h as usize + 1);
+    if let Err(e) = index.check_invariants() {
+        panic!("invariant: {e}");
+    }
 }

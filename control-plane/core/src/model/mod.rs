@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use indexmap::IndexMap;
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard};
 
 use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Stored, Tier, WorkerIdx};
 use kvgate_protocol::pb;
@@ -207,15 +207,31 @@ fn apply_wave(index: &mut Index, applied: &[ToApply]) {
     let _ = index.apply_batch(&events);
 }
 
+/// The blocks a wave stores, per worker and tier (batched events, counted
+/// from their protobuf form).
+fn stores_of(applied: &[ToApply]) -> Vec<(WorkerIdx, Tier, usize)> {
+    let stored = |e: &pb::KvEvent| match &e.event {
+        Some(pb::kv_event::Event::Stored(s)) => Some((Tier::from_medium(s.medium), s.engine_hashes.len())),
+        _ => None,
+    };
+    applied
+        .iter()
+        .flat_map(|(_, idx, b)| b.events.iter().filter_map(stored).map(move |(tier, n)| (*idx, tier, n)))
+        .collect()
+}
+
 /// KV batches applied as the model's ingest does, with the least of the
 /// model's lock: per wave (see [`ModelState::on_batches`]; one batch is one
 /// wave) the stream decisions under the model's lock, then the events
 /// under the index's write lock alone, then the resync checks (the model's
 /// lock again only when a worker needs one). The index's lock is taken
-/// before the model's is released, so no worker leaves (and no index is
-/// handed to another) between the decision and its events. Picks wait for
-/// the index only for their lookup ([`Found`]), not for the rest of ingest.
-/// Returns the needs and, per wave, how long the index was held.
+/// (upgradable: lookups go on) before the model's is released, so no worker
+/// leaves (and no index is handed to another) between the decision and its
+/// events. Before the write lock, still beside lookups, the bucket arrays
+/// of the engine tables the wave may grow are made ([`Index::spares_for`]):
+/// a growth's fresh pages are its slow part. Picks wait for the index only
+/// for their lookup ([`Found`]), not for the rest of ingest. Returns the
+/// needs and, per wave, how long the index was held for writing.
 pub fn ingest_batches(
     state: &Mutex<ModelState>,
     batches: Vec<pb::KvEventBatch>,
@@ -233,9 +249,12 @@ pub fn ingest_batches(
             continue;
         }
         let shared = st.shared_index();
-        let mut index = shared.write();
+        let index = shared.upgradable_read();
         drop(st);
+        let spares = index.spares_for(&stores_of(&applied));
+        let mut index = RwLockUpgradableReadGuard::upgrade(index);
         let t = std::time::Instant::now();
+        index.give_spares(spares);
         apply_wave(&mut index, &applied);
         let resync: Vec<&str> =
             applied.iter().filter(|(_, idx, _)| index.take_resync(*idx)).map(|(id, _, _)| id.as_str()).collect();
