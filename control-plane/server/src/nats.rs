@@ -161,21 +161,29 @@ pub(crate) async fn nats_task(
 /// gather after the first of a batch before it publishes them. At 2,000
 /// Picks/s (and as many reports) a publish per event cost the process ~26 µs
 /// of CPU per Pick (a task wake-up, a NATS publish, the client's write);
-/// gathered for 1 ms (1–2 ms with tokio's timer) they go several to a batch,
-/// and cost what publishing nothing costs, within the noise. A peer replica learns a
-/// decision up to this much later, which is small beside NATS's own delivery
-/// and the lifetime of a request (docs/DECISIONS.md).
+/// gathered for 1 ms (1–2 ms with tokio's timer) they go several to a
+/// batch, and cost what publishing nothing costs, within the noise. A peer
+/// replica learns a decision up to this much later, which is small beside
+/// NATS's own delivery and the lifetime of a request (docs/DECISIONS.md).
 const SHARE_LINGER: Duration = Duration::from_millis(1);
+
+/// In-flight events the publisher takes in its first receive.
+const SHARE_FIRST: usize = 512;
+
+/// In-flight events the publisher gathers at most before it publishes.
+const SHARE_MAX: usize = 4096;
 
 /// Publishes this replica's in-flight events for the other replicas: waits
 /// for one, lets more gather for `linger`, then publishes what is queued,
 /// per model in batches of at most [`MAX_INFLIGHT_BATCH_BYTES`], in order.
 /// Idle, it waits without waking. It ends when the queue's sender is gone.
 async fn publish_inflight(app: Arc<App>, client: async_nats::Client, mut rx: Inbox, linger: Duration) {
-    let mut queued = Vec::with_capacity(512);
-    while rx.recv_many(&mut queued, 512).await > 0 {
+    let mut queued = Vec::with_capacity(SHARE_FIRST);
+    while rx.recv_many(&mut queued, SHARE_FIRST).await > 0 {
         tokio::time::sleep(linger).await;
-        while queued.len() < 4096 && rx.recv_many(&mut queued, 512).now_or_never().is_some_and(|n| n > 0) {}
+        // What has gathered meanwhile, without waiting for more.
+        let room = SHARE_MAX.saturating_sub(queued.len());
+        let _ = rx.recv_many(&mut queued, room).now_or_never();
         for (model, events) in by_model(queued.drain(..)) {
             for events in in_batches(events, MAX_INFLIGHT_BATCH_BYTES) {
                 let batch =
