@@ -113,8 +113,25 @@ pub fn process_cpu_ns(pid: u32) -> u64 {
     (ticks(11) + ticks(12)) * tick_ns
 }
 
+/// Whether a virtio-balloon device's feature bits (its sysfs `features`: one
+/// character per bit, bit 0 first) include free page reporting (bit 5,
+/// `VIRTIO_BALLOON_F_REPORTING`).
+fn reports_free_pages(features: &str) -> bool {
+    features.trim().as_bytes().get(5) == Some(&b'1')
+}
+
+/// Whether this machine is a VM that hands the pages its kernel frees back
+/// to its host: a process's new memory then faults in the host too (on a
+/// Firecracker VM, ~2.7 ms per MiB against ~0.4: docs/DECISIONS.md), which
+/// moves any number that allocates.
+fn returns_free_pages() -> bool {
+    let Ok(devices) = std::fs::read_dir("/sys/bus/virtio/drivers/virtio_balloon") else { return false };
+    devices.flatten().any(|d| std::fs::read_to_string(d.path().join("features")).is_ok_and(|f| reports_free_pages(&f)))
+}
+
 /// Provenance of a benchmark result: the short commit of `HEAD` (with
-/// `-dirty` when tracked code has changes) and the machine (arch, cores, CPU).
+/// `-dirty` when tracked code has changes) and the machine (arch, cores,
+/// CPU, and whether it returns freed memory to a host).
 pub fn provenance() -> (String, String) {
     let git = |args: &[&str]| {
         Command::new("git")
@@ -143,7 +160,11 @@ pub fn provenance() -> (String, String) {
         .trim()
         .to_owned();
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    (commit, format!("{} {} cores, {}", std::env::consts::ARCH, cores, cpu))
+    let mut machine = format!("{} {} cores, {}", std::env::consts::ARCH, cores, cpu);
+    if returns_free_pages() {
+        machine.push_str(", VM returning freed pages to its host (virtio-balloon free page reporting)");
+    }
+    (commit, machine)
 }
 
 /// Deterministic English-like text of `n` words (benchmark prompts).
@@ -223,5 +244,16 @@ mod tests {
         assert!(quantile(&[], 0.5).is_nan());
         let s: Samples = [f64::NAN, -1.0, 2.0].into_iter().collect();
         assert_eq!((s.len(), s.quantile(1.0)), (1, 2.0));
+    }
+
+    /// The balloon of the Firecracker VM these results were measured on
+    /// (stats, deflate on OOM, reporting; version 1), and without reporting.
+    #[test]
+    fn free_page_reporting_is_bit_five() {
+        let firecracker = "0110010100000000000000000000000010000000000000000000000000000000\n";
+        assert!(reports_free_pages(firecracker));
+        assert!(!reports_free_pages("0110000100000000000000000000000010000000000000000000000000000000"));
+        assert!(!reports_free_pages("0110"));
+        assert!(!reports_free_pages(""));
     }
 }
