@@ -6,7 +6,10 @@
 //! Llama-70B FP8 holds in 16-token blocks), then keeps churning it
 //! (`--ingest` block operations per second, default 1 M) while an
 //! open-loop gRPC client ([`load`]) sends Picks of each request mix at a
-//! ladder of rates, up to saturation. Per step: Pick latency p50/p99/p999
+//! ladder of rates, up to saturation. The first step starts after `--settle`
+//! seconds (default 30) of churn alone, past the wave of engine-table
+//! growths a fill of every worker at once leaves (its row: `settle`;
+//! `--settle 0` measures in the wave). Per step: Pick latency p50/p99/p999
 //! from the scheduled send time, the rate answered, the ingest rate
 //! reached, the index's staleness (p99 of `kvgate_event_lag_seconds`, the
 //! engine timestamp of a batch to its application), the control plane's
@@ -58,6 +61,8 @@ struct Args {
     blocks: usize,
     ingest: u64,
     secs: f64,
+    /// Ingest alone before the first step, seconds (not a measured step).
+    settle: f64,
     request_secs: f64,
     elide: bool,
     mixes: Vec<&'static str>,
@@ -76,6 +81,7 @@ fn args() -> Args {
         blocks: 40_000,
         ingest: 1_000_000,
         secs: 5.0,
+        settle: 30.0,
         request_secs: 2.0,
         elide: true,
         mixes: MIXES.to_vec(),
@@ -93,6 +99,8 @@ fn args() -> Args {
             "--blocks" => a.blocks = val.parse().unwrap_or(a.blocks),
             "--ingest" => a.ingest = val.parse().unwrap_or(a.ingest),
             "--secs" => a.secs = val.parse().unwrap_or(a.secs),
+            // `--settle 0`: the first step right after the fill.
+            "--settle" => a.settle = val.parse().ok().filter(|s: &f64| *s >= 0.0).unwrap_or(a.settle),
             "--request-secs" => a.request_secs = val.parse().unwrap_or(a.request_secs),
             "--elide" => a.elide = val != "false",
             "--replicas" => a.replicas = val.split(',').filter_map(|x| x.parse().ok()).filter(|r| *r > 0).collect(),
@@ -481,6 +489,8 @@ fn main() {
         "blocks_per_worker": a.blocks,
         "ingest_offered_block_ops_per_s": a.ingest,
         "step_secs": a.secs,
+        "settle_secs": a.settle,
+        "settle": "after the fill, the fleet churns for settle_secs with no Picks before the first step (its row: mix settle). The fill stores every worker's blocks at once, and the churn's first stale buckets then grow every worker's engine table once, within ~20 s at 1,000 workers: a wave of table growths that a fleet whose workers fill over hours spreads out. The steps measure the steady state after it; the settle row shows the wave's holds of the index and staleness",
         "request_secs": a.request_secs,
         "elided": a.elide,
         "doks_system_prompts": a.system_prompts,
@@ -664,8 +674,13 @@ async fn over_grpc(
         }
     }
     let mut next_id = 1_000u64;
-    // Ingest alone first (what the Picks' CPU is measured against).
-    let steps: Vec<(&'static str, f64)> = std::iter::once(("none", 0.0))
+    // Ingest alone first: the settling after the fill (see `settle` in
+    // the result), then a step of it (what the Picks' CPU is measured
+    // against).
+    let settle = (a.settle > 0.0).then_some(("settle", 0.0));
+    let steps: Vec<(&'static str, f64)> = settle
+        .into_iter()
+        .chain(std::iter::once(("none", 0.0)))
         .chain(run_mixes.iter().flat_map(|m| ladder(m).iter().map(move |r| (*m, *r))))
         .collect();
     let mut saturated: Option<&str> = None;
@@ -676,6 +691,7 @@ async fn over_grpc(
         if saturated == Some(mix) {
             continue;
         }
+        let secs = if mix == "settle" { a.settle } else { a.secs };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let hist0: Vec<_> = admins.iter().map(|a| step_buckets(&metrics(*a))).collect();
         let (cpu0, _) = usage(&pids);
@@ -688,9 +704,9 @@ async fn over_grpc(
         };
         let load = async {
             let step = if rate > 0.0 {
-                Some(load::open_loop(&group, mixes.clone(), mix, rate, a.secs, next_id, a.elide).await)
+                Some(load::open_loop(&group, mixes.clone(), mix, rate, secs, next_id, a.elide).await)
             } else {
-                tokio::time::sleep(Duration::from_secs_f64(a.secs)).await;
+                tokio::time::sleep(Duration::from_secs_f64(secs)).await;
                 None
             };
             let _ = stop_tx.send(true);
@@ -721,17 +737,20 @@ async fn over_grpc(
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
-        next_id += (rate * a.secs) as u64 + 1;
+        next_id += (rate * secs) as u64 + 1;
         let Some(step) = step else {
-            ingest_only_cpu = Some((cpu1 - cpu0) / a.secs);
+            let cpu = (cpu1 - cpu0) / secs;
+            if mix == "none" {
+                ingest_only_cpu = Some(cpu);
+            }
             eprintln!(
-                "{workers} workers, ingest only: {ops_per_s:.0} block ops/s, CPU {:.2} s/s",
-                (cpu1 - cpu0) / a.secs
+                "{workers} workers, ingest only ({mix}, {secs} s): {ops_per_s:.0} block ops/s, CPU {cpu:.2} s/s, lag p99 {lag:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms"
             );
             rows.push(json!({
-                "workers": workers, "path": "grpc", "mix": "none", "replicas": replicas, "picks_per_s": 0, "fill_lost_messages": fill_lost,
-                "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
-                "cpu_s_per_s": ((cpu1 - cpu0) / a.secs * 100.0).round() / 100.0, "machine_busy": machine_busy,
+                "workers": workers, "path": "grpc", "mix": mix, "replicas": replicas, "picks_per_s": 0, "fill_lost_messages": fill_lost,
+                "secs": secs, "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
+                "cpu_s_per_s": (cpu * 100.0).round() / 100.0, "machine_busy": machine_busy,
+                "ingest_hold_p99_ms": hold_p99_ms, "ingest_hold_p999_ms": hold_p999_ms,
             }));
             continue;
         };
