@@ -300,12 +300,13 @@ impl Index {
 
     /// Empty buckets for each engine table that `stores` (worker, tier,
     /// blocks to store) may grow when applied. A table grows at a rebuild,
-    /// and growing writes a new bucket array: fresh pages, which the kernel
-    /// zeroes on first touch (on a VM a growth to 1 MiB of buckets took
-    /// ~5 ms, a rebuild in place ~0.6 ms: `docs/DECISIONS.md`).
-    /// Made here, under a shared borrow (a read lock lookups share), a
-    /// growth under the write lock takes them ready. Allocates only for
-    /// tables whose occupied buckets may pass their limit within the stores.
+    /// and growing writes a new bucket array: fresh pages, whose faults
+    /// are most of its time (on a VM, a growth to 1 MiB of buckets took
+    /// ~5 ms, a rebuild in place ~0.6 ms: `docs/DECISIONS.md`). Made here,
+    /// under a shared borrow (a read lock lookups share), a growth under the
+    /// write lock takes them ready. Allocates only for tables whose
+    /// occupied buckets may pass their limit within the stores, and whose
+    /// growth is one doubling (`Engine::growth_ahead`).
     pub fn spares_for(&self, stores: &[(WorkerIdx, Tier, usize)]) -> Spares {
         let mut sums: Vec<(WorkerIdx, Tier, usize)> = stores.to_vec();
         sums.sort_unstable_by_key(|(w, t, _)| (*w, *t));

@@ -400,18 +400,17 @@ fn capacity_bounds_stale_blocks() {
     index.check_invariants().unwrap();
 }
 
-/// Spare buckets are made only for a table the stores may grow, are
-/// counted in the index's memory once given, and are not kept beside the
-/// grown table.
+/// Spare buckets are made only for a table the stores may grow by one
+/// doubling, are counted in the index's memory once given, and are not kept
+/// beside the grown table.
 #[test]
 fn spares_are_made_for_tables_about_to_grow() {
     let bs = BlockSize::new(1).unwrap();
     let mut index = Index::new(IndexConfig::new(bs));
     let w = index.add_worker("w");
     assert!(index.spares_for(&[(w, Tier::Device, 1)]).is_empty(), "an empty table is far from its limit");
-    assert!(index.spares_for(&[(WorkerIdx(7), Tier::Device, 1_000)]).is_empty(), "no such worker");
-    // Split stores of one table add up: 1,000 blocks may grow it.
-    assert_eq!(index.spares_for(&[(w, Tier::Device, 600), (w, Tier::Host, 1), (w, Tier::Device, 400)]).len(), 1);
+    assert!(index.spares_for(&[(w, Tier::Device, 1_000)]).is_empty(), "more than one doubling");
+    assert!(index.spares_for(&[(WorkerIdx(7), Tier::Device, 8)]).is_empty(), "no such worker");
     let tokens: Vec<u32> = (0..2_000).collect();
     let store = |index: &mut Index, h: u64| {
         let stored = Stored {
@@ -426,18 +425,28 @@ fn spares_are_made_for_tables_about_to_grow() {
         index.apply(w, &KvEvent::Stored(stored)).unwrap();
     };
     let mut h = 0;
-    while h < 1_000 || index.spares_for(&[(w, Tier::Device, 1)]).is_empty() {
+    while h < 1_000 || index.spares_for(&[(w, Tier::Device, 8)]).is_empty() {
         store(&mut index, h);
         h += 1;
     }
+    // One store fewer was within the limit with 8 more; now 4 more are,
+    // and two stores of 4 add up to 8.
+    assert!(index.spares_for(&[(w, Tier::Device, 4)]).is_empty());
+    assert!(index.spares_for(&[(w, Tier::Host, 8)]).is_empty(), "the other tier's table");
+    let spares = index.spares_for(&[(w, Tier::Device, 4), (w, Tier::Host, 1), (w, Tier::Device, 4)]);
+    assert_eq!(spares.len(), 1);
     let before = index.approx_heap_bytes();
-    let spares = index.spares_for(&[(w, Tier::Device, 1)]);
     index.give_spares(spares);
     let given = index.approx_heap_bytes() - before;
     assert!(given >= 2 * h as usize * 8, "{given} bytes for {h} blocks");
-    store(&mut index, h);
-    assert!(index.approx_heap_bytes() < before + given, "the spare became the table");
-    assert_eq!(index.worker_blocks(w, Tier::Device), h as usize + 1);
+    for _ in 0..8 {
+        store(&mut index, h);
+        h += 1;
+    }
+    // The table grew within the 8 stores, and the spare is not held beside
+    // it: the memory is what it was plus the spare, less the old buckets.
+    assert!(index.approx_heap_bytes() < before + given, "grown, and no spare kept beside the table");
+    assert_eq!(index.worker_blocks(w, Tier::Device), h as usize);
     if let Err(e) = index.check_invariants() {
         panic!("invariant: {e}");
     }
