@@ -16,6 +16,10 @@
 //! memory (then `--sample-size 20 --measurement-time 10`: each eviction
 //! takes ~30 ms).
 //!
+//! `replica_event/<n>w`: what another replica's decision costs this one
+//! (its in-flight events applied: added with the prompt's hashes, first
+//! token, done).
+//!
 //! `cargo bench -p kvgate-core --bench pick`
 
 #[path = "../tests/common/mod.rs"]
@@ -125,6 +129,72 @@ fn bench(c: &mut Criterion) {
                 );
             });
         }
+    }
+    g.finish();
+    replica_events(c, &starters);
+}
+
+/// `replica_event/<n>w`: what another replica's decision costs this one,
+/// the in-flight events of one request (added with its prompt's hashes as
+/// shared, first token, done) applied to a replica that did not route it.
+/// The events come from decisions made on a twin of the fleet; each
+/// request is done by the end of its iteration, so the tracker stays at
+/// its warm-up size (two requests per worker).
+fn replica_events(c: &mut Criterion, starters: &[Vec<u32>]) {
+    let mut g = c.benchmark_group("replica_event");
+    for workers in [100usize, 1000] {
+        let mut origin = fleet(workers, starters);
+        let mut peer = fleet(workers, starters);
+        origin.set_share_with_replicas(true);
+        for i in 0..2 * workers as u64 {
+            let t = request(starters, i);
+            let id = format!("warm-{i}");
+            if let Ok(o) = origin.pick(&input(&id, &t), 1) {
+                peer.on_replica_event(&o.inflight, 1);
+            }
+        }
+        // One request's events, for a pool of requests (ids made unique
+        // per iteration below).
+        let pool: Vec<Vec<pb::InflightEvent>> = (0..64u64)
+            .filter_map(|i| {
+                let t = request(starters, 1_000_000 + i);
+                let id = format!("pool-{i}");
+                let o = origin.pick(&input(&id, &t), 1).ok()?;
+                let done = pb::CompletionReport {
+                    request_id: id.clone(),
+                    worker_id: o.worker_id.clone(),
+                    model: "m".into(),
+                    total_us: 1,
+                    ..Default::default()
+                };
+                let mut evs = vec![o.inflight];
+                evs.extend(origin.on_report(&done, 2));
+                Some(evs)
+            })
+            .collect();
+        // The events are applied, not ignored: the added one is in flight
+        // at the peer until its done event.
+        let before = (peer.inflight(), peer.counters().replica_events);
+        if let Some(evs) = pool.first() {
+            peer.on_replica_event(&evs[0], 2);
+            assert_eq!(peer.inflight(), before.0 + 1, "the peer took the added event");
+            for ev in &evs[1..] {
+                peer.on_replica_event(ev, 2);
+            }
+            assert_eq!(peer.inflight(), before.0);
+            assert_eq!(peer.counters().replica_events, before.1 + evs.len() as u64, "every event applied");
+            assert!(evs[0].block_hashes.len() > 200, "the added event carries the prompt's hashes");
+        }
+        let mut i = 0usize;
+        g.bench_function(BenchmarkId::from_parameter(format!("{workers}w")), |b| {
+            b.iter(|| {
+                i += 1;
+                let Some(evs) = pool.get(i % pool.len()) else { return };
+                for ev in evs {
+                    peer.on_replica_event(ev, 2);
+                }
+            });
+        });
     }
     g.finish();
 }
