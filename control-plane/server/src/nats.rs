@@ -257,6 +257,17 @@ pub async fn fetch_snapshot(
             .await
             .map_err(|_| format!("timed out after {} of {} chunks", got, chunks.len().max(1)))?
             .ok_or("subscription closed")?;
+        // A status instead of a reply: "no responders" (no relay serves the
+        // worker's snapshot subject) or another NATS status. Its empty
+        // payload would decode as an empty snapshot and clear the worker's
+        // blocks.
+        if let Some(status) = msg.status {
+            return Err(if status == async_nats::StatusCode::NO_RESPONDERS {
+                "no relay answered (no responders)".to_owned()
+            } else {
+                format!("NATS status {status} instead of a snapshot chunk")
+            });
+        }
         let c = pb::SnapshotChunk::decode(msg.payload.as_ref()).map_err(|e| format!("malformed chunk: {e}"))?;
         let n = c.chunk_count.max(1) as usize;
         if chunks.is_empty() {

@@ -144,6 +144,41 @@ async fn a_nats_restart_mid_run_is_survived_and_the_lost_batches_are_recovered()
     handle.stop().await.unwrap();
 }
 
+/// A snapshot no relay answers is a failure, not a snapshot of nothing:
+/// the worker keeps the blocks the index has. (NATS answers a request
+/// nobody serves with a "no responders" status and an empty payload, which
+/// decoded as an empty snapshot and cleared the worker.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_no_relay_answers_fails_and_the_worker_keeps_its_blocks() {
+    let dir = kvgate_testkit::scratch_dir("cp-no-snapshot").unwrap();
+    let nats = NatsServer::start(&dir).unwrap();
+    let (_bound, app, handle) = kvgate_server::spawn(config(nats.port, "kv", "cp-n")).await.unwrap();
+    let w0 = Arc::new(Mutex::new(TestRelay::start(nats.port, "w0", "127.0.0.1:9000", 50).await));
+    let hb = heartbeats(vec![w0.clone()]);
+    let p = prompt(24 * BS as usize, 5);
+    w0.lock().await.store(&p[..8 * BS as usize]).await;
+    until(5, "first batch", || async { app.index_json()[MODEL]["device_blocks"] == 8 }).await;
+
+    // The relay stops answering snapshots; a batch is lost, so the next
+    // one shows a gap and the control plane asks for a snapshot.
+    w0.lock().await.stop_answering_snapshots().await;
+    w0.lock().await.online = false;
+    w0.lock().await.store(&p[8 * BS as usize..16 * BS as usize]).await;
+    w0.lock().await.online = true;
+    w0.lock().await.store(&p[16 * BS as usize..]).await;
+    until(10, "the snapshot failed", || async {
+        metric(&app.render_metrics(), "kvgate_snapshot_failures_total") >= 1.0
+    })
+    .await;
+    assert_eq!(app.index_json()[MODEL]["device_blocks"], 8, "the worker's blocks are kept");
+    let m = app.render_metrics();
+    let applied = kvgate_testkit::prom::value(&m, "kvgate_model_events_total{model=\"m\",kind=\"snapshot_applied\"}");
+    assert_eq!(applied.unwrap_or(0.0), 0.0, "nothing applied as a snapshot");
+    assert!(metric(&m, "kvgate_model_events_total{model=\"m\",kind=\"gap\"}") >= 1.0);
+    hb.abort();
+    handle.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_in_flight_load() {
     let dir = kvgate_testkit::scratch_dir("cp-replicas").unwrap();

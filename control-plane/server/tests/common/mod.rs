@@ -121,6 +121,19 @@ impl TestRelay {
         hashes
     }
 
+    /// Stops answering snapshot requests (as a relay that is down or
+    /// predates snapshots): its subscription is gone from the NATS server
+    /// when this returns (the unsubscription goes out before the flush's
+    /// ping).
+    pub async fn stop_answering_snapshots(&mut self) {
+        if !self.tasks.is_empty() {
+            let snap = self.tasks.remove(0);
+            snap.abort();
+            let _ = snap.await;
+        }
+        self.nats.flush().await.unwrap();
+    }
+
     pub async fn clear(&mut self) {
         self.feed(vec![Event::Cleared]).await;
     }
