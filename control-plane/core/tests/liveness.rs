@@ -188,6 +188,54 @@ fn a_backlog_of_late_heartbeats_does_not_purge_the_fleet() {
     assert_eq!(st.reap(12_000 + MAX_STREAM_LAG_MS + 2_000), vec!["w0"]);
 }
 
+/// A control plane short of CPU processes heartbeats late and slower than
+/// the relays send them: here each round of three heartbeats, sent 100 ms
+/// apart by the relays' clocks, takes 3 s to process, so by the time of
+/// processing each worker's heartbeats are 3 s apart, three timeouts. By
+/// the relays' send times they are 100 ms apart: no worker is silent, all
+/// stay routable, none is reaped (before, the first of each round was
+/// reaped when the last was processed). A relay that stops while the others
+/// go on is still found: reaped once the others' send times pass its last
+/// one by a timeout.
+#[test]
+fn a_slow_drain_of_stamped_heartbeats_keeps_the_fleet_live() {
+    use pb::EngineHealth as H;
+    const BASE_MS: u64 = 1_700_000_000_000;
+    let beat =
+        |id: &str, sent_ms: u64| pb::WorkerHeartbeat { ts_unix_nanos: sent_ms * 1_000_000, ..hb(id, H::Healthy) };
+    let mut st = state();
+    let all = ["w0", "w1", "w2"];
+    for id in all {
+        st.on_heartbeat(&beat(id, BASE_MS), 0);
+    }
+    let mut reaped = Vec::new();
+    for round in 1..=12u64 {
+        for (i, id) in all.iter().enumerate() {
+            let t = round * 3_000 + i as u64 * 1_000;
+            st.on_heartbeat(&beat(id, BASE_MS + round * 100), t);
+            reaped.extend(st.reap(t + 900));
+            assert_eq!(picked(&mut st, t + 900), all, "round {round}, after {id}'s heartbeat");
+        }
+    }
+    assert!(reaped.is_empty(), "{reaped:?}");
+    // w2's relay stops; w0's and w1's heartbeats go on, as late.
+    for round in 13..=30u64 {
+        for (i, id) in all[..2].iter().enumerate() {
+            let t = round * 3_000 + i as u64 * 1_000;
+            st.on_heartbeat(&beat(id, BASE_MS + round * 100), t);
+            let now_reaped = st.reap(t + 900);
+            // Its last heartbeat was sent in round 12: silent once the
+            // others' are more than a timeout (1 s) newer, from round 23.
+            if round < 23 {
+                assert!(now_reaped.is_empty(), "round {round}: {now_reaped:?}");
+            }
+            reaped.extend(now_reaped);
+        }
+    }
+    assert_eq!(reaped, vec!["w2"]);
+    assert_eq!(picked(&mut st, 30 * 3_000 + 1_900), vec!["w0", "w1"]);
+}
+
 /// Only `kv` predicts cached tokens; a report of a request routed in
 /// another mode is not judged (it used to count every hit as a miss).
 #[test]

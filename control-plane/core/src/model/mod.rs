@@ -165,6 +165,9 @@ pub struct ModelState {
     /// When the newest heartbeat of any worker was processed: the time the
     /// event stream has delivered up to (see `ModelState::reap`).
     newest_heartbeat_ms: Option<u64>,
+    /// The newest send time (the relay's clock, ms) of the heartbeats
+    /// processed: how far the stream has delivered, by its own clock.
+    newest_heartbeat_sent_ms: Option<u64>,
 }
 
 impl std::fmt::Debug for ModelState {
@@ -311,6 +314,7 @@ impl ModelState {
             counters: ModelCounters::default(),
             frozen_at: None,
             newest_heartbeat_ms: None,
+            newest_heartbeat_sent_ms: None,
             config,
         };
         for (id, endpoint) in this.config.static_workers.clone() {

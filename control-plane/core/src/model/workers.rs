@@ -28,6 +28,8 @@ pub(super) struct Worker {
     pub(super) role: pb::WorkerRole,
     last_seen_ms: u64,
     last_heartbeat_ms: Option<u64>,
+    /// When the relay sent that heartbeat (its clock, ms), when it says.
+    last_heartbeat_sent_ms: Option<u64>,
     interval_ms: u32,
     engine_ok: bool,
     health: pb::EngineHealth,
@@ -48,6 +50,7 @@ impl Worker {
             role: pb::WorkerRole::Both,
             last_seen_ms: 0,
             last_heartbeat_ms: None,
+            last_heartbeat_sent_ms: None,
             interval_ms: 0,
             engine_ok: sync.is_static(),
             health: pb::EngineHealth::Unspecified,
@@ -145,9 +148,36 @@ impl ModelState {
         }
         let engine_up = matches!(w.health, pb::EngineHealth::Unspecified | pb::EngineHealth::Healthy);
         let judged_at = self.frozen_now(now_ms);
-        engine_up
-            && w.endpoint.is_some()
-            && w.last_heartbeat_ms.is_some_and(|t| judged_at.saturating_sub(t) <= self.timeout_ms(w))
+        engine_up && w.endpoint.is_some() && w.last_heartbeat_ms.is_some() && !self.silent(w, judged_at, now_ms)
+    }
+
+    /// Whether `w`'s heartbeats stopped: none processed for a heartbeat
+    /// timeout before `judged_at`, unless the stream is behind. Heartbeats
+    /// share one ordered stream with the KV events, so when ingest falls
+    /// behind (a control plane short of CPU) every heartbeat is processed
+    /// late, and at fewer per second than the relays send: by the time of
+    /// processing, live workers' heartbeats come further apart than the
+    /// timeout. So while heartbeats are still being processed (one within a
+    /// timeout of now) and the backlog is under [`MAX_STREAM_LAG_MS`], a
+    /// worker whose last heartbeat was sent no more than a timeout before
+    /// the newest one processed (both by the relays' clocks) is waiting in
+    /// the queue, not silent. A worker whose relay stops while others go on
+    /// falls behind their send times and is silent a timeout later, as
+    /// before; when every relay stops, nothing is processed and the
+    /// processing time decides. Without send times (a relay that does not
+    /// stamp its heartbeats) the processing time decides.
+    pub(super) fn silent(&self, w: &Worker, judged_at: u64, now_ms: u64) -> bool {
+        let timeout = self.timeout_ms(w);
+        let heard = w.last_heartbeat_ms.unwrap_or(w.last_seen_ms);
+        if judged_at.saturating_sub(heard) <= timeout {
+            return false;
+        }
+        let streaming = self.newest_heartbeat_ms.is_some_and(|t| now_ms.saturating_sub(t) <= timeout)
+            && now_ms.saturating_sub(heard) <= MAX_STREAM_LAG_MS;
+        match (w.last_heartbeat_sent_ms, self.newest_heartbeat_sent_ms) {
+            (Some(sent), Some(newest)) if streaming => newest.saturating_sub(sent) > timeout,
+            _ => true,
+        }
     }
 
     /// The filter could not reach `worker_id` (Envoy retried on a fallback,
@@ -178,17 +208,15 @@ impl ModelState {
         }
     }
 
-    /// The time [`ModelState::reap`] judges heartbeats' age at: now, but
-    /// not more than half a heartbeat timeout past the newest heartbeat of
-    /// any worker (nor past the start of a NATS outage), and at least
-    /// [`MAX_STREAM_LAG_MS`] before now. Heartbeats share one ordered
-    /// stream with the KV events (the gap detection needs that order), so
-    /// when ingest falls behind every heartbeat is late: judged by the
-    /// stream's own clock, a backlog does not purge live workers' blocks,
-    /// while a worker whose heartbeats stopped as others' go on is reaped as
-    /// before; when no worker beats at all, after the bound. Routing
-    /// (`live`) still judges by now: a late heartbeat makes a worker
-    /// unroutable for a while, never forgotten.
+    /// The time [`ModelState::reap`] judges heartbeats' processing age at:
+    /// now, but not more than half a heartbeat timeout past the newest
+    /// heartbeat of any worker (nor past the start of a NATS outage), and
+    /// at least [`MAX_STREAM_LAG_MS`] before now. When ingest stops (no
+    /// heartbeat processed at all) the workers are not reaped for it, until
+    /// the bound; when it goes on behind, [`ModelState::silent`] judges by
+    /// the relays' send times. Routing (`live`) judges the processing age
+    /// at now (or the start of an outage), with the same allowance for a
+    /// stream that is behind.
     fn reap_clock(&self, now_ms: u64) -> u64 {
         let frozen = self.frozen_now(now_ms);
         let slack = self.config.heartbeat_timeout_ms.max(1000) / 2;
@@ -230,9 +258,14 @@ impl ModelState {
             self.counters.heartbeats_block_size_mismatch += 1;
         }
         self.newest_heartbeat_ms = Some(self.newest_heartbeat_ms.map_or(now_ms, |t| t.max(now_ms)));
+        let sent = (hb.ts_unix_nanos > 0).then_some(hb.ts_unix_nanos / 1_000_000);
+        if let Some(sent) = sent {
+            self.newest_heartbeat_sent_ms = Some(self.newest_heartbeat_sent_ms.map_or(sent, |t| t.max(sent)));
+        }
         let w = self.worker_entry(&hb.worker_id, now_ms);
         let idx = w.idx;
         w.last_heartbeat_ms = Some(now_ms);
+        w.last_heartbeat_sent_ms = sent;
         w.interval_ms = hb.interval_ms;
         w.engine_ok = hb.engine_ok;
         let health = pb::EngineHealth::try_from(hb.engine_health).unwrap_or(pb::EngineHealth::Unspecified);
@@ -282,10 +315,7 @@ impl ModelState {
         let dead: Vec<String> = self
             .workers
             .iter()
-            .filter(|(_, w)| {
-                !w.sync.is_static()
-                    && judged_at.saturating_sub(w.last_heartbeat_ms.unwrap_or(w.last_seen_ms)) > self.timeout_ms(w)
-            })
+            .filter(|(_, w)| !w.sync.is_static() && self.silent(w, judged_at, now_ms))
             .map(|(k, _)| k.clone())
             .collect();
         for id in &dead {
