@@ -196,13 +196,17 @@ fn a_backlog_of_late_heartbeats_does_not_purge_the_fleet() {
 /// stay routable, none is reaped (before, the first of each round was
 /// reaped when the last was processed). A relay that stops while the others
 /// go on is still found: reaped once the others' send times pass its last
-/// one by a timeout.
+/// one by a timeout. w2's relay clock runs 10 s ahead of the others' (send
+/// times are compared on the control plane's clock, each relay's offset
+/// learned from its heartbeats), which changes none of this.
 #[test]
 fn a_slow_drain_of_stamped_heartbeats_keeps_the_fleet_live() {
     use pb::EngineHealth as H;
     const BASE_MS: u64 = 1_700_000_000_000;
-    let beat =
-        |id: &str, sent_ms: u64| pb::WorkerHeartbeat { ts_unix_nanos: sent_ms * 1_000_000, ..hb(id, H::Healthy) };
+    let beat = |id: &str, sent_ms: u64| {
+        let skew = if id == "w2" { 10_000 } else { 0 };
+        pb::WorkerHeartbeat { ts_unix_nanos: (sent_ms + skew) * 1_000_000, ..hb(id, H::Healthy) }
+    };
     let mut st = state();
     let all = ["w0", "w1", "w2"];
     for id in all {

@@ -165,8 +165,9 @@ pub struct ModelState {
     /// When the newest heartbeat of any worker was processed: the time the
     /// event stream has delivered up to (see `ModelState::reap`).
     newest_heartbeat_ms: Option<u64>,
-    /// The newest send time (the relay's clock, ms) of the heartbeats
-    /// processed: how far the stream has delivered, by its own clock.
+    /// The newest send time (on this process's clock, ms; see
+    /// `Worker::clock_offset_ms`) of the heartbeats processed: how far the
+    /// stream has delivered, by the relays' clocks.
     newest_heartbeat_sent_ms: Option<u64>,
 }
 

@@ -28,8 +28,14 @@ pub(super) struct Worker {
     pub(super) role: pb::WorkerRole,
     last_seen_ms: u64,
     last_heartbeat_ms: Option<u64>,
-    /// When the relay sent that heartbeat (its clock, ms), when it says.
+    /// When the relay sent that heartbeat, on this process's clock (ms):
+    /// its send stamp plus the relay clock's offset from ours, when it
+    /// stamps them.
     last_heartbeat_sent_ms: Option<u64>,
+    /// The relay clock's offset from ours: the least (processing − send
+    /// stamp) of its heartbeats, in ms. A backlog only adds to the
+    /// difference, so the least is the offset plus the quickest delivery.
+    clock_offset_ms: Option<i64>,
     interval_ms: u32,
     engine_ok: bool,
     health: pb::EngineHealth,
@@ -51,6 +57,7 @@ impl Worker {
             last_seen_ms: 0,
             last_heartbeat_ms: None,
             last_heartbeat_sent_ms: None,
+            clock_offset_ms: None,
             interval_ms: 0,
             engine_ok: sync.is_static(),
             health: pb::EngineHealth::Unspecified,
@@ -160,8 +167,10 @@ impl ModelState {
     /// timeout. So while heartbeats are still being processed (one within a
     /// timeout of now) and the backlog is under [`MAX_STREAM_LAG_MS`], a
     /// worker whose last heartbeat was sent no more than a timeout before
-    /// the newest one processed (both by the relays' clocks) is waiting in
-    /// the queue, not silent. A worker whose relay stops while others go on
+    /// the newest one processed is waiting in the queue, not silent. Send
+    /// times are the relays' stamps moved to this process's clock by each
+    /// relay's offset (learned as the least processing − send difference),
+    /// so a relay whose clock is set apart is judged like the others. A worker whose relay stops while others go on
     /// falls behind their send times and is silent a timeout later, as
     /// before; when every relay stops, nothing is processed and the
     /// processing time decides. Without send times (a relay that does not
@@ -258,14 +267,18 @@ impl ModelState {
             self.counters.heartbeats_block_size_mismatch += 1;
         }
         self.newest_heartbeat_ms = Some(self.newest_heartbeat_ms.map_or(now_ms, |t| t.max(now_ms)));
-        let sent = (hb.ts_unix_nanos > 0).then_some(hb.ts_unix_nanos / 1_000_000);
-        if let Some(sent) = sent {
-            self.newest_heartbeat_sent_ms = Some(self.newest_heartbeat_sent_ms.map_or(sent, |t| t.max(sent)));
-        }
         let w = self.worker_entry(&hb.worker_id, now_ms);
         let idx = w.idx;
         w.last_heartbeat_ms = Some(now_ms);
-        w.last_heartbeat_sent_ms = sent;
+        // Its send time on our clock (relays' clocks may be set apart).
+        let stamp = i64::try_from(hb.ts_unix_nanos / 1_000_000).ok().filter(|s| *s > 0);
+        w.last_heartbeat_sent_ms = stamp.and_then(|stamp| {
+            let offset = (now_ms as i64).saturating_sub(stamp);
+            let offset = w.clock_offset_ms.map_or(offset, |o| o.min(offset));
+            w.clock_offset_ms = Some(offset);
+            u64::try_from(stamp.saturating_add(offset)).ok()
+        });
+        let sent = w.last_heartbeat_sent_ms;
         w.interval_ms = hb.interval_ms;
         w.engine_ok = hb.engine_ok;
         let health = pb::EngineHealth::try_from(hb.engine_health).unwrap_or(pb::EngineHealth::Unspecified);
@@ -282,6 +295,9 @@ impl ModelState {
             _ => pb::WorkerRole::Both,
         };
         let resync = w.sync.heartbeat(hb.relay_epoch, hb.relay_seq);
+        if let Some(sent) = sent {
+            self.newest_heartbeat_sent_ms = Some(self.newest_heartbeat_sent_ms.map_or(sent, |t| t.max(sent)));
+        }
         self.counters.heartbeats += 1;
         self.counters.health_changes += u64::from(health_changed);
         let m = Measured {
