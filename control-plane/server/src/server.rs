@@ -101,7 +101,7 @@ fn background(
 ) -> tokio::task::JoinSet<()> {
     let mut tasks = tokio::task::JoinSet::new();
     if let (Some(url), Some(rx)) = (app.config.nats_url.clone(), inflight_rx) {
-        tasks.spawn(crate::nats::nats_task(app.clone(), url, rx, stop_rx.clone()));
+        tasks.spawn(crate::nats::nats_on_own_thread(app.clone(), url, rx, stop_rx.clone()));
     }
     let (app2, mut stop) = (app.clone(), stop_rx.clone());
     tasks.spawn(async move {
