@@ -198,12 +198,19 @@ impl App {
         self.check_limits(req)?;
         let elided = req.segments.iter().take_while(|s| s.elided).count();
         self.metrics.global.elided_segments.inc_by(elided as u64);
-        let (ids, by_load, retained) = match self.tokenize(model, req)? {
-            Ok(t) => (t.ids, None, t.retained),
-            Err(e) => {
-                self.metrics.global.tokenize_errors.inc();
-                tracing::debug!(model = %req.model, error = %e, "tokenization failed; routing by load");
-                (Vec::new(), Some(ByLoad::TokenizeFailed), Vec::new())
+        let (ids, by_load, retained) = if self.sheds(model) {
+            // The cheapest answer that still keeps load even: ingest gets
+            // the CPU that tokenizing and scoring would take.
+            self.metrics.global.picks_shed.inc();
+            (Vec::new(), Some(ByLoad::Shed), Vec::new())
+        } else {
+            match self.tokenize(model, req)? {
+                Ok(t) => (t.ids, None, t.retained),
+                Err(e) => {
+                    self.metrics.global.tokenize_errors.inc();
+                    tracing::debug!(model = %req.model, error = %e, "tokenization failed; routing by load");
+                    (Vec::new(), Some(ByLoad::TokenizeFailed), Vec::new())
+                }
             }
         };
         let seed = BlockSeed::new(Some(&req.lora_name), Some(&req.cache_salt));
@@ -246,6 +253,14 @@ impl App {
         let mut answer = self.decide(model, &input, t0)?;
         answer.retained_chain_hashes = retained;
         Ok(answer)
+    }
+
+    /// Whether `model`'s Picks give way to ingest: its event stream is
+    /// processed `ingest_shed_after_ms` or more behind (a control plane
+    /// short of CPU), so they are routed by load until it catches up.
+    fn sheds(&self, model: &Model) -> bool {
+        let after = self.config.ingest_shed_after_ms;
+        after > 0 && model.stream_delay_ms.load(Ordering::Relaxed) >= after
     }
 
     /// Routes a request without a prompt to score (an endpoint picker saw

@@ -14,6 +14,7 @@ use prost::Message as _;
 use crate::app::{App, Model};
 use crate::metrics::NatsKind;
 use crate::model::Need;
+use crate::model::stream::StreamMessage;
 
 /// A NATS message decoded, for its model.
 enum Decoded {
@@ -30,73 +31,61 @@ impl App {
         self.on_nats_many([(subject, payload)])
     }
 
-    /// Dispatches NATS messages (subject, payload) in their order. KV
-    /// batches in a row for one model whose index has more than one shard
-    /// are applied together (in waves, each wave's shards on parallel
-    /// threads); KV batches are applied under the index's write lock, their
-    /// stream decisions under the model's ([`crate::model::ingest_batches`]);
-    /// everything else one message at a time under the model's lock, as
-    /// [`App::on_nats`]. Returns snapshot needs (model, worker).
+    /// Dispatches NATS messages (subject, payload) in their order. The
+    /// messages of one model in a row are applied together
+    /// ([`crate::model::stream::ingest_stream`]: the stream decisions of
+    /// many under one hold of the model's lock, their KV events under the
+    /// index's write lock; with index shards, on parallel threads): a
+    /// backlog is taken in fewer, larger holds, so that ingest, which waits
+    /// for the Picks holding the model's lock at each hold, keeps up.
+    /// Returns snapshot needs (model, worker).
     pub fn on_nats_many<'a>(
         &self,
         messages: impl IntoIterator<Item = (&'a str, &'a [u8])>,
     ) -> Vec<(Arc<Model>, String)> {
         let mut needs = Vec::new();
-        let mut group: Option<(Arc<Model>, Vec<pb::KvEventBatch>)> = None;
+        let mut group: Option<(Arc<Model>, Vec<StreamMessage>)> = None;
         for (subject, payload) in messages {
-            let msg = self.decode(subject, payload);
-            if let Decoded::Kv(model, batch) = msg {
-                if model.index_shards > 1 {
-                    match &mut group {
-                        Some((m, batches)) if Arc::ptr_eq(m, &model) => batches.push(batch),
-                        _ => {
-                            self.apply_group(group.take(), &mut needs);
-                            group = Some((model, vec![batch]));
-                        }
-                    }
-                    continue;
+            let (model, msg) = match self.decode(subject, payload) {
+                Decoded::Kv(m, b) => (m, StreamMessage::Kv(b)),
+                Decoded::Heartbeat(m, h) => (m, StreamMessage::Heartbeat(h)),
+                // Its own decisions are in its state already.
+                Decoded::Inflight(m, b) if b.replica_id != self.config.replica_id => (m, StreamMessage::Replica(b)),
+                Decoded::Inflight(..) | Decoded::Nothing => continue,
+            };
+            match &mut group {
+                Some((m, msgs)) if Arc::ptr_eq(m, &model) => msgs.push(msg),
+                _ => {
+                    self.apply_group(group.take(), &mut needs);
+                    group = Some((model, vec![msg]));
                 }
-                self.apply_group(group.take(), &mut needs);
-                let now = self.now_ms();
-                let engine_ts = batch.engine_ts_unix_nanos;
-                let need = ingest(&model, vec![batch], now);
-                observe_lag(&model, engine_ts);
-                needs.extend(need.into_iter().map(|Need::Snapshot(w)| (model.clone(), w)));
-                continue;
-            }
-            // Anything else waits for the KV batches before it.
-            self.apply_group(group.take(), &mut needs);
-            let now = self.now_ms();
-            match msg {
-                Decoded::Heartbeat(model, h) => {
-                    let need = model.state.lock().on_heartbeat(&h, now);
-                    needs.extend(need.map(|Need::Snapshot(w)| (model.clone(), w)));
-                }
-                Decoded::Inflight(model, b) => {
-                    if b.replica_id != self.config.replica_id {
-                        let mut st = model.state.lock();
-                        for ev in &b.events {
-                            st.on_replica_event(ev, now);
-                        }
-                    }
-                }
-                Decoded::Kv(..) | Decoded::Nothing => {}
             }
         }
         self.apply_group(group, &mut needs);
         needs
     }
 
-    /// Applies KV batches gathered for one model together.
-    fn apply_group(&self, group: Option<(Arc<Model>, Vec<pb::KvEventBatch>)>, needs: &mut Vec<(Arc<Model>, String)>) {
-        let Some((model, batches)) = group else { return };
+    /// Applies one model's messages that arrived together, and publishes
+    /// the stream's delay it judged.
+    fn apply_group(&self, group: Option<(Arc<Model>, Vec<StreamMessage>)>, needs: &mut Vec<(Arc<Model>, String)>) {
+        let Some((model, msgs)) = group else { return };
         let now = self.now_ms();
-        let stamps: Vec<u64> = batches.iter().map(|b| b.engine_ts_unix_nanos).collect();
-        let got = ingest(&model, batches, now);
+        let stamps: Vec<u64> = msgs
+            .iter()
+            .filter_map(|m| match m {
+                StreamMessage::Kv(b) => Some(b.engine_ts_unix_nanos),
+                _ => None,
+            })
+            .collect();
+        let got = crate::model::stream::ingest_stream(&model.state, msgs, now, |held| {
+            model.ingest_hold_seconds.observe(held.as_secs_f64());
+        });
         for engine_ts in stamps {
             observe_lag(&model, engine_ts);
         }
-        needs.extend(got.into_iter().map(|Need::Snapshot(w)| (model.clone(), w)));
+        model.stream_delay_ms.store(got.stream_delay_ms, Ordering::Relaxed);
+        model.stream_delay_seconds.set(got.stream_delay_ms as f64 / 1000.0);
+        needs.extend(got.needs.into_iter().map(|Need::Snapshot(w)| (model.clone(), w)));
     }
 
     /// One NATS message decoded and checked (subject against payload),
@@ -210,14 +199,6 @@ impl App {
             (true, None) => true,
         }
     }
-}
-
-/// KV batches into the model ([`crate::model::ingest_batches`]), each hold
-/// of the index's write lock observed in `kvgate_ingest_lock_hold_seconds`.
-fn ingest(model: &Model, batches: Vec<pb::KvEventBatch>, now: u64) -> Vec<Need> {
-    crate::model::ingest_batches(&model.state, batches, now, |held| {
-        model.ingest_hold_seconds.observe(held.as_secs_f64());
-    })
 }
 
 /// The index's staleness for one applied batch: from the engine's

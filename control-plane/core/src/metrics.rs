@@ -11,6 +11,7 @@
 //! structs without `..` (a new field does not compile until it is exported).
 
 use std::fmt::Write as _;
+use std::sync::atomic::AtomicU64;
 
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -143,6 +144,8 @@ pub struct Global {
     /// How long one application of KV event batches held the model's lock
     /// (its Picks wait meanwhile), by model.
     pub ingest_hold_seconds: HistogramFamily,
+    /// How far behind the event stream is processed, by model.
+    pub stream_delay_seconds: Family<ModelLabel, Gauge<f64, AtomicU64>>,
     /// Answered picks by (model, mode, reason).
     pub decisions: Family<DecisionLabels, Counter>,
     /// Refused picks by cause.
@@ -161,6 +164,8 @@ pub struct Global {
     pub pick_resends: Counter,
     /// Prompts that could not be tokenized (routed by load).
     pub tokenize_errors: Counter,
+    /// Picks routed by load because the event stream was behind.
+    pub picks_shed: Counter,
     /// Snapshot requests sent to relays.
     pub snapshot_requests: Counter,
     /// Snapshot requests that failed or timed out.
@@ -178,6 +183,7 @@ impl Global {
             overlap_ratio: Family::new_with_constructor(ratio),
             event_lag_seconds: Family::new_with_constructor(lag),
             ingest_hold_seconds: Family::new_with_constructor(latency),
+            stream_delay_seconds: Family::default(),
             decisions: Family::default(),
             pick_errors: Family::default(),
             nats_messages: Family::default(),
@@ -187,6 +193,7 @@ impl Global {
             elided_segments: Counter::default(),
             pick_resends: Counter::default(),
             tokenize_errors: Counter::default(),
+            picks_shed: Counter::default(),
             snapshot_requests: Counter::default(),
             snapshot_failures: Counter::default(),
             inflight_published: Counter::default(),
@@ -201,6 +208,7 @@ impl Global {
             overlap_ratio,
             event_lag_seconds,
             ingest_hold_seconds,
+            stream_delay_seconds,
             decisions,
             pick_errors,
             nats_messages,
@@ -210,6 +218,7 @@ impl Global {
             elided_segments,
             pick_resends,
             tokenize_errors,
+            picks_shed,
             snapshot_requests,
             snapshot_failures,
             inflight_published,
@@ -231,6 +240,11 @@ impl Global {
             "How long one application of KV event batches held the model's index for writing (Picks wait meanwhile to look their prompt up).",
             ingest_hold_seconds,
         );
+        r.register(
+            "kvgate_event_stream_delay_seconds",
+            "How much later than it could have been the event stream is processed: the least heartbeat delay (processing - send, each relay's clock offset learned) of the last second.",
+            stream_delay_seconds,
+        );
         r.register("kvgate_pick_decisions", "Answered picks by mode and reason.", decisions);
         r.register("kvgate_pick_errors", "Picks refused, by cause.", pick_errors);
         r.register("kvgate_nats_messages", "NATS messages received, by kind.", nats_messages);
@@ -248,6 +262,11 @@ impl Global {
             pick_resends,
         );
         r.register("kvgate_tokenize_errors", "Prompts that could not be tokenized (routed by load).", tokenize_errors);
+        r.register(
+            "kvgate_picks_shed",
+            "Picks routed by load, unscored, because the event stream was processed ingest_shed_after_ms or more behind.",
+            picks_shed,
+        );
         r.register("kvgate_snapshot_requests", "Snapshot requests sent to relays.", snapshot_requests);
         r.register("kvgate_snapshot_failures", "Snapshot requests that failed or timed out.", snapshot_failures);
         r.register("kvgate_inflight_published", "Replica-sync batches published.", inflight_published);

@@ -3,11 +3,12 @@
 
 use kvgate_tokenize::prompt::{PromptTokenizer, TokenCacheConfig};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use kvgate_index::Index;
 use kvgate_protocol::BlockSize;
 use parking_lot::{Mutex, RwLock};
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::config::{Config, ModelSettings};
@@ -36,9 +37,10 @@ pub struct Model {
     pub(crate) overlap_ratio: Histogram,
     pub(crate) event_lag_seconds: Histogram,
     pub(crate) ingest_hold_seconds: Histogram,
-    /// Shards of its block index (KV batches that arrive together are
-    /// applied together when more than one).
-    pub(crate) index_shards: u16,
+    /// How far behind its event stream is processed, ms (see
+    /// [`crate::model::stream_delay`]): read by Picks without the lock.
+    pub(crate) stream_delay_ms: AtomicU64,
+    pub(crate) stream_delay_seconds: Gauge<f64, AtomicU64>,
     /// Overload protection is on (Picks go through the admission queue;
     /// without it they skip a hold of the lock).
     pub(crate) admission: bool,
@@ -80,7 +82,8 @@ impl Model {
             overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),
             event_lag_seconds: metrics.global.event_lag_seconds.get_or_create_owned(&label),
             ingest_hold_seconds: metrics.global.ingest_hold_seconds.get_or_create_owned(&label),
-            index_shards: m.routing.index_shards,
+            stream_delay_ms: AtomicU64::new(0),
+            stream_delay_seconds: metrics.global.stream_delay_seconds.get_or_create_owned(&label),
             admission: m.routing.overload.is_some(),
         })
     }

@@ -13,6 +13,7 @@
 //! snapshot_timeout_ms = 3000
 //! token_cache_tokens = 8388608         # per model
 //! tokenize_verify_every = 1000         # sampled whole-prompt check, 0 = off
+//! ingest_shed_after_ms = 500           # events processed this far behind: Picks by load, 0 = never
 //! # TLS on the gRPC port (all three unset = plaintext):
 //! tls_cert_file = "/etc/kvgate-tls/tls.crt"
 //! tls_key_file = "/etc/kvgate-tls/tls.key"
@@ -250,6 +251,9 @@ pub struct RawConfig {
     pub token_cache_tokens: Option<usize>,
     /// Sampled verification of chunked tokenization.
     pub tokenize_verify_every: Option<u64>,
+    /// Event stream processed this far behind (ms): Picks are routed by
+    /// load, unscored, until it catches up; 0 = never.
+    pub ingest_shed_after_ms: Option<u64>,
     /// PEM certificate chain served on the gRPC port; with `tls_key_file`,
     /// the port speaks TLS only.
     pub tls_cert_file: Option<PathBuf>,
@@ -314,11 +318,18 @@ pub struct Config {
     pub token_cache_tokens: usize,
     /// Sampled verification period.
     pub tokenize_verify_every: u64,
+    /// Picks are routed by load while the event stream is processed this
+    /// far behind, ms (0 = never).
+    pub ingest_shed_after_ms: u64,
     /// TLS on the gRPC port (`None` = plaintext).
     pub tls: Option<TlsFiles>,
     /// Models.
     pub models: Vec<ModelSettings>,
 }
+
+/// Default of `ingest_shed_after_ms` (docs/DECISIONS.md, "Picks give way
+/// to ingest").
+pub const DEFAULT_SHED_AFTER_MS: u64 = 500;
 
 fn addr(field: &str, v: &str) -> Result<SocketAddr, ConfigError> {
     v.parse().map_err(|_| err(field, v, "expected ip:port, e.g. 127.0.0.1:50051"))
@@ -426,6 +437,7 @@ impl Config {
             snapshot_timeout_ms,
             token_cache_tokens: raw.token_cache_tokens.unwrap_or(8 << 20),
             tokenize_verify_every: raw.tokenize_verify_every.unwrap_or(1000),
+            ingest_shed_after_ms: raw.ingest_shed_after_ms.unwrap_or(DEFAULT_SHED_AFTER_MS),
             tls,
             models,
         })

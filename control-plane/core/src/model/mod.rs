@@ -28,6 +28,8 @@ pub mod disagg;
 pub mod pick;
 pub mod pools;
 pub mod sessions;
+pub mod stream;
+pub mod stream_delay;
 pub mod sync;
 pub mod workers;
 
@@ -36,7 +38,7 @@ use std::collections::HashMap;
 use indexmap::IndexMap;
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard};
+use parking_lot::{RwLock, RwLockReadGuard};
 
 use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Stored, Tier, WorkerIdx};
 use kvgate_protocol::pb;
@@ -124,7 +126,7 @@ pub struct ModelState {
     config: ModelConfig,
     /// Shared with the model's ingest, which applies KV batches under its
     /// write lock alone, and with the Picks' lookups, which read it before
-    /// they take the model's lock (see [`ingest_batches`] and [`Found`]).
+    /// they take the model's lock (see [`stream::ingest_stream`] and [`Found`]).
     index: Arc<RwLock<Index>>,
     /// [`Index::removals`] as of the last worker this state removed (the
     /// index's changes only with it, under this state's lock).
@@ -169,6 +171,8 @@ pub struct ModelState {
     /// `Worker::clock_offset_ms`) of the heartbeats processed: how far the
     /// stream has delivered, by the relays' clocks.
     newest_heartbeat_sent_ms: Option<u64>,
+    /// How far behind the event stream is processed.
+    stream_delay: stream_delay::StreamDelay,
 }
 
 impl std::fmt::Debug for ModelState {
@@ -224,54 +228,6 @@ fn stores_of(applied: &[ToApply]) -> Vec<(WorkerIdx, Tier, usize)> {
         .collect()
 }
 
-/// KV batches applied as the model's ingest does, with the least of the
-/// model's lock: per wave (see [`ModelState::on_batches`]; one batch is one
-/// wave) the stream decisions under the model's lock, then the events
-/// under the index's write lock alone, then the resync checks (the model's
-/// lock again only when a worker needs one). The index's lock is taken
-/// (upgradable: lookups go on) before the model's is released, so no worker
-/// leaves (and no index is handed to another) between the decision and its
-/// events. Before the write lock, still beside lookups, the bucket arrays
-/// of the engine tables the wave may grow are made ([`Index::spares_for`]):
-/// a growth's fresh pages are its slow part. Picks wait for the index only
-/// for their lookup ([`Found`]), not for the rest of ingest. Returns the
-/// needs and, per wave, how long the index was held for writing.
-pub fn ingest_batches(
-    state: &Mutex<ModelState>,
-    batches: Vec<pb::KvEventBatch>,
-    now_ms: u64,
-    mut held: impl FnMut(std::time::Duration),
-) -> Vec<Need> {
-    let mut needs = Vec::new();
-    let mut rest = batches;
-    while !rest.is_empty() {
-        let (wave, later) = next_wave(rest);
-        rest = later;
-        let mut st = state.lock();
-        let applied = st.accept_wave(wave, now_ms, &mut needs);
-        if applied.is_empty() {
-            continue;
-        }
-        let shared = st.shared_index();
-        let index = shared.upgradable_read();
-        drop(st);
-        let spares = index.spares_for(&stores_of(&applied));
-        let mut index = RwLockUpgradableReadGuard::upgrade(index);
-        let t = std::time::Instant::now();
-        index.give_spares(spares);
-        apply_wave(&mut index, &applied);
-        let resync: Vec<&str> =
-            applied.iter().filter(|(_, idx, _)| index.take_resync(*idx)).map(|(id, _, _)| id.as_str()).collect();
-        drop(index);
-        held(t.elapsed());
-        if !resync.is_empty() {
-            let mut st = state.lock();
-            needs.extend(resync.into_iter().filter_map(|id| st.start_snapshot(id, now_ms, None)));
-        }
-    }
-    needs
-}
-
 fn policy_for(mode: Mode, kv: KvConfig) -> Box<dyn Policy> {
     match mode {
         Mode::Kv => Box::new(KvPolicy::new(kv)),
@@ -316,6 +272,7 @@ impl ModelState {
             frozen_at: None,
             newest_heartbeat_ms: None,
             newest_heartbeat_sent_ms: None,
+            stream_delay: Default::default(),
             config,
         };
         for (id, endpoint) in this.config.static_workers.clone() {
@@ -395,7 +352,7 @@ impl ModelState {
     }
 
     /// A KV event batch from a worker's relay (all of it under `&mut self`;
-    /// the model's ingest uses [`ingest_batches`], which gives the index
+    /// the model's ingest uses [`stream::ingest_stream`], which gives the index
     /// alone to the events).
     pub fn on_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Option<Need> {
         // One batch is one wave, with at most one need.

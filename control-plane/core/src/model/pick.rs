@@ -48,6 +48,10 @@ pub enum ByLoad {
     /// kvgate does not route by prefix): labelled mode `by_load`, reason
     /// `load`.
     NoPrompt,
+    /// The event stream is processed too far behind (the control plane is
+    /// short of CPU): the prompt is not tokenized nor looked up, so that
+    /// ingest catches up (reason `fallback`, labelled with the mode).
+    Shed,
 }
 
 /// Mode label of the decisions routed by load for want of a prompt
@@ -189,7 +193,7 @@ fn keep_session(
 
 /// A prompt's block hashes and which workers hold them, read from the
 /// index before the model's lock is taken: a Pick waits for the model's
-/// ingest only for this lookup ([`super::ingest_batches`]).
+/// ingest only for this lookup ([`super::stream::ingest_stream`]).
 #[derive(Debug, Default)]
 pub struct Found {
     hashes: Vec<SequenceHash>,
@@ -600,7 +604,7 @@ impl ModelState {
         let worker_id = c.id(decision.chosen).to_owned();
         let (mode, reason) = match input.by_load {
             None => (self.mode.name(), reason_pb(decision.reason)),
-            Some(ByLoad::TokenizeFailed) => (self.mode.name(), pb::PickReason::Fallback),
+            Some(ByLoad::TokenizeFailed | ByLoad::Shed) => (self.mode.name(), pb::PickReason::Fallback),
             Some(ByLoad::NoPrompt) => (BY_LOAD, pb::PickReason::Load),
         };
         let best = c

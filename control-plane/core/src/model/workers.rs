@@ -233,6 +233,12 @@ impl ModelState {
         stream.max(now_ms.saturating_sub(MAX_STREAM_LAG_MS))
     }
 
+    /// How far behind the event stream is processed, ms (see
+    /// [`super::stream_delay`]; 0 without stamped heartbeats).
+    pub fn stream_delay_ms(&self) -> u64 {
+        self.stream_delay.delay_ms()
+    }
+
     /// Now, or the moment NATS went down during an outage.
     fn frozen_now(&self, now_ms: u64) -> u64 {
         self.frozen_at.map_or(now_ms, |f| f.min(now_ms))
@@ -297,6 +303,7 @@ impl ModelState {
         let resync = w.sync.heartbeat(hb.relay_epoch, hb.relay_seq);
         if let Some(sent) = sent {
             self.newest_heartbeat_sent_ms = Some(self.newest_heartbeat_sent_ms.map_or(sent, |t| t.max(sent)));
+            self.stream_delay.observe(now_ms.saturating_sub(sent), now_ms);
         }
         self.counters.heartbeats += 1;
         self.counters.health_changes += u64::from(health_changed);

@@ -227,6 +227,12 @@ fn bucket_quantile_ms(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Op
     sorted.iter().find(|(_, n)| *n >= q * total).map(|(le, _)| le * 1000.0)
 }
 
+/// Picks the control plane routed by load because its event stream was
+/// behind (`ingest_shed_after_ms`).
+fn picks_shed(text: &str) -> f64 {
+    kvgate_testkit::prom::samples(text).filter(|s| s.name == "kvgate_picks_shed_total").map(|s| s.value).sum()
+}
+
 fn kv_messages(text: &str) -> f64 {
     kvgate_testkit::prom::samples(text)
         .filter(|s| s.name == "kvgate_nats_messages_total" && s.labels.contains("\"kv\""))
@@ -693,7 +699,9 @@ async fn over_grpc(
         }
         let secs = if mix == "settle" { a.settle } else { a.secs };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let hist0: Vec<_> = admins.iter().map(|a| step_buckets(&metrics(*a))).collect();
+        let text0: Vec<String> = admins.iter().map(|a| metrics(*a)).collect();
+        let hist0: Vec<_> = text0.iter().map(|t| step_buckets(t)).collect();
+        let shed0: f64 = text0.iter().map(|t| picks_shed(t)).sum();
         let (cpu0, _) = usage(&pids);
         let machine0 = machine_cpu();
         let ingest = a.ingest;
@@ -719,7 +727,9 @@ async fn over_grpc(
         // The stalest replica's, and the slowest replica's server-side Pick
         // p99 (what the process itself took; the rest of the client's
         // latency is transport, scheduling and the client).
-        let hist1: Vec<_> = admins.iter().map(|a| step_buckets(&metrics(*a))).collect();
+        let text1: Vec<String> = admins.iter().map(|a| metrics(*a)).collect();
+        let hist1: Vec<_> = text1.iter().map(|t| step_buckets(t)).collect();
+        let shed = text1.iter().map(|t| picks_shed(t)).sum::<f64>() - shed0;
         let worst = |h: usize, q: f64| {
             hist0.iter().zip(&hist1).filter_map(|(b, a)| bucket_quantile_ms(&b[h], &a[h], q)).reduce(f64::max)
         };
@@ -762,7 +772,7 @@ async fn over_grpc(
             _ => f64::NAN,
         };
         eprintln!(
-            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick ({pick_cpu:.0} beyond ingest)",
+            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, {shed} shed (by load), ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick ({pick_cpu:.0} beyond ingest)",
             step.latency.quantile(0.5),
             step.latency.quantile(0.99),
             step.latency.quantile(0.999),
@@ -775,7 +785,7 @@ async fn over_grpc(
             mix,
             &step.latency,
             json!({
-                "offered_per_s": rate, "picks_per_s": pps.round(), "failed": step.failed,
+                "offered_per_s": rate, "picks_per_s": pps.round(), "failed": step.failed, "shed": shed,
                 "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
                 "cpu_us_per_pick": cpu_per_pick.round(), "pick_cpu_us_per_pick": pick_cpu.round(),
                 "cpu_s_per_s": ((cpu1 - cpu0) / step.secs * 100.0).round() / 100.0,
