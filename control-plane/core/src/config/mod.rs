@@ -13,7 +13,7 @@
 //! snapshot_timeout_ms = 3000
 //! token_cache_tokens = 8388608         # per model
 //! tokenize_verify_every = 1000         # sampled whole-prompt check, 0 = off
-//! ingest_shed_after_ms = 500           # events processed this far behind: Picks by load, 0 = never
+//! ingest_shed_after_ms = 2000          # events processed this far behind: Picks by load, 0 = never
 //! # TLS on the gRPC port (all three unset = plaintext):
 //! tls_cert_file = "/etc/kvgate-tls/tls.crt"
 //! tls_key_file = "/etc/kvgate-tls/tls.key"
@@ -329,7 +329,7 @@ pub struct Config {
 
 /// Default of `ingest_shed_after_ms` (docs/DECISIONS.md, "Picks give way
 /// to ingest").
-pub const DEFAULT_SHED_AFTER_MS: u64 = 500;
+pub const DEFAULT_SHED_AFTER_MS: u64 = 2000;
 
 fn addr(field: &str, v: &str) -> Result<SocketAddr, ConfigError> {
     v.parse().map_err(|_| err(field, v, "expected ip:port, e.g. 127.0.0.1:50051"))
