@@ -1,13 +1,17 @@
 //! The NATS adapter: one subscription on `<prefix>.>` fed to the core's
-//! [`App::on_nats`] on a thread of its own (the ingest thread), snapshot
-//! requests for the workers it names, and the replica-sync publisher (this
-//! replica's decisions for the others).
+//! [`App::on_nats_many`] on a thread of its own (the ingest thread),
+//! snapshot requests for the workers it names, and the replica-sync
+//! publisher (this replica's decisions for the others). The connection
+//! itself runs on another thread, with a one-thread runtime of its own
+//! (`nats_on_own_thread`).
 //!
-//! Why a thread: applying a batch is synchronous work (decode, hash, index
-//! updates under the model's lock). On a runtime worker, a backlog of batches
-//! ran up to tokio's cooperative budget before the worker's queued Picks, a
-//! few milliseconds at a time; on its own thread the kernel's scheduler
-//! shares the cores and a waking Pick handler is not queued behind ingest.
+//! Why a thread for ingest: applying a batch is synchronous work (decode,
+//! hash, index updates under the model's lock). On a runtime worker, a
+//! backlog of batches ran up to tokio's cooperative budget before the
+//! worker's queued Picks, a few milliseconds at a time; on its own thread the
+//! kernel's scheduler shares the cores and a waking Pick handler is not
+//! queued behind ingest. Why one for the connection: the other way round,
+//! its reader must not wait behind Picks.
 
 use std::sync::Arc;
 use std::time::Duration;
