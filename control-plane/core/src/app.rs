@@ -260,7 +260,9 @@ impl App {
     /// short of CPU), so they are routed by load until it catches up.
     fn sheds(&self, model: &Model) -> bool {
         let after = self.config.ingest_shed_after_ms;
-        after > 0 && model.stream_delay_ms.load(Ordering::Relaxed) >= after
+        // The gauge holds the delay as last judged (ms / 1000, as `after` is
+        // divided here: equal delays compare equal).
+        after > 0 && model.stream_delay_seconds.get() >= after as f64 / 1000.0
     }
 
     /// Routes a request without a prompt to score (an endpoint picker saw

@@ -83,7 +83,6 @@ impl App {
         for engine_ts in stamps {
             observe_lag(&model, engine_ts);
         }
-        model.stream_delay_ms.store(got.stream_delay_ms, Ordering::Relaxed);
         model.stream_delay_seconds.set(got.stream_delay_ms as f64 / 1000.0);
         needs.extend(got.needs.into_iter().map(|Need::Snapshot(w)| (model.clone(), w)));
     }

@@ -37,9 +37,9 @@ pub struct Model {
     pub(crate) overlap_ratio: Histogram,
     pub(crate) event_lag_seconds: Histogram,
     pub(crate) ingest_hold_seconds: Histogram,
-    /// How far behind its event stream is processed, ms (see
-    /// [`crate::model::stream_delay`]): read by Picks without the lock.
-    pub(crate) stream_delay_ms: AtomicU64,
+    /// How far behind its event stream is processed (see
+    /// [`crate::model::stream_delay`]), as last judged: exported, and read
+    /// by Picks without the lock.
     pub(crate) stream_delay_seconds: Gauge<f64, AtomicU64>,
     /// Overload protection is on (Picks go through the admission queue;
     /// without it they skip a hold of the lock).
@@ -82,7 +82,6 @@ impl Model {
             overlap_ratio: metrics.global.overlap_ratio.get_or_create_owned(&label),
             event_lag_seconds: metrics.global.event_lag_seconds.get_or_create_owned(&label),
             ingest_hold_seconds: metrics.global.ingest_hold_seconds.get_or_create_owned(&label),
-            stream_delay_ms: AtomicU64::new(0),
             stream_delay_seconds: metrics.global.stream_delay_seconds.get_or_create_owned(&label),
             admission: m.routing.overload.is_some(),
         })

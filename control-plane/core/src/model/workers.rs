@@ -170,9 +170,9 @@ impl ModelState {
     /// the newest one processed is waiting in the queue, not silent. Send
     /// times are the relays' stamps moved to this process's clock by each
     /// relay's offset (learned as the least processing − send difference),
-    /// so a relay whose clock is set apart is judged like the others. A worker whose relay stops while others go on
-    /// falls behind their send times and is silent a timeout later, as
-    /// before; when every relay stops, nothing is processed and the
+    /// so a relay whose clock is set apart is judged like the others. A
+    /// worker whose relay stops while others go on falls behind their send
+    /// times and is silent a timeout later, as before; when every relay stops, nothing is processed and the
     /// processing time decides. Without send times (a relay that does not
     /// stamp its heartbeats) the processing time decides.
     pub(super) fn silent(&self, w: &Worker, judged_at: u64, now_ms: u64) -> bool {
