@@ -383,3 +383,46 @@ fn the_view_shows_the_requests_and_kv_fill_the_cost_sees() {
     let fill = fill.unwrap();
     assert!(fill > 0.3 && fill < 0.32, "{fill}");
 }
+
+/// The stream's delay is read from each relay's send stamps moved by the
+/// relay clock's learned offset. A fleet of one relay whose clock steps
+/// back 5 s (an NTP step) reads 5 s behind at first, which would shed every
+/// Pick past `ingest_shed_after_ms`; the offset forgets its old least
+/// within two windows (before, it never did and the stream read 5 s behind
+/// for ever). A relay restarted on a clock 3 s further back (a new epoch)
+/// is taken afresh at once.
+#[test]
+fn a_relay_clock_stepped_back_stops_reading_as_delay() {
+    use kvgate_core::model::clock_offset::WINDOW_MS;
+    const BASE_MS: u64 = 1_700_000_000_000;
+    let beat = |epoch: u64, sent_ms: u64| pb::WorkerHeartbeat {
+        ts_unix_nanos: sent_ms * 1_000_000,
+        relay_epoch: epoch,
+        ..hb("w0", pb::EngineHealth::Healthy)
+    };
+    let mut st = state();
+    // Heartbeats every second, each processed 2 ms after it was sent.
+    let mut t = 0;
+    while t <= 5_000 {
+        st.on_heartbeat(&beat(1, BASE_MS + t), t + 2);
+        t += 1_000;
+    }
+    assert_eq!(st.stream_delay_ms(), 0);
+    // The relay's clock steps back 5 s.
+    let step = 5_000;
+    let mut delays = Vec::new();
+    while t <= 2 * WINDOW_MS + 5_000 {
+        st.on_heartbeat(&beat(1, BASE_MS + t - step), t + 2);
+        delays.push(st.stream_delay_ms());
+        t += 1_000;
+    }
+    assert_eq!(delays[2], step, "read as delay at first");
+    assert_eq!(*delays.last().unwrap(), 0, "forgotten within two windows");
+    // A new relay process on a host 3 s further back.
+    for _ in 0..3 {
+        st.on_heartbeat(&beat(2, BASE_MS + t - step - 3_000), t + 2);
+        t += 1_000;
+    }
+    assert_eq!(st.stream_delay_ms(), 0);
+    assert!(st.worker_views(t)[0].live);
+}

@@ -23,6 +23,7 @@
 //! | [`ModelState::reap`] | O(workers + requests in flight) |
 
 pub mod admission;
+pub mod clock_offset;
 pub mod counters;
 pub mod disagg;
 pub mod pick;
@@ -168,7 +169,7 @@ pub struct ModelState {
     /// event stream has delivered up to (see `ModelState::reap`).
     newest_heartbeat_ms: Option<u64>,
     /// The newest send time (on this process's clock, ms; see
-    /// `Worker::clock_offset_ms`) of the heartbeats processed: how far the
+    /// [`clock_offset`]) of the heartbeats processed: how far the
     /// stream has delivered, by the relays' clocks.
     newest_heartbeat_sent_ms: Option<u64>,
     /// How far behind the event stream is processed.

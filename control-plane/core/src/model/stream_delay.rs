@@ -1,8 +1,8 @@
 //! How far behind the event stream is processed: each heartbeat's delay is
 //! its processing time minus its send time on this process's clock (the
 //! relay's stamp moved by the relay's learned offset, see
-//! `Worker::clock_offset_ms`), i.e. how much later than the relay's fastest
-//! heartbeat ever it was processed. KV events and heartbeats share one
+//! [`super::clock_offset`]), i.e. how much later than the relay's fastest
+//! heartbeat of the last minutes it was processed. KV events and heartbeats share one
 //! ordered stream, so a backlog delays every heartbeat alike; the stream's
 //! delay is the least heartbeat delay of the last whole window of
 //! processing time, which one relay whose clock drifts cannot raise.

@@ -12,6 +12,7 @@ use kvgate_index::{Tier, WorkerIdx};
 use kvgate_protocol::pb;
 use kvgate_scheduler::Measured;
 
+use super::clock_offset::ClockOffset;
 use super::sync::StreamSync;
 use super::{ModelState, Need};
 
@@ -32,10 +33,8 @@ pub(super) struct Worker {
     /// its send stamp plus the relay clock's offset from ours, when it
     /// stamps them.
     last_heartbeat_sent_ms: Option<u64>,
-    /// The relay clock's offset from ours: the least (processing − send
-    /// stamp) of its heartbeats, in ms. A backlog only adds to the
-    /// difference, so the least is the offset plus the quickest delivery.
-    clock_offset_ms: Option<i64>,
+    /// The relay clock's offset from ours (see [`ClockOffset`]).
+    clock_offset: ClockOffset,
     interval_ms: u32,
     engine_ok: bool,
     health: pb::EngineHealth,
@@ -57,7 +56,7 @@ impl Worker {
             last_seen_ms: 0,
             last_heartbeat_ms: None,
             last_heartbeat_sent_ms: None,
-            clock_offset_ms: None,
+            clock_offset: ClockOffset::default(),
             interval_ms: 0,
             engine_ok: sync.is_static(),
             health: pb::EngineHealth::Unspecified,
@@ -169,7 +168,7 @@ impl ModelState {
     /// worker whose last heartbeat was sent no more than a timeout before
     /// the newest one processed is waiting in the queue, not silent. Send
     /// times are the relays' stamps moved to this process's clock by each
-    /// relay's offset (learned as the least processing − send difference),
+    /// relay's offset (learned as the least recent processing − send difference),
     /// so a relay whose clock is set apart is judged like the others. A
     /// worker whose relay stops while others go on falls behind their send
     /// times and is silent a timeout later, as before; when every relay stops, nothing is processed and the
@@ -279,9 +278,7 @@ impl ModelState {
         // Its send time on our clock (relays' clocks may be set apart).
         let stamp = i64::try_from(hb.ts_unix_nanos / 1_000_000).ok().filter(|s| *s > 0);
         w.last_heartbeat_sent_ms = stamp.and_then(|stamp| {
-            let offset = (now_ms as i64).saturating_sub(stamp);
-            let offset = w.clock_offset_ms.map_or(offset, |o| o.min(offset));
-            w.clock_offset_ms = Some(offset);
+            let offset = w.clock_offset.observe(hb.relay_epoch, stamp, now_ms);
             u64::try_from(stamp.saturating_add(offset)).ok()
         });
         let sent = w.last_heartbeat_sent_ms;
