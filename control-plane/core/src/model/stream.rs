@@ -47,24 +47,29 @@ pub struct Ingested {
     pub stream_delay_ms: u64,
 }
 
-/// The messages cut where a worker's second KV batch would join a segment.
-fn segments(messages: Vec<StreamMessage>) -> Vec<Vec<StreamMessage>> {
-    let mut out: Vec<Vec<StreamMessage>> = Vec::new();
-    let mut current = Vec::new();
-    let mut workers: HashSet<String> = HashSet::new();
-    for m in messages {
-        if let StreamMessage::Kv(b) = &m
-            && !workers.insert(b.worker_id.clone())
+/// The messages cut where a worker's second KV batch would join a segment
+/// (found by borrowed worker ids, then split from the back).
+fn segments(mut messages: Vec<StreamMessage>) -> Vec<Vec<StreamMessage>> {
+    let mut cuts = Vec::new();
+    let mut workers: HashSet<&str> = HashSet::new();
+    for (i, m) in messages.iter().enumerate() {
+        if let StreamMessage::Kv(b) = m
+            && !workers.insert(&b.worker_id)
         {
-            out.push(std::mem::take(&mut current));
+            cuts.push(i);
             workers.clear();
-            workers.insert(b.worker_id.clone());
+            workers.insert(&b.worker_id);
         }
-        current.push(m);
     }
-    if !current.is_empty() {
-        out.push(current);
+    drop(workers);
+    let mut out = Vec::with_capacity(cuts.len() + 1);
+    for &at in cuts.iter().rev() {
+        out.push(messages.split_off(at));
     }
+    if !messages.is_empty() {
+        out.push(messages);
+    }
+    out.reverse();
     out
 }
 
