@@ -13,6 +13,7 @@ use kvgate_protocol::{EngineBlockHash, SequenceHash};
 
 use crate::engine::SpareBuckets;
 use crate::event::{KvEvent, Tier};
+use crate::runs::HeadsAhead;
 use crate::shard::Shard;
 use crate::types::take_slot;
 pub use crate::types::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
@@ -21,21 +22,30 @@ pub use crate::types::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
 /// worker's index in the shard) of each of its events.
 type Job<'s, 'l> = (&'s mut Shard, &'l [(usize, WorkerIdx)]);
 
-/// Empty buckets made ahead for the engine tables a batch's stores may grow
+/// Empty buckets made ahead for the engine tables a batch's stores may grow,
+/// and grown copies of the shards' run heads they may fill
 /// ([`Index::spares_for`], under a shared borrow: beside lookups), handed
-/// to them with [`Index::give_spares`] before the batch is applied.
+/// over with [`Index::give_spares`] before the batch is applied.
 #[derive(Debug, Default)]
-pub struct Spares(Vec<(WorkerIdx, Tier, SpareBuckets)>);
+pub struct Spares {
+    buckets: Vec<(WorkerIdx, Tier, SpareBuckets)>,
+    heads: Vec<(usize, HeadsAhead)>,
+}
 
 impl Spares {
     /// Tables given spare buckets.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.buckets.len()
     }
 
     /// Whether no table needs spare buckets.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.buckets.is_empty()
+    }
+
+    /// Shards whose run heads were copied with room to grow.
+    pub fn heads(&self) -> usize {
+        self.heads.len()
     }
 }
 
@@ -306,7 +316,9 @@ impl Index {
     /// under a shared borrow (a read lock lookups share), a growth under the
     /// write lock takes them ready. Allocates only for tables whose
     /// occupied buckets may pass their limit within the stores, and whose
-    /// growth is one doubling (`Engine::growth_ahead`).
+    /// growth is one doubling (`Engine::growth_ahead`). Likewise a shard's
+    /// map of run heads, copied with room to grow when the stores could
+    /// fill it (`Runs::heads_ahead`).
     pub fn spares_for(&self, stores: &[(WorkerIdx, Tier, usize)]) -> Spares {
         let mut sums: Vec<(WorkerIdx, Tier, usize)> = stores.to_vec();
         sums.sort_unstable_by_key(|(w, t, _)| (*w, *t));
@@ -318,19 +330,32 @@ impl Index {
             same
         });
         let mut out = Vec::new();
+        let mut per_shard = vec![0usize; self.shards.len()];
         for (w, tier, n) in sums {
             let Some(p) = self.place(w) else { continue };
+            if let Some(s) = per_shard.get_mut(p.shard) {
+                *s = s.saturating_add(n);
+            }
             if let Some(buckets) = self.shards.get(p.shard).and_then(|s| s.growth_ahead(p.local, tier, n)) {
                 out.push((w, tier, SpareBuckets::new(buckets)));
             }
         }
-        Spares(out)
+        // Each stored block may start a run at most.
+        let heads = (self.shards.iter().zip(per_shard).enumerate())
+            .filter_map(|(i, (s, n))| Some((i, s.heads_ahead(n)?)))
+            .collect();
+        Spares { buckets: out, heads }
     }
 
     /// Hands spare buckets ([`Index::spares_for`]) to their tables; those
     /// of a worker gone since are dropped.
     pub fn give_spares(&mut self, spares: Spares) {
-        for (w, tier, spare) in spares.0 {
+        for (i, ahead) in spares.heads {
+            if let Some(s) = self.shards.get_mut(i) {
+                s.give_heads(ahead);
+            }
+        }
+        for (w, tier, spare) in spares.buckets {
             let Some(p) = self.place(w) else { continue };
             if let Some(s) = self.shards.get_mut(p.shard) {
                 s.give_spare(p.local, tier, spare);

@@ -22,6 +22,7 @@
 mod engine;
 pub mod event;
 pub mod index;
+mod paged;
 mod probing;
 mod runs;
 mod shard;

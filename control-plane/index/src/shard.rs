@@ -12,7 +12,7 @@ use kvgate_protocol::{EngineBlockHash, SequenceHash, local_block_hash, next_sequ
 
 use crate::engine::{Engine, Entry, NO_SLOT, Probe, SpareBuckets};
 use crate::event::{KvEvent, Origin, Stored, Tier};
-use crate::runs::{Loc, Path, Runs};
+use crate::runs::{HeadsAhead, Loc, Path, Runs};
 use crate::types::{Counters, IndexConfig, Overlap, Skip, WorkerIdx};
 use crate::worker_set::{SetRef, member_fp};
 
@@ -223,6 +223,17 @@ impl Shard {
         if let Some(e) = self.slot_mut(w).and_then(|s| s.engine.get_mut(tier.idx())) {
             e.give_spare(spare);
         }
+    }
+
+    /// A copy of the tree's heads with room for `runs` more, if they could
+    /// fill it ([`Runs::heads_ahead`]).
+    pub(crate) fn heads_ahead(&self, runs: usize) -> Option<HeadsAhead> {
+        self.runs.heads_ahead(runs)
+    }
+
+    /// Takes a copy made by [`Shard::heads_ahead`] (see [`Runs::give_heads`]).
+    pub(crate) fn give_heads(&mut self, ahead: HeadsAhead) {
+        self.runs.give_heads(ahead);
     }
 
     fn slot(&self, w: WorkerIdx) -> Option<&Worker> {

@@ -14,6 +14,7 @@
 //! member needs more than 30 bits is kept as a large set). Many: the side
 //! table's slot in bits 0–31.
 
+use crate::paged::Paged;
 use crate::types::WorkerIdx;
 
 /// A 64-bit mix of a worker index (splitmix64 finalizer), summed into fingerprints.
@@ -128,7 +129,7 @@ impl SetRef<'_> {
 /// reused.
 #[derive(Debug, Default)]
 pub(crate) struct ManySets {
-    slots: Vec<Many>,
+    slots: Paged<Many>,
     free: Vec<u32>,
 }
 
@@ -152,10 +153,7 @@ impl ManySets {
                 }
                 WorkerSet::many(slot)
             }
-            None => {
-                self.slots.push(m);
-                WorkerSet::many((self.slots.len() - 1) as u32)
-            }
+            None => WorkerSet::many(self.slots.push(m) as u32),
         }
     }
 
@@ -249,7 +247,7 @@ impl ManySets {
 
     /// Heap bytes owned by the large sets (for memory accounting).
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Many>()
+        self.slots.heap_bytes()
             + self.free.capacity() * std::mem::size_of::<u32>()
             + self.slots.iter().map(|m| m.members.capacity() * std::mem::size_of::<WorkerIdx>()).sum::<usize>()
     }
