@@ -92,6 +92,27 @@ impl Mixes {
         }
     }
 
+    /// Forgets what a `resend` answer said the control plane does not hold
+    /// (the elided segments' chain hashes), as the filter does.
+    pub(crate) fn forget(&self, elided: &[u64]) {
+        if let Ok(mut r) = self.retained.lock() {
+            for h in elided {
+                r.remove(h);
+            }
+        }
+    }
+
+    /// Forgets everything retained: a new control plane holds nothing yet.
+    /// Without it, a run's second fleet inherited the first one's table,
+    /// and the same requests (the same ids in every phase) went elided to
+    /// a control plane that had never seen them: every one answered
+    /// `resend` and came again whole.
+    pub(crate) fn forget_retained(&self) {
+        if let Ok(mut r) = self.retained.lock() {
+            r.clear();
+        }
+    }
+
     /// What a gateway's hash-based balancing would key the `i`-th request
     /// of `mix` on (its conversation or document; a cold request is its
     /// own), so that requests sharing messages reach the same replica.
@@ -163,6 +184,9 @@ pub(crate) struct Step {
     pub(crate) answered: u64,
     /// Picks that failed (gRPC error) or were not sent (too many waiting).
     pub(crate) failed: u64,
+    /// Picks answered `resend` (the elided messages not held) and sent
+    /// again whole.
+    pub(crate) resent: u64,
     /// Latency from the scheduled send time, µs.
     pub(crate) latency: Samples,
     /// Wall time of the step.
@@ -197,6 +221,7 @@ pub(crate) async fn open_loop(
     let mut js: tokio::task::JoinSet<Option<f64>> = tokio::task::JoinSet::new();
     let (mut latency, mut answered, mut failed) = (Samples::new(), 0u64, 0u64);
     let mut refused = 0u64;
+    let resent = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut record = |r: Result<Option<f64>, tokio::task::JoinError>| match r {
         Ok(Some(us)) => {
             latency.record(us);
@@ -223,11 +248,15 @@ pub(crate) async fn open_loop(
         // the send, not from the timer's tick (1 ms granularity).
         let sent = Instant::now();
         let ends = replica.ends.clone();
+        let elided: Vec<u64> = req.segments.iter().filter(|s| s.elided).map(|s| s.chain_hash).collect();
+        let resent = resent.clone();
         js.spawn(async move {
             let id = req.request_id.clone();
             let mut answer = c.pick(req).await.ok()?.into_inner();
             if answer.resend {
                 // Not held (evicted, or never seen): once more, whole.
+                mixes.forget(&elided);
+                resent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 answer = c.pick(mixes.build(mix, first_id + k, false)).await.ok()?.into_inner();
             }
             mixes.retain(&answer.retained_chain_hashes);
@@ -242,7 +271,8 @@ pub(crate) async fn open_loop(
     while let Some(r) = js.join_next().await {
         record(r);
     }
-    Step { answered, failed: failed + refused, latency, secs: start.elapsed().as_secs_f64() }
+    let resent = resent.load(std::sync::atomic::Ordering::Relaxed);
+    Step { answered, failed: failed + refused, resent, latency, secs: start.elapsed().as_secs_f64() }
 }
 
 /// Decision agreement between replicas `a` and `b` over `n` DOKS new

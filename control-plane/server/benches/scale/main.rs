@@ -373,6 +373,7 @@ fn in_process(
         beats.send().await;
     });
     let mut rows = Vec::new();
+    mixes.forget_retained();
     // The conversations and documents were seen before (their earlier
     // turns are cached).
     for (mix, n) in
@@ -413,7 +414,11 @@ fn in_process(
             let req = mixes.build(mix, 10_000_000 + i, a.elide);
             let t = Instant::now();
             // A resend is an error in process (PickError::Resend).
-            let r = app.pick(&req).or_else(|_| app.pick(&mixes.build(mix, 10_000_000 + i, false)));
+            let r = app.pick(&req).or_else(|_| {
+                let elided: Vec<u64> = req.segments.iter().filter(|s| s.elided).map(|s| s.chain_hash).collect();
+                mixes.forget(&elided);
+                app.pick(&mixes.build(mix, 10_000_000 + i, false))
+            });
             let ok = r.as_ref().is_ok_and(|r| {
                 mixes.retain(&r.retained_chain_hashes);
                 true
@@ -500,7 +505,7 @@ fn main() {
         "request_secs": a.request_secs,
         "elided": a.elide,
         "doks_system_prompts": a.system_prompts,
-        "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
+        "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency and in `resent`, and its elided hashes are forgotten, as the filter does; each control plane started begins with an empty table); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
         "replica_capacity": capacity,
         "agreement": agreements,
         "replicas_setup": "n control planes (--replica-id scale-0..n-1) on one nats-server, each ingesting every event and sharing in-flight load over NATS; the client sends each request to the replica its conversation hashes to (as the gateway's ring hash on the conversation), each replica's answers reported to it; replica_capacity = the highest offered DOKS new-turn rate of the ladder answered in full (>= 95 %, nothing refused) with p99 within the bound; agreement = identical DOKS Picks to replicas 0 and 1 (to replica 0 twice with one replica), with the fleet churning: concurrent (both at once) and sequential (150 ms apart, the first reported finished: converged views); same_worker = share of pairs choosing the same worker (ties are broken at random), same_matched_blocks = share whose workers held as many of the prompt's blocks",
@@ -662,6 +667,7 @@ async fn over_grpc(
         group.push(load::Replica { channels, ends });
     }
     let mut rows = Vec::new();
+    mixes.forget_retained();
     // The conversations and documents were seen before (their earlier
     // turns are cached), each by the replica it hashes to; each of these
     // Picks is reported finished at once (none stays in flight through
@@ -772,11 +778,12 @@ async fn over_grpc(
             _ => f64::NAN,
         };
         eprintln!(
-            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, {shed} shed (by load), ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick ({pick_cpu:.0} beyond ingest)",
+            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, {} resent whole, {shed} shed (by load), ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick ({pick_cpu:.0} beyond ingest)",
             step.latency.quantile(0.5),
             step.latency.quantile(0.99),
             step.latency.quantile(0.999),
-            step.failed
+            step.failed,
+            step.resent
         );
         rows.push(row(
             workers,
@@ -785,7 +792,7 @@ async fn over_grpc(
             mix,
             &step.latency,
             json!({
-                "offered_per_s": rate, "picks_per_s": pps.round(), "failed": step.failed, "shed": shed,
+                "offered_per_s": rate, "picks_per_s": pps.round(), "failed": step.failed, "resent": step.resent, "shed": shed,
                 "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
                 "cpu_us_per_pick": cpu_per_pick.round(), "pick_cpu_us_per_pick": pick_cpu.round(),
                 "cpu_s_per_s": ((cpu1 - cpu0) / step.secs * 100.0).round() / 100.0,
