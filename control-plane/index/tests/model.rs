@@ -432,6 +432,10 @@ fn spares_are_made_for_tables_about_to_grow() {
     // One store fewer was within the limit with 8 more; now 4 more are,
     // and two stores of 4 add up to 8.
     assert!(index.spares_for(&[(w, Tier::Device, 4)]).is_empty());
+    // The one chain is one run: its heads map has room for two more, so 8
+    // stores (each may start a run) get a copy with room, 1 store none.
+    assert_eq!(index.spares_for(&[(w, Tier::Device, 8)]).heads(), 1);
+    assert_eq!(index.spares_for(&[(w, Tier::Device, 1)]).heads(), 0);
     assert!(index.spares_for(&[(w, Tier::Host, 8)]).is_empty(), "the other tier's table");
     let spares = index.spares_for(&[(w, Tier::Device, 4), (w, Tier::Host, 1), (w, Tier::Device, 4)]);
     assert_eq!(spares.len(), 1);
