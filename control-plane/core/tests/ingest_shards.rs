@@ -1,4 +1,4 @@
-//! KV batches applied together over a sharded index (`on_batches`, index
+//! KV batches applied together over a sharded index (`ingest_stream`, index
 //! shards on parallel threads) leave the model as applying them one by one
 //! on one shard (`on_batch`) does: the same snapshot needs, counters and
 //! matches, through duplicates, a gap in a relay's stream and a store whose
@@ -8,6 +8,7 @@ mod common;
 
 use common::{batches, tokens};
 
+use kvgate_core::model::stream::{StreamMessage, ingest_stream};
 use kvgate_core::model::{ModelConfig, ModelState, Need};
 use kvgate_index::Tier;
 use kvgate_protocol::{BlockSeed, BlockSize, sequence_hashes};
@@ -27,11 +28,13 @@ fn batches_applied_together_over_shards_equal_one_by_one() {
     let all = batches();
     let mut one = state(1);
     let want: Vec<Need> = all.iter().filter_map(|b| one.on_batch(b.clone(), 10)).collect();
-    let mut sharded = state(3);
+    let sharded = parking_lot::Mutex::new(state(3));
     let mut got = Vec::new();
     for group in all.chunks(7) {
-        got.extend(sharded.on_batches(group.to_vec(), 10));
+        let msgs = group.iter().cloned().map(StreamMessage::Kv).collect();
+        got.extend(ingest_stream(&sharded, msgs, 10, |_| {}).needs);
     }
+    let sharded = sharded.into_inner();
     assert!(want.len() >= 2, "the gap and the unknown parent each ask for a snapshot: {want:?}");
     assert_eq!(sorted(got), sorted(want));
     assert_eq!(sharded.counters(), one.counters());

@@ -102,7 +102,7 @@ pub struct ModelConfig {
     pub disaggregation: DisaggConfig,
     /// Shards of the block index (at least 1). With more than one, KV
     /// batches that arrive together from several workers are applied on
-    /// that many threads ([`ModelState::on_batches`]), and every lookup asks
+    /// that many threads ([`stream::ingest_stream`]), and every lookup asks
     /// each shard. 1 = one thread, lookups as fast as they go.
     pub index_shards: u16,
 }
@@ -185,15 +185,6 @@ impl std::fmt::Debug for ModelState {
 /// A batch the stream decision let through: worker id, its index, batch.
 type ToApply = (String, WorkerIdx, pb::KvEventBatch);
 
-/// The first batch of each worker (in order), and the rest.
-fn next_wave(batches: Vec<pb::KvEventBatch>) -> (Vec<pb::KvEventBatch>, Vec<pb::KvEventBatch>) {
-    if batches.len() < 2 {
-        return (batches, Vec::new());
-    }
-    let mut seen = std::collections::HashSet::new();
-    batches.into_iter().partition(|b| seen.insert(b.worker_id.clone()))
-}
-
 /// One batch's events into the index (empty events skipped; counted by
 /// [`ModelState::count_applied`]).
 fn apply_to(index: &mut Index, idx: WorkerIdx, batch: &pb::KvEventBatch) {
@@ -202,9 +193,9 @@ fn apply_to(index: &mut Index, idx: WorkerIdx, batch: &pb::KvEventBatch) {
     }
 }
 
-/// A wave's events into the index: one batch directly, several at once
+/// A segment's events into the index: one batch directly, several at once
 /// ([`Index::apply_batch`]: an index's shards on parallel threads).
-fn apply_wave(index: &mut Index, applied: &[ToApply]) {
+fn apply_segment(index: &mut Index, applied: &[ToApply]) {
     if let [(_, idx, b)] = applied {
         apply_to(index, *idx, b);
         return;
@@ -216,7 +207,7 @@ fn apply_wave(index: &mut Index, applied: &[ToApply]) {
     let _ = index.apply_batch(&events);
 }
 
-/// The blocks a wave stores, per worker and tier (batched events, counted
+/// The blocks a segment stores, per worker and tier (batched events, counted
 /// from their protobuf form).
 fn stores_of(applied: &[ToApply]) -> Vec<(WorkerIdx, Tier, usize)> {
     let stored = |e: &pb::KvEvent| match &e.event {
@@ -356,45 +347,13 @@ impl ModelState {
     /// the model's ingest uses [`stream::ingest_stream`], which gives the index
     /// alone to the events).
     pub fn on_batch(&mut self, batch: pb::KvEventBatch, now_ms: u64) -> Option<Need> {
-        // One batch is one wave, with at most one need.
-        self.on_batches(vec![batch], now_ms).pop()
-    }
-
-    /// KV event batches that arrived together, in order, each with the
-    /// outcome [`ModelState::on_batch`] gives it. They are taken in waves:
-    /// the next batch of each worker (so each worker's batches stay in
-    /// order, and its stream decision sees the batches before it applied);
-    /// a wave's events go to [`Index::apply_batch`] at once, which applies
-    /// the shards of an index with several on parallel threads.
-    pub fn on_batches(&mut self, batches: Vec<pb::KvEventBatch>, now_ms: u64) -> Vec<Need> {
-        let mut needs = Vec::new();
-        let mut rest = batches;
-        while !rest.is_empty() {
-            let (wave, later) = next_wave(rest);
-            rest = later;
-            let applied = self.accept_wave(wave, now_ms, &mut needs);
-            apply_wave(&mut self.index.write(), &applied);
-            for (id, idx, _) in &applied {
-                needs.extend(self.resync_if_needed(id, *idx, now_ms));
+        match self.accept_batch(batch, now_ms) {
+            Accepted::Apply(id, idx, b) => {
+                self.apply_events(idx, &b);
+                self.resync_if_needed(&id, idx, now_ms)
             }
+            Accepted::Done(need) => need,
         }
-        needs
-    }
-
-    /// The stream decisions of one wave: the batches to apply (counted),
-    /// the needs of the others into `needs`.
-    fn accept_wave(&mut self, wave: Vec<pb::KvEventBatch>, now_ms: u64, needs: &mut Vec<Need>) -> Vec<ToApply> {
-        let mut applied = Vec::with_capacity(wave.len());
-        for batch in wave {
-            match self.accept_batch(batch, now_ms) {
-                Accepted::Apply(id, idx, b) => {
-                    self.count_applied(&b);
-                    applied.push((id, idx, b));
-                }
-                Accepted::Done(need) => needs.extend(need),
-            }
-        }
-        applied
     }
 
     /// The stream decision for one KV batch: to apply (with the worker's

@@ -24,7 +24,7 @@ use std::collections::HashSet;
 use kvgate_protocol::pb;
 use parking_lot::{Mutex, RwLockUpgradableReadGuard};
 
-use super::{Accepted, ModelState, Need, ToApply, apply_wave, stores_of};
+use super::{Accepted, ModelState, Need, ToApply, apply_segment, stores_of};
 
 /// One message of a model's event stream, decoded.
 #[derive(Debug)]
@@ -120,7 +120,7 @@ pub fn ingest_stream(
         let mut index = RwLockUpgradableReadGuard::upgrade(index);
         let t = std::time::Instant::now();
         index.give_spares(spares);
-        apply_wave(&mut index, &applied);
+        apply_segment(&mut index, &applied);
         let resync: Vec<&str> =
             applied.iter().filter(|(_, idx, _)| index.take_resync(*idx)).map(|(id, _, _)| id.as_str()).collect();
         drop(index);

@@ -92,6 +92,11 @@ impl Mixes {
         }
     }
 
+    /// The chain hashes `req` elides (what a `resend` answer names).
+    pub(crate) fn elided(req: &pb::PickRequest) -> Vec<u64> {
+        req.segments.iter().filter(|s| s.elided).map(|s| s.chain_hash).collect()
+    }
+
     /// Forgets what a `resend` answer said the control plane does not hold
     /// (the elided segments' chain hashes), as the filter does.
     pub(crate) fn forget(&self, elided: &[u64]) {
@@ -248,7 +253,7 @@ pub(crate) async fn open_loop(
         // the send, not from the timer's tick (1 ms granularity).
         let sent = Instant::now();
         let ends = replica.ends.clone();
-        let elided: Vec<u64> = req.segments.iter().filter(|s| s.elided).map(|s| s.chain_hash).collect();
+        let elided = Mixes::elided(&req);
         let resent = resent.clone();
         js.spawn(async move {
             let id = req.request_id.clone();

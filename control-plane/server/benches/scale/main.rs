@@ -415,8 +415,7 @@ fn in_process(
             let t = Instant::now();
             // A resend is an error in process (PickError::Resend).
             let r = app.pick(&req).or_else(|_| {
-                let elided: Vec<u64> = req.segments.iter().filter(|s| s.elided).map(|s| s.chain_hash).collect();
-                mixes.forget(&elided);
+                mixes.forget(&Mixes::elided(&req));
                 app.pick(&mixes.build(mix, 10_000_000 + i, false))
             });
             let ok = r.as_ref().is_ok_and(|r| {
