@@ -223,6 +223,15 @@ impl Runs {
         self.runs.get(loc.run as usize).and_then(|r| r.hashes.get(loc.off as usize)).copied()
     }
 
+    /// The place of the block `loc` continues (`None`: a root, or no such place).
+    pub(crate) fn parent(&self, loc: Loc) -> Option<Loc> {
+        let run = self.runs.get(loc.run as usize)?;
+        match loc.off.checked_sub(1) {
+            Some(off) => Some(Loc { run: loc.run, off }),
+            None => run.parent,
+        }
+    }
+
     /// Starts loading the holders of `loc` in `tier` (for a use some blocks
     /// later).
     #[inline]

@@ -447,6 +447,22 @@ impl Shard {
                     }
                 }
                 if !worker.holes_unreliable[tier.idx()] {
+                    // No holes counted: every held block's parent in the
+                    // tree is held in this tier too (what lets
+                    // `find_matches` gallop).
+                    if worker.holes[tier.idx()] == 0 {
+                        let locs: std::collections::HashSet<Loc> = map.iter().map(|(_, e)| e.loc).collect();
+                        if let Some(e) = map
+                            .iter()
+                            .map(|(_, e)| e)
+                            .find(|e| self.runs.parent(e.loc).is_some_and(|p| !locs.contains(&p)))
+                        {
+                            return Err(format!(
+                                "worker {i}: no holes counted, but the parent of {} is not held",
+                                e.engine
+                            ));
+                        }
+                    }
                     for (slot, e) in map.iter() {
                         let want = children.get(&slot).copied().unwrap_or(0);
                         if u32::from(e.children) != want {
@@ -665,9 +681,16 @@ impl Held<'_> {
         let born = self.worker.tick();
         let map = &mut self.worker.engine[t];
         // The parent's slot: the hint when it still holds the parent's
-        // engine hash, else a lookup.
-        let pslot = parent
-            .and_then(|p| parent_slot.filter(|s| map.get(*s).is_some_and(|e| e.engine == p)).or_else(|| map.find(p)));
+        // engine hash, else a lookup. It is the parent only if it holds the
+        // block this one continues: the event's parent may have been found
+        // in the other tier, where this tier's entry under the same engine
+        // hash can be another block (then this one is a hole).
+        let is_parent = |e: &Entry, p: u64| e.engine == p && Some(e.loc) == parent_loc;
+        let pslot = parent.and_then(|p| {
+            parent_slot
+                .filter(|s| map.get(*s).is_some_and(|e| is_parent(e, p)))
+                .or_else(|| map.find(p).filter(|s| map.get(*s).is_some_and(|e| is_parent(e, p))))
+        });
         match pslot.and_then(|s| map.get_mut(s)) {
             Some(pe) => match pe.children.checked_add(1) {
                 Some(c) => pe.children = c,

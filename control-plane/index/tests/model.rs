@@ -371,6 +371,51 @@ fn duplicate_stores_and_reused_reports() {
     assert_eq!(index.counters().refs_capped, 6);
 }
 
+/// A host block stored under a parent the worker holds on its device, whose
+/// engine hash the host tier holds for another block (an engine hash reused
+/// with other content): the host chain has a hole where the device parent
+/// is, and a host query stops there. (Found by the sharded property test in
+/// CI: the host entry under the parent's hash was taken for the parent, so
+/// the host holdings read as prefix-closed and the query galloped past the
+/// hole.)
+#[test]
+fn a_host_chain_under_a_device_parent_stops_where_the_host_lacks_it() {
+    let mut index = Index::new(IndexConfig::new(BlockSize::new(BS).unwrap()));
+    let w = index.add_worker("w");
+    let store = |index: &mut Index, hashes: &[u64], parent: Option<u64>, blocks: &[usize], tier: Tier| {
+        let tokens: Vec<u32> = blocks.iter().flat_map(|b| BLOCKS[*b]).collect();
+        let ev = KvEvent::Stored(Stored {
+            engine_hashes: hashes,
+            parent,
+            token_ids: &tokens,
+            block_size: BS,
+            seed: seed(false),
+            tier,
+            origin: Origin::Unspecified,
+        });
+        index.apply(w, &ev).unwrap();
+    };
+    // Host: engine hash 2 is the block [2].
+    store(&mut index, &[2, 4], None, &[2, 0], Tier::Host);
+    // Device: engine hash 2 is the block [2, 0, 0].
+    store(&mut index, &[0, 0, 2], None, &[2, 0, 0], Tier::Device);
+    // Host: [2, 0, 0] + [0] and + [0, 0], under the device's block 2.
+    store(&mut index, &[5, 0], Some(2), &[0, 0], Tier::Host);
+    index.check_invariants().unwrap();
+    let mut seqs = Vec::new();
+    let mut prev = None;
+    for b in [2, 0, 0, 0] {
+        let s = next_sequence_hash(prev, local_block_hash(&BLOCKS[b], seed(false)));
+        seqs.push(s);
+        prev = Some(s);
+    }
+    let mut out = Vec::new();
+    index.find_matches(&seqs, Tier::Host, &mut out);
+    assert_eq!(out, vec![Overlap { worker: w, blocks: 2 }], "the host lacks the third block");
+    index.find_matches_any_tier(&seqs, &mut out);
+    assert_eq!(out, vec![Overlap { worker: w, blocks: 4 }], "the device holds it");
+}
+
 /// A worker that reports more device blocks than its capacity is trimmed,
 /// oldest stores first.
 #[test]
