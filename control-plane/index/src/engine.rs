@@ -456,6 +456,11 @@ impl Engine {
         held(&self.pages, self.next)
     }
 
+    /// Held entries with their slots, last slot first.
+    pub(crate) fn iter_rev(&self) -> impl Iterator<Item = (u32, &Entry)> + '_ {
+        (0..self.next).rev().filter_map(move |s| self.get(s).map(|e| (s, e)))
+    }
+
     /// Heap bytes (table and slab).
     pub(crate) fn heap_bytes(&self) -> usize {
         (self.buckets.capacity() + self.spare.capacity()) * std::mem::size_of::<Bucket>()

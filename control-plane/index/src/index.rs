@@ -189,6 +189,16 @@ impl Index {
         true
     }
 
+    /// Drops up to `max` of worker `w`'s blocks (engine entries, device
+    /// tier first) and returns how many it still holds (`None`: no such
+    /// worker): a [`KvEvent::Cleared`] in parts, so that a caller can let
+    /// lookups in between. The blocks kept meanwhile are matched exactly.
+    /// Counted as a clear when nothing is left.
+    pub fn clear_part(&mut self, w: WorkerIdx, max: usize) -> Option<usize> {
+        let p = self.place(w)?;
+        self.shards.get_mut(p.shard)?.clear_part(p.local, max)
+    }
+
     /// Sets the device-block capacity of a worker (from its heartbeats); a
     /// worker holding more is trimmed, oldest stores first.
     pub fn set_capacity(&mut self, w: WorkerIdx, blocks: Option<usize>) {

@@ -281,6 +281,17 @@ impl Shard {
         Some(Held { w, worker, runs, counters, config, seqs: seq_scratch })
     }
 
+    /// Drops up to `max` of worker `w`'s engine entries (device tier
+    /// first); returns how many it still holds (`None`: no such worker).
+    pub(crate) fn clear_part(&mut self, w: WorkerIdx, max: usize) -> Option<usize> {
+        let left = self.held(w).map(|mut held| held.clear_part(max));
+        self.runs.trim();
+        if left == Some(0) {
+            self.counters.clears += 1;
+        }
+        left
+    }
+
     fn clear_worker(&mut self, w: WorkerIdx) {
         if let Some(mut held) = self.held(w) {
             held.clear();
@@ -811,6 +822,30 @@ impl Held<'_> {
             return;
         }
         self.runs.remove(loc, tier, self.w);
+    }
+
+    /// Drops up to `max` of the worker's entries, device tier first, each
+    /// as a removal would (holes counted, so that the blocks it keeps meanwhile
+    /// are matched exactly); returns how many it still holds. Last slots
+    /// first: a chain takes slots in the order it was stored, so its
+    /// later blocks go first and what is left still matches prompts as a
+    /// prefix (mostly: freed slots are taken again in any order).
+    fn clear_part(&mut self, max: usize) -> usize {
+        let mut budget = max;
+        for tier in Tier::ALL {
+            let map = &self.worker.engine[tier.idx()];
+            let some: Vec<(u32, u64)> = map.iter_rev().take(budget).map(|(slot, e)| (slot, e.engine)).collect();
+            budget -= some.len();
+            for (slot, engine) in some {
+                let probe = self.worker.engine[tier.idx()].probe(engine);
+                self.remove_entry(tier, slot, Some(probe));
+            }
+        }
+        let left = self.worker.engine.iter().map(Engine::len).sum();
+        if left == 0 {
+            self.clear();
+        }
+        left
     }
 
     /// Drops all of the worker's blocks in every tier.

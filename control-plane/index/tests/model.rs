@@ -42,6 +42,11 @@ enum Op {
     Clear {
         worker: usize,
     },
+    /// `Index::clear_part`: up to `max` of the worker's entries dropped.
+    ClearPart {
+        worker: usize,
+        max: usize,
+    },
     RemoveWorker {
         worker: usize,
     },
@@ -70,6 +75,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (worker.clone(), proptest::collection::vec(hash, 1..3), tier())
             .prop_map(|(worker, hashes, tier)| Op::Remove { worker, hashes, tier }),
         1 => worker.clone().prop_map(|worker| Op::Clear { worker }),
+        1 => (worker.clone(), 0usize..4).prop_map(|(worker, max)| Op::ClearPart { worker, max }),
         1 => worker.prop_map(|worker| Op::RemoveWorker { worker }),
         4 => (proptest::collection::vec(0usize..3, 0..13), any::<bool>(), tier())
             .prop_map(|(blocks, salt, tier)| Op::Query { blocks, salt, tier }),
@@ -173,6 +179,17 @@ proptest! {
                     let w = index.worker(names()[worker]).unwrap();
                     prop_assert_eq!(index.apply(w, &KvEvent::Cleared), Ok(()));
                     model[worker].held.clear();
+                }
+                Op::ClearPart { worker, max } => {
+                    // The entries dropped are the index's choice: the model
+                    // drops those the index no longer holds, as many as asked.
+                    let w = index.worker(names()[worker]).unwrap();
+                    let m = &mut model[worker];
+                    let before = m.held.len();
+                    let left = index.clear_part(w, max);
+                    m.held.retain(|(t, h), _| index.engine_entry(w, *t, EngineBlockHash(*h)).is_some());
+                    prop_assert_eq!(before - m.held.len(), max.min(before));
+                    prop_assert_eq!(left, Some(m.held.len()));
                 }
                 Op::RemoveWorker { worker } => {
                     let w = index.worker(names()[worker]).unwrap();

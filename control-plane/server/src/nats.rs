@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{FutureExt as _, StreamExt as _};
+use kvgate_core::model::snapshot::{PIECE_BLOCKS, Piece};
 use kvgate_core::{App, Model, ReplicaSink};
 use kvgate_protocol::pb;
 use prost::Message as _;
@@ -262,8 +263,20 @@ async fn snapshot_task(app: Arc<App>, client: async_nats::Client, model: Arc<Mod
         let subject = app.subjects.snapshot(&model.name, &worker);
         match fetch_snapshot(&client, subject, &app.config.replica_id, timeout).await {
             Ok(chunks) => {
-                let now = app.now_ms();
-                let again = model.state.lock().on_snapshot(&worker, &chunks, now);
+                // In pieces, each under the locks alone, with Picks and
+                // ingest let in between (`kvgate_core::model::snapshot`).
+                let Some(mut pieces) = model.state.lock().begin_snapshot(&worker, &chunks, app.now_ms()) else {
+                    return;
+                };
+                loop {
+                    let piece = model.state.lock().snapshot_piece(&mut pieces, &chunks, PIECE_BLOCKS);
+                    match piece {
+                        Piece::More => tokio::task::yield_now().await,
+                        Piece::Done => break,
+                        Piece::Abandoned => return,
+                    }
+                }
+                let again = model.state.lock().finish_snapshot(pieces, app.now_ms());
                 tracing::debug!(model = %model.name, %worker, chunks = chunks.len(), "snapshot applied");
                 if again.is_none() {
                     return;

@@ -26,6 +26,9 @@ pub struct ModelCounters {
     pub snapshots_applied: u64,
     /// Snapshots that failed or timed out.
     pub snapshots_failed: u64,
+    /// Snapshots left part-applied because a newer one, a failure or the
+    /// worker's removal overtook them.
+    pub snapshots_abandoned: u64,
     /// Heartbeats accepted.
     pub heartbeats: u64,
     /// Heartbeats whose load was out of range (NaN usage...).
@@ -93,7 +96,7 @@ pub enum Family {
 
 impl ModelCounters {
     /// Every counter as (family, label value, value).
-    pub fn by_kind(&self) -> [(Family, &'static str, u64); 30] {
+    pub fn by_kind(&self) -> [(Family, &'static str, u64); 31] {
         use Family::*;
         let Self {
             batches_applied,
@@ -105,6 +108,7 @@ impl ModelCounters {
             epoch_changes,
             snapshots_applied,
             snapshots_failed,
+            snapshots_abandoned,
             heartbeats,
             heartbeats_invalid,
             heartbeats_block_size_mismatch,
@@ -137,6 +141,7 @@ impl ModelCounters {
             (ModelEvents, "epoch_change", epoch_changes),
             (ModelEvents, "snapshot_applied", snapshots_applied),
             (ModelEvents, "snapshot_failed", snapshots_failed),
+            (ModelEvents, "snapshot_abandoned", snapshots_abandoned),
             (ModelEvents, "heartbeat", heartbeats),
             (ModelEvents, "heartbeat_invalid", heartbeats_invalid),
             (ModelEvents, "heartbeat_block_size_mismatch", heartbeats_block_size_mismatch),

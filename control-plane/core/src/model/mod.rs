@@ -5,7 +5,8 @@
 //!
 //! | file | what |
 //! |---|---|
-//! | `mod.rs` | the state; KV event batches, snapshots, reports, replica events |
+//! | `mod.rs` | the state; KV event batches, reports, replica events |
+//! | [`snapshot`] | a worker's snapshot applied in pieces, Picks let in between |
 //! | [`sync`] | the stream-sync state machine (one `accept` per batch) |
 //! | [`pick`] | candidates, the policy's decision, its bookkeeping |
 //! | [`sessions`] | session affinity: session key → worker, sliding TTL |
@@ -19,7 +20,7 @@
 //! |---|---|
 //! | [`ModelState::pick`] | O(prompt blocks) hashing + index lookup + policy (`kv`: O(W)) |
 //! | [`ModelState::on_batch`] | O(events in the batch) |
-//! | [`ModelState::on_snapshot`] | O(blocks in the snapshot + events held meanwhile) |
+//! | [`ModelState::on_snapshot`] | O(blocks in the snapshot + events held meanwhile); in pieces of O(b) each ([`snapshot`]) |
 //! | [`ModelState::reap`] | O(workers + requests in flight) |
 
 pub mod admission;
@@ -29,6 +30,7 @@ pub mod disagg;
 pub mod pick;
 pub mod pools;
 pub mod sessions;
+pub mod snapshot;
 pub mod stream;
 pub mod stream_delay;
 pub mod sync;
@@ -41,9 +43,9 @@ use std::sync::Arc;
 
 use parking_lot::{RwLock, RwLockReadGuard};
 
-use kvgate_index::{Index, IndexConfig, KvEvent, Origin, Stored, Tier, WorkerIdx};
+use kvgate_index::{Index, IndexConfig, KvEvent, Tier, WorkerIdx};
 use kvgate_protocol::pb;
-use kvgate_protocol::{BlockSeed, BlockSize, SequenceHash};
+use kvgate_protocol::{BlockSize, SequenceHash};
 use kvgate_scheduler::{KvConfig, KvPolicy, LoadTracker, Mode, Policy};
 
 use crate::timing::{Calibration, Prior};
@@ -174,6 +176,8 @@ pub struct ModelState {
     newest_heartbeat_sent_ms: Option<u64>,
     /// How far behind the event stream is processed.
     stream_delay: stream_delay::StreamDelay,
+    /// The last snapshot ticket handed out (see [`snapshot`]).
+    snapshot_tickets: u64,
 }
 
 impl std::fmt::Debug for ModelState {
@@ -265,6 +269,7 @@ impl ModelState {
             newest_heartbeat_ms: None,
             newest_heartbeat_sent_ms: None,
             stream_delay: Default::default(),
+            snapshot_tickets: 0,
             config,
         };
         for (id, endpoint) in this.config.static_workers.clone() {
@@ -386,63 +391,6 @@ impl ModelState {
         }
     }
 
-    /// A complete snapshot (all chunks, in order) of a worker: replaces its
-    /// blocks, then the batches held meanwhile are accepted in order.
-    /// Returns a new need when they do not continue it.
-    pub fn on_snapshot(&mut self, id: &str, chunks: &[pb::SnapshotChunk], now_ms: u64) -> Option<Need> {
-        let Some(first) = chunks.first() else {
-            self.snapshot_failed(id);
-            return None;
-        };
-        let (epoch, seq) = (first.relay_epoch, first.relay_seq);
-        if chunks.iter().any(|c| c.relay_epoch != epoch || c.relay_seq != seq) {
-            self.snapshot_failed(id);
-            return None;
-        }
-        let w = self.worker_entry(id, now_ms);
-        let idx = w.idx;
-        let held = w.sync.snapshot_applied(epoch, seq);
-        self.replace_blocks(idx, chunks);
-        self.counters.snapshots_applied += 1;
-        for batch in held {
-            let Some(w) = self.workers.get_mut(id) else { break };
-            match w.sync.accept(batch) {
-                Accept::Apply(b) => self.apply_events(idx, &b),
-                Accept::Duplicate => self.counters.batches_duplicate += 1,
-                Accept::Held => {}
-                Accept::Resync(cause, b) => {
-                    self.count_resync(cause);
-                    return self.start_snapshot(id, now_ms, Some(b));
-                }
-            }
-        }
-        self.resync_if_needed(id, idx, now_ms)
-    }
-
-    fn replace_blocks(&mut self, idx: WorkerIdx, chunks: &[pb::SnapshotChunk]) {
-        let mut index = self.index.write();
-        let _ = index.apply(idx, &KvEvent::Cleared);
-        for chunk in chunks {
-            let bs = if chunk.block_size > 0 { chunk.block_size } else { self.config.block_size.get() };
-            for b in &chunk.blocks {
-                let hashes = [b.engine_hash];
-                let stored = Stored {
-                    engine_hashes: &hashes,
-                    parent: b.parent_engine_hash,
-                    token_ids: &b.token_ids,
-                    block_size: bs,
-                    seed: BlockSeed::from_fields(&b.lora_name, &b.cache_salt),
-                    tier: Tier::from_medium(b.medium),
-                    origin: Origin::New,
-                };
-                for _ in 0..b.ref_count.clamp(1, 16) {
-                    let _ = index.apply(idx, &KvEvent::Stored(stored));
-                }
-            }
-        }
-        let _ = index.take_resync(idx);
-    }
-
     fn apply_events(&mut self, idx: WorkerIdx, batch: &pb::KvEventBatch) {
         self.count_applied(batch);
         apply_to(&mut self.index.write(), idx, batch);
@@ -469,7 +417,8 @@ impl ModelState {
         if first.is_some() {
             self.counters.batches_buffered += 1;
         }
-        w.sync.start_snapshot(now_ms, first);
+        self.snapshot_tickets += 1;
+        w.sync.start_snapshot(now_ms, first, self.snapshot_tickets);
         Some(Need::Snapshot(id.to_owned()))
     }
 

@@ -9,6 +9,7 @@
 //! Synced  ──batch seq+1──▶ apply          ──batch ≤ seq──▶ duplicate, skipped
 //! Synced  ──gap, new relay epoch, heartbeat ahead of seq──▶ Snapshotting
 //! Snapshotting ──snapshot (epoch, seq)──▶ Synced(epoch, seq), held batches accepted in order
+//! any ──snapshot claimed for applying (ticket)──▶ Snapshotting (a new ticket; one applying under an older ticket stops)
 //! Snapshotting ──failed / timed out──▶ Unknown (retried on the next message)
 //! Snapshotting ──more than MAX_HELD batches──▶ Snapshotting afresh (the one under way is too old)
 //! ```
@@ -33,6 +34,9 @@ pub enum StreamSync {
         held: Vec<pb::KvEventBatch>,
         /// When it was asked for (monotonic ms).
         started_ms: u64,
+        /// Names this snapshot: one applied in pieces goes on only while
+        /// the ticket is still the worker's.
+        ticket: u64,
     },
     /// Every batch up to `seq` of relay epoch `epoch` is applied.
     Synced {
@@ -115,8 +119,26 @@ impl StreamSync {
 
     /// Asks for a snapshot: batches are held from now on, starting with
     /// `first` when given.
-    pub fn start_snapshot(&mut self, now_ms: u64, first: Option<pb::KvEventBatch>) {
-        *self = Self::Snapshotting { held: first.into_iter().collect(), started_ms: now_ms };
+    pub fn start_snapshot(&mut self, now_ms: u64, first: Option<pb::KvEventBatch>, ticket: u64) {
+        *self = Self::Snapshotting { held: first.into_iter().collect(), started_ms: now_ms, ticket };
+    }
+
+    /// A snapshot is about to be applied under `ticket`: batches are held
+    /// until it is (from now, if none were), and one being applied under an
+    /// older ticket stops ([`StreamSync::ticket`]).
+    pub fn claim_snapshot(&mut self, now_ms: u64, ticket: u64) {
+        match self {
+            Self::Snapshotting { ticket: t, .. } => *t = ticket,
+            _ => self.start_snapshot(now_ms, None, ticket),
+        }
+    }
+
+    /// The ticket of the snapshot under way, if one is.
+    pub fn ticket(&self) -> Option<u64> {
+        match self {
+            Self::Snapshotting { ticket, .. } => Some(*ticket),
+            _ => None,
+        }
     }
 
     /// The snapshot at `(epoch, seq)` was applied: synced there. Returns the
@@ -197,7 +219,7 @@ mod tests {
 
     #[test]
     fn batches_by_state() {
-        let snap = || StreamSync::Snapshotting { held: Vec::new(), started_ms: 0 };
+        let snap = || StreamSync::Snapshotting { held: Vec::new(), started_ms: 0, ticket: 1 };
         let sync = |e, s| StreamSync::Synced { epoch: e, seq: s };
         // (state, batch (epoch, seq), verdict, synced afterwards)
         let table: Vec<(StreamSync, At, V, Option<At>)> = vec![
@@ -227,7 +249,7 @@ mod tests {
             (StreamSync::Synced { epoch: 3, seq: 2 }, (3, 1), None, Some((3, 2))),
             (StreamSync::Synced { epoch: 3, seq: 2 }, (3, 3), Some(Resync::Gap), Some((3, 2))),
             (StreamSync::Synced { epoch: 3, seq: 2 }, (4, 0), Some(Resync::Epoch), Some((3, 2))),
-            (StreamSync::Snapshotting { held: Vec::new(), started_ms: 0 }, (3, 9), None, None),
+            (StreamSync::Snapshotting { held: Vec::new(), started_ms: 0, ticket: 1 }, (3, 9), None, None),
             (StreamSync::Static, (0, 9), None, None),
         ];
         for (i, (mut state, (e, s), want, after)) in table.into_iter().enumerate() {
@@ -243,7 +265,7 @@ mod tests {
             Accept::Resync(Resync::Unknown, b) => b,
             other => panic!("{other:?}"),
         };
-        s.start_snapshot(10, Some(first));
+        s.start_snapshot(10, Some(first), 1);
         for seq in [6, 7, 9] {
             assert_eq!(s.accept(batch(1, seq)), Accept::Held);
         }
@@ -258,7 +280,7 @@ mod tests {
     #[test]
     fn holding_is_bounded_and_failures_go_back_to_unknown() {
         let mut s = StreamSync::Unknown;
-        s.start_snapshot(0, None);
+        s.start_snapshot(0, None, 1);
         for seq in 0..MAX_HELD as u64 {
             assert_eq!(s.accept(batch(1, seq)), Accept::Held);
         }
