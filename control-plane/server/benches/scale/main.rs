@@ -70,6 +70,9 @@ struct Args {
     grpc: bool,
     /// System prompts the DOKS conversations start from.
     system_prompts: usize,
+    /// Snapshots per second the fleet makes the control plane ask for,
+    /// during the steps (a skipped `relay_seq` of a random worker each).
+    resyncs: f64,
     out: PathBuf,
 }
 
@@ -88,6 +91,7 @@ fn args() -> Args {
         replicas: vec![1, 2, 4],
         grpc: true,
         system_prompts: 10,
+        resyncs: 0.0,
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/scale.json"),
     };
     let v: Vec<String> = std::env::args().skip(1).filter(|x| x != "--bench").collect();
@@ -113,6 +117,9 @@ fn args() -> Args {
             // `--system-prompts 1`: every DOKS conversation on one system
             // prompt, as behind one product (default 10).
             "--system-prompts" => a.system_prompts = val.parse().ok().filter(|n| *n > 0).unwrap_or(a.system_prompts),
+            // `--resyncs 10`: ten workers a second skip a `relay_seq`, and
+            // the control plane resyncs each from a snapshot (default 0).
+            "--resyncs" => a.resyncs = val.parse().ok().filter(|r: &f64| *r >= 0.0).unwrap_or(a.resyncs),
             "--mixes" => a.mixes = MIXES.iter().copied().filter(|m| val.split(',').any(|x| x == *m)).collect(),
             // Relative to the repository (cargo runs benches in the crate's directory).
             "--out" => a.out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(val),
@@ -233,6 +240,15 @@ fn picks_shed(text: &str) -> f64 {
     kvgate_testkit::prom::samples(text).filter(|s| s.name == "kvgate_picks_shed_total").map(|s| s.value).sum()
 }
 
+/// Snapshots the control plane applied (whole; a newer one may overtake
+/// one under way).
+fn snapshots_applied(text: &str) -> f64 {
+    kvgate_testkit::prom::samples(text)
+        .filter(|s| s.name == "kvgate_model_events_total" && s.labels.contains("\"snapshot_applied\""))
+        .map(|s| s.value)
+        .sum()
+}
+
 fn kv_messages(text: &str) -> f64 {
     kvgate_testkit::prom::samples(text)
         .filter(|s| s.name == "kvgate_nats_messages_total" && s.labels.contains("\"kv\""))
@@ -274,14 +290,20 @@ where
 }
 
 /// Churn at `ops_per_s` until `stop`, paced every millisecond (a fleet of
-/// relays publishes independently: a smooth stream, not 10 ms bursts);
-/// returns the block operations sent.
-async fn churn(fleet: &mut Fleet, ops_per_s: u64, stop: tokio::sync::watch::Receiver<bool>) -> u64 {
+/// relays publishes independently: a smooth stream, not 10 ms bursts),
+/// with `gaps_per_s` skipped `relay_seq`s of random workers; returns the
+/// block operations sent.
+async fn churn(fleet: &mut Fleet, ops_per_s: u64, gaps_per_s: f64, stop: tokio::sync::watch::Receiver<bool>) -> u64 {
     let start = Instant::now();
-    let mut sent = 0u64;
+    let (mut sent, mut gaps) = (0u64, 0u64);
+    let mut rng = fastrand::Rng::with_seed(17);
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     while !*stop.borrow() {
         tick.tick().await;
+        while gaps < (start.elapsed().as_secs_f64() * gaps_per_s) as u64 {
+            fleet.make_gap(rng.usize(..fleet.workers()));
+            gaps += 1;
+        }
         let due = (start.elapsed().as_secs_f64() * ops_per_s as f64) as u64;
         while sent < due && !*stop.borrow() {
             let n = fleet.churn_one().await;
@@ -303,10 +325,11 @@ async fn churn_apart(
     on: &tokio::runtime::Handle,
     mut fleet: Fleet,
     ops_per_s: u64,
+    gaps_per_s: f64,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> (Fleet, u64) {
     on.spawn(async move {
-        let ops = churn(&mut fleet, ops_per_s, stop).await;
+        let ops = churn(&mut fleet, ops_per_s, gaps_per_s, stop).await;
         (fleet, ops)
     })
     .await
@@ -504,6 +527,8 @@ fn main() {
         "request_secs": a.request_secs,
         "elided": a.elide,
         "doks_system_prompts": a.system_prompts,
+        "resyncs_per_s": a.resyncs,
+        "resyncs": "with resyncs_per_s > 0, during every step the fleet skips one relay_seq of that many random workers a second; the control plane asks each for a snapshot, which its fake relay serves (what the worker holds as of its last batch, in chunks of 4,096 blocks): snapshots_served / snapshots_applied per step",
         "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency and in `resent`, and its elided hashes are forgotten, as the filter does; each control plane started begins with an empty table); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
         "replica_capacity": capacity,
         "agreement": agreements,
@@ -609,6 +634,8 @@ async fn over_grpc(
         .expect("NATS");
     let mut fleet = Fleet::new(Sink::Nats(client.clone()), workers);
     let beats = fleet.beats(2 * a.blocks as u64).spawn(fleet_rt);
+    let served = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let snapshots = fleet.serve_snapshots(fleet_rt, served.clone());
     let t = Instant::now();
     // Flow control: the consumer keeps within 20,000 messages.
     let settle = |published: u64| {
@@ -707,12 +734,14 @@ async fn over_grpc(
         let text0: Vec<String> = admins.iter().map(|a| metrics(*a)).collect();
         let hist0: Vec<_> = text0.iter().map(|t| step_buckets(t)).collect();
         let shed0: f64 = text0.iter().map(|t| picks_shed(t)).sum();
+        let (applied0, served0): (f64, u64) =
+            (text0.iter().map(|t| snapshots_applied(t)).sum(), served.load(std::sync::atomic::Ordering::Relaxed));
         let (cpu0, _) = usage(&pids);
         let machine0 = machine_cpu();
         let ingest = a.ingest;
         let churner = async {
             let t = Instant::now();
-            let (f, ops) = churn_apart(fleet_rt, fleet, ingest, stop_rx).await;
+            let (f, ops) = churn_apart(fleet_rt, fleet, ingest, a.resyncs, stop_rx).await;
             (f, ops as f64 / t.elapsed().as_secs_f64())
         };
         let load = async {
@@ -735,6 +764,8 @@ async fn over_grpc(
         let text1: Vec<String> = admins.iter().map(|a| metrics(*a)).collect();
         let hist1: Vec<_> = text1.iter().map(|t| step_buckets(t)).collect();
         let shed = text1.iter().map(|t| picks_shed(t)).sum::<f64>() - shed0;
+        let snapshots_served = served.load(std::sync::atomic::Ordering::Relaxed) - served0;
+        let snapshots_applied = text1.iter().map(|t| snapshots_applied(t)).sum::<f64>() - applied0;
         let worst = |h: usize, q: f64| {
             hist0.iter().zip(&hist1).filter_map(|(b, a)| bucket_quantile_ms(&b[h], &a[h], q)).reduce(f64::max)
         };
@@ -766,6 +797,7 @@ async fn over_grpc(
                 "secs": secs, "ingest_block_ops_per_s": ops_per_s.round(), "staleness_p99_ms": lag, "rss_mb": rss.round(),
                 "cpu_s_per_s": (cpu * 100.0).round() / 100.0, "machine_busy": machine_busy,
                 "ingest_hold_p99_ms": hold_p99_ms, "ingest_hold_p999_ms": hold_p999_ms,
+                "snapshots_served": snapshots_served, "snapshots_applied": snapshots_applied,
             }));
             continue;
         };
@@ -777,7 +809,7 @@ async fn over_grpc(
             _ => f64::NAN,
         };
         eprintln!(
-            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, {} resent whole, {shed} shed (by load), ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick ({pick_cpu:.0} beyond ingest)",
+            "{workers} workers, {replicas} replica(s), {mix} at {rate}/s: {pps:.0} answered/s, p50 {:.0} p99 {:.0} p999 {:.0} µs, {} failed, {} resent whole, {shed} shed (by load), {snapshots_applied} snapshots applied of {snapshots_served} served, ingest {ops_per_s:.0}/s, lag p99 {lag:?} ms, server-side Pick p99 {server_p99_ms:?} ms, ingest hold p99 {hold_p99_ms:?} p999 {hold_p999_ms:?} ms, machine busy {machine_busy}, CPU {cpu_per_pick:.0} µs/pick ({pick_cpu:.0} beyond ingest)",
             step.latency.quantile(0.5),
             step.latency.quantile(0.99),
             step.latency.quantile(0.999),
@@ -797,6 +829,7 @@ async fn over_grpc(
                 "cpu_s_per_s": ((cpu1 - cpu0) / step.secs * 100.0).round() / 100.0,
                 "server_pick_p99_ms": server_p99_ms,
                 "ingest_hold_p99_ms": hold_p99_ms, "ingest_hold_p999_ms": hold_p999_ms, "machine_busy": machine_busy,
+                "resyncs_per_s": a.resyncs, "snapshots_served": snapshots_served, "snapshots_applied": snapshots_applied,
             }),
         ));
         // Past saturation: the answered rate fell behind, or the tail left a second.
@@ -806,7 +839,7 @@ async fn over_grpc(
     }
     // Decision agreement, with the fleet churning and no other load.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let churner = churn_apart(fleet_rt, fleet, a.ingest, stop_rx);
+    let churner = churn_apart(fleet_rt, fleet, a.ingest, 0.0, stop_rx);
     let probe = async {
         let pair = (0, 1 % replicas);
         let c = load::agreement(&group, pair, true, mixes, 100, next_id).await;
@@ -825,6 +858,9 @@ async fn over_grpc(
         }));
     }
     beats.abort();
+    if let Some(s) = snapshots {
+        s.abort();
+    }
     drop(serves);
     drop(nats);
     (rows, agree)
