@@ -156,6 +156,7 @@ pub(crate) async fn nats_task(
         }
     };
     let (needs_tx, mut needs) = tokio::sync::mpsc::unbounded_channel();
+    let snapshot_slots = Arc::new(tokio::sync::Semaphore::new(SNAPSHOT_THREADS));
     // Without a thread (the system refused one) messages are applied here.
     let ingest = match spawn_ingest(app.clone(), needs_tx.clone()) {
         Ok(tx) => Some(tx),
@@ -183,7 +184,7 @@ pub(crate) async fn nats_task(
                 }
             }
             Some((model, worker)) = needs.recv() => {
-                tokio::spawn(snapshot_task(app.clone(), client.clone(), model, worker));
+                tokio::spawn(snapshot_task(app.clone(), client.clone(), model, worker, snapshot_slots.clone()));
             }
             _ = state_poll.tick() => {
                 let up = client.connection_state() == async_nats::connection::State::Connected;
@@ -254,32 +255,36 @@ fn by_model(events: impl Iterator<Item = (String, pb::InflightEvent)>) -> Vec<(S
     out
 }
 
+/// Snapshot chunks decoded, and snapshots applied, at once (on the
+/// blocking pool): a storm of resyncs (a control plane restarted before a
+/// fleet) takes this many threads, not one per worker.
+const SNAPSHOT_THREADS: usize = 2;
+
 /// Asks a relay for a snapshot and applies it; retries (bounded) while the
-/// result leaves the worker needing another one.
-async fn snapshot_task(app: Arc<App>, client: async_nats::Client, model: Arc<Model>, worker: String) {
+/// result leaves the worker needing another one. The chunks are decoded and
+/// applied on the blocking pool, `slots` ([`SNAPSHOT_THREADS`]) at a time:
+/// on this thread they kept the NATS connection's reader from the KV
+/// events behind them (docs/DECISIONS.md, "A snapshot is applied in pieces").
+async fn snapshot_task(
+    app: Arc<App>,
+    client: async_nats::Client,
+    model: Arc<Model>,
+    worker: String,
+    slots: Arc<tokio::sync::Semaphore>,
+) {
     let timeout = Duration::from_millis(app.config.snapshot_timeout_ms);
     for attempt in 0..4u32 {
         app.metrics.global.snapshot_requests.inc();
         let subject = app.subjects.snapshot(&model.name, &worker);
-        match fetch_snapshot(&client, subject, &app.config.replica_id, timeout).await {
+        match fetch_snapshot(&client, subject, &app.config.replica_id, timeout, &slots).await {
             Ok(chunks) => {
-                // In pieces, each under the locks alone, with Picks and
-                // ingest let in between (`kvgate_core::model::snapshot`).
-                let Some(mut pieces) = model.state.lock().begin_snapshot(&worker, &chunks, app.now_ms()) else {
-                    return;
-                };
-                loop {
-                    let piece = model.state.lock().snapshot_piece(&mut pieces, &chunks, PIECE_BLOCKS);
-                    match piece {
-                        Piece::More => tokio::task::yield_now().await,
-                        Piece::Done => break,
-                        Piece::Abandoned => return,
-                    }
-                }
-                let again = model.state.lock().finish_snapshot(pieces, app.now_ms());
-                tracing::debug!(model = %model.name, %worker, chunks = chunks.len(), "snapshot applied");
-                if again.is_none() {
-                    return;
+                let Ok(_slot) = slots.acquire().await else { return };
+                let (a, m, w) = (app.clone(), model.clone(), worker.clone());
+                let applied = tokio::task::spawn_blocking(move || apply_snapshot(&a, &m, &w, &chunks)).await;
+                tracing::debug!(model = %model.name, %worker, "snapshot applied");
+                match applied {
+                    Ok(Some(_again)) => {}
+                    Ok(None) | Err(_) => return,
                 }
             }
             Err(e) => {
@@ -293,12 +298,43 @@ async fn snapshot_task(app: Arc<App>, client: async_nats::Client, model: Arc<Mod
     }
 }
 
+/// Applies a worker's snapshot in pieces, each under the locks alone, with
+/// Picks and ingest let in between (`kvgate_core::model::snapshot`).
+/// Returns a new need when the batches held meanwhile do not continue it.
+fn apply_snapshot(
+    app: &App,
+    model: &Model,
+    worker: &str,
+    chunks: &[pb::SnapshotChunk],
+) -> Option<kvgate_core::model::Need> {
+    let mut pieces = model.state.lock().begin_snapshot(worker, chunks, app.now_ms())?;
+    loop {
+        let piece = model.state.lock().snapshot_piece(&mut pieces, chunks, PIECE_BLOCKS);
+        match piece {
+            Piece::More => std::thread::yield_now(),
+            Piece::Done => break,
+            Piece::Abandoned => return None,
+        }
+    }
+    model.state.lock().finish_snapshot(pieces, app.now_ms())
+}
+
+/// One snapshot chunk decoded on the blocking pool, holding one of `slots`.
+async fn decode_chunk(msg: async_nats::Message, slots: &tokio::sync::Semaphore) -> Result<pb::SnapshotChunk, String> {
+    let _slot = slots.acquire().await.map_err(|e| e.to_string())?;
+    tokio::task::spawn_blocking(move || pb::SnapshotChunk::decode(msg.payload.as_ref()).map_err(|e| e.to_string()))
+        .await
+        .map_err(|e| e.to_string())?
+}
+
 /// Sends a `SnapshotRequest` and collects every chunk of the reply.
-pub async fn fetch_snapshot(
+/// Each chunk is decoded on the blocking pool, holding one of `slots`.
+async fn fetch_snapshot(
     client: &async_nats::Client,
     subject: String,
     requester: &str,
     timeout: Duration,
+    slots: &tokio::sync::Semaphore,
 ) -> Result<Vec<pb::SnapshotChunk>, String> {
     let inbox = client.new_inbox();
     let mut sub = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
@@ -324,7 +360,7 @@ pub async fn fetch_snapshot(
                 format!("NATS status {status} instead of a snapshot chunk")
             });
         }
-        let c = pb::SnapshotChunk::decode(msg.payload.as_ref()).map_err(|e| format!("malformed chunk: {e}"))?;
+        let c = decode_chunk(msg, slots).await.map_err(|e| format!("malformed chunk: {e}"))?;
         let n = c.chunk_count.max(1) as usize;
         if chunks.is_empty() {
             chunks.resize_with(n, || None);

@@ -33,6 +33,7 @@ fn unix_nanos() -> u64 {
 }
 
 /// Where a held chain's tokens come from (for snapshots).
+#[derive(Clone)]
 enum Tokens {
     /// `n` blocks of random tokens from this seed.
     Seeded(u64),
@@ -41,6 +42,7 @@ enum Tokens {
 }
 
 /// A chain of blocks a fake relay holds: engine hashes `first..first + n`.
+#[derive(Clone)]
 struct Chain {
     first: u64,
     n: usize,
@@ -303,11 +305,15 @@ impl Fleet {
                 else {
                     continue;
                 };
-                let chunks = {
+                // What it holds, taken under the lock; its blocks made apart
+                // (a real relay is another machine: the churn goes on).
+                let held = {
                     let relays = relays.lock().expect("relays");
                     let Some(r) = relays.get(w) else { continue };
-                    snapshot(r, seq[w].load(Ordering::Acquire))
+                    let chains: Vec<Chain> = r.given.iter().chain(&r.chains).cloned().collect();
+                    (r.id.clone(), r.epoch, seq[w].load(Ordering::Acquire), chains)
                 };
+                let Ok(chunks) = tokio::task::spawn_blocking(move || snapshot(held)).await else { continue };
                 for c in chunks {
                     let _ = client.publish(reply.clone(), c.encode_to_vec().into()).await;
                 }
@@ -317,10 +323,10 @@ impl Fleet {
     }
 }
 
-/// Relay `r`'s snapshot as of `relay_seq`.
-fn snapshot(r: &Relay, relay_seq: u64) -> Vec<pb::SnapshotChunk> {
+/// A relay's snapshot: (worker id, relay epoch, relay_seq, chains held).
+fn snapshot((id, epoch, relay_seq, chains): (String, u64, u64, Vec<Chain>)) -> Vec<pb::SnapshotChunk> {
     let mut blocks = Vec::new();
-    for c in r.given.iter().chain(&r.chains) {
+    for c in &chains {
         let tokens = c.token_ids();
         for (i, t) in tokens.chunks_exact(BS).enumerate() {
             let h = c.first + i as u64;
@@ -345,7 +351,7 @@ fn snapshot(r: &Relay, relay_seq: u64) -> Vec<pb::SnapshotChunk> {
         out.push(pb::SnapshotChunk::default());
     }
     for c in &mut out {
-        (c.worker_id, c.model, c.relay_epoch, c.relay_seq) = (r.id.clone(), MODEL.into(), r.epoch, relay_seq);
+        (c.worker_id, c.model, c.relay_epoch, c.relay_seq) = (id.clone(), MODEL.into(), epoch, relay_seq);
         (c.block_size, c.chunk_count) = (BS as u32, count);
     }
     out

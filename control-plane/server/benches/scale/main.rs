@@ -68,6 +68,8 @@ struct Args {
     mixes: Vec<&'static str>,
     replicas: Vec<usize>,
     grpc: bool,
+    /// The in-process rows too.
+    in_process: bool,
     /// System prompts the DOKS conversations start from.
     system_prompts: usize,
     /// Snapshots per second the fleet makes the control plane ask for,
@@ -90,6 +92,7 @@ fn args() -> Args {
         mixes: MIXES.to_vec(),
         replicas: vec![1, 2, 4],
         grpc: true,
+        in_process: true,
         system_prompts: 10,
         resyncs: 0.0,
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/scale.json"),
@@ -114,6 +117,8 @@ fn args() -> Args {
             }
             // `--grpc false`: the in-process rows only (an A/B of the core).
             "--grpc" => a.grpc = val != "false",
+            // `--in-process false`: the gRPC rows only.
+            "--in-process" => a.in_process = val != "false",
             // `--system-prompts 1`: every DOKS conversation on one system
             // prompt, as behind one product (default 10).
             "--system-prompts" => a.system_prompts = val.parse().ok().filter(|n| *n > 0).unwrap_or(a.system_prompts),
@@ -498,7 +503,9 @@ fn main() {
     let mut rows = Vec::new();
     let mut agreements = Vec::new();
     for &workers in &a.workers {
-        rows.extend(in_process(&rt, &a, workers, &tk_dir, &mixes));
+        if a.in_process {
+            rows.extend(in_process(&rt, &a, workers, &tk_dir, &mixes));
+        }
         if !a.grpc {
             continue;
         }
