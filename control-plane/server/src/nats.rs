@@ -85,8 +85,8 @@ fn apply(app: &App, msg: &async_nats::Message, needs: &tokio::sync::mpsc::Unboun
 /// thread must not wait behind Picks on the gRPC runtime. There they did:
 /// 1,000 workers past saturation, the ingest thread stood idle 85–100 % of
 /// each second, handed 1–4 K of the 8.8 K messages a second (docs/DECISIONS.md
-/// "Picks give way to ingest"). Without a thread (the system refused one)
-/// it runs here. Ends when the task does.
+/// "Picks give way to ingest"). Without a thread or its runtime (the system
+/// refused one) it runs here. Ends when the task does.
 pub(crate) async fn nats_on_own_thread(
     app: Arc<App>,
     url: String,
@@ -97,11 +97,13 @@ pub(crate) async fn nats_on_own_thread(
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let theirs = slot.clone();
     let spawned = std::thread::Builder::new().name("kvgate-nats".into()).spawn(move || {
-        let args = theirs.lock().ok().and_then(|mut s| s.take());
-        let Some((app, url, rx, stop)) = args else { return };
         match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-            Ok(rt) => rt.block_on(nats_task(app, url, rx, stop)),
-            Err(e) => tracing::error!(error = %e, "no runtime for NATS; NATS messages are not received"),
+            Ok(rt) => {
+                if let Some((app, url, rx, stop)) = theirs.lock().ok().and_then(|mut s| s.take()) {
+                    rt.block_on(nats_task(app, url, rx, stop));
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "no runtime for the NATS thread; NATS runs on the gRPC runtime"),
         }
         let _ = done_tx.send(());
     });
@@ -109,13 +111,12 @@ pub(crate) async fn nats_on_own_thread(
         Ok(_) => {
             let _ = done_rx.await;
         }
-        Err(e) => {
-            tracing::error!(error = %e, "no NATS thread; NATS runs on the gRPC runtime");
-            let args = slot.lock().ok().and_then(|mut s| s.take());
-            if let Some((app, url, rx, stop)) = args {
-                nats_task(app, url, rx, stop).await;
-            }
-        }
+        Err(e) => tracing::error!(error = %e, "no NATS thread; NATS runs on the gRPC runtime"),
+    }
+    // The task is left here when the thread did not run it.
+    let args = slot.lock().ok().and_then(|mut s| s.take());
+    if let Some((app, url, rx, stop)) = args {
+        nats_task(app, url, rx, stop).await;
     }
 }
 
