@@ -3,7 +3,8 @@
 //!
 //! Most blocks are held by one or two workers, so those are packed inline
 //! into one `u64` ([`WorkerSet`]). Larger sets live in a side table
-//! ([`ManySets`]) as a sorted vector plus a *fingerprint*: the wrapping sum of
+//! ([`ManySets`]) as a sorted vector (up to [`INLINE`] members in the slot
+//! itself, more on the heap) plus a *fingerprint*: the wrapping sum of
 //! a 64-bit mix of each member. Two sets with the same length and fingerprint
 //! are taken to be equal (a false match needs a 64-bit collision of sums of
 //! independent mixes). This is what makes walking a long prefix that many
@@ -14,8 +15,17 @@
 //! member needs more than 30 bits is kept as a large set). Many: the side
 //! table's slot in bits 0–31.
 
+use smallvec::SmallVec;
+
 use crate::paged::Paged;
 use crate::types::WorkerIdx;
+
+/// Members of a large set kept in its slot (32 bytes with the
+/// fingerprint): reading or changing a set of three or four workers
+/// touches no heap memory and allocates nothing.
+pub(crate) const INLINE: usize = 4;
+
+type Members = SmallVec<[WorkerIdx; INLINE]>;
 
 /// A 64-bit mix of a worker index (splitmix64 finalizer), summed into fingerprints.
 #[inline]
@@ -30,10 +40,10 @@ pub(crate) fn member_fp(w: WorkerIdx) -> u64 {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Many {
     fp: u64,
-    members: Vec<WorkerIdx>,
+    members: Members,
 }
 
-static EMPTY: Many = Many { fp: 0, members: Vec::new() };
+static EMPTY: Many = Many { fp: 0, members: SmallVec::new_const() };
 
 const KIND_SHIFT: u32 = 62;
 const ONE: u64 = 0;
@@ -126,7 +136,7 @@ impl SetRef<'_> {
 }
 
 /// The sets of more than two members of one table, by slot; freed slots are
-/// reused.
+/// reused, with the heap room their members had.
 #[derive(Debug, Default)]
 pub(crate) struct ManySets {
     slots: Paged<Many>,
@@ -144,24 +154,29 @@ impl ManySets {
         }
     }
 
-    /// A slot holding `m`.
-    fn store(&mut self, m: Many) -> WorkerSet {
-        match self.free.pop() {
-            Some(slot) => {
-                if let Some(x) = self.slots.get_mut(slot as usize) {
-                    *x = m;
-                }
-                WorkerSet::many(slot)
-            }
-            None => WorkerSet::many(self.slots.push(m) as u32),
+    /// A slot holding `members` (sorted): a freed one, whose room is
+    /// reused, else a new one.
+    fn store(&mut self, members: &[WorkerIdx]) -> WorkerSet {
+        let fp = members.iter().fold(0u64, |s, m| s.wrapping_add(member_fp(*m)));
+        if let Some(slot) = self.free.pop()
+            && let Some(x) = self.slots.get_mut(slot as usize)
+        {
+            x.fp = fp;
+            x.members.clear();
+            x.members.extend_from_slice(members);
+            return WorkerSet::many(slot);
         }
+        WorkerSet::many(self.slots.push(Many { fp, members: SmallVec::from_slice(members) }) as u32)
     }
 
-    /// Frees the slot of `s` (a large set) and returns its members.
-    fn take(&mut self, s: WorkerSet) -> Many {
-        let m = self.slots.get_mut(s.low() as usize).map(std::mem::take).unwrap_or_default();
-        self.free.push(s.low());
-        m
+    /// Frees the slot of `s` (a large set), keeping its room for the next
+    /// set stored.
+    fn free(&mut self, s: WorkerSet) {
+        if let Some(m) = self.slots.get_mut(s.low() as usize) {
+            m.members.clear();
+            m.fp = 0;
+            self.free.push(s.low());
+        }
     }
 
     /// Adds `w` to `s`; returns false when it was already there.
@@ -174,7 +189,7 @@ impl ManySets {
                 let (a, b) = if a < w { (a, w) } else { (w, a) };
                 *s = match WorkerSet::two(a, b) {
                     Some(two) => two,
-                    None => self.store(Many { fp: member_fp(a).wrapping_add(member_fp(b)), members: vec![a, b] }),
+                    None => self.store(&[a, b]),
                 };
                 true
             }
@@ -182,10 +197,9 @@ impl ManySets {
                 if a == w || b == w {
                     return false;
                 }
-                let mut members = vec![a, b, w];
+                let mut members = [a, b, w];
                 members.sort_unstable();
-                let fp = members.iter().fold(0u64, |s, m| s.wrapping_add(member_fp(*m)));
-                *s = self.store(Many { fp, members });
+                *s = self.store(&members);
                 true
             }
             SetRef::Many(_) => {
@@ -225,16 +239,16 @@ impl ManySets {
                 m.fp = m.fp.wrapping_sub(member_fp(w));
                 match m.members[..] {
                     [] => {
-                        self.take(*s);
+                        self.free(*s);
                         return None;
                     }
                     [a] => {
-                        self.take(*s);
+                        self.free(*s);
                         *s = WorkerSet::one(a);
                     }
                     [a, b] => {
                         if let Some(two) = WorkerSet::two(a, b) {
-                            self.take(*s);
+                            self.free(*s);
                             *s = two;
                         }
                     }
@@ -245,11 +259,13 @@ impl ManySets {
         }
     }
 
-    /// Heap bytes owned by the large sets (for memory accounting).
+    /// Heap bytes owned by the large sets (for memory accounting), free
+    /// slots' room included.
     pub(crate) fn heap_bytes(&self) -> usize {
+        let spilled = |m: &Many| if m.members.spilled() { m.members.capacity() } else { 0 };
         self.slots.heap_bytes()
             + self.free.capacity() * std::mem::size_of::<u32>()
-            + self.slots.iter().map(|m| m.members.capacity() * std::mem::size_of::<WorkerIdx>()).sum::<usize>()
+            + self.slots.iter().map(|m| spilled(m) * std::mem::size_of::<WorkerIdx>()).sum::<usize>()
     }
 }
 
@@ -304,7 +320,8 @@ mod tests {
     }
 
     #[test]
-    fn a_set_is_eight_bytes() {
+    fn a_set_is_eight_bytes_and_a_large_one_thirty_two() {
         assert_eq!(std::mem::size_of::<WorkerSet>(), 8);
+        assert_eq!(std::mem::size_of::<Many>(), 32);
     }
 }
