@@ -130,6 +130,10 @@ fn model_rows(s: &mut Sheet, m: &Model, now: u64) {
             s.counter("kvgate_admission", help, l(&[("outcome", outcome)]), n);
         }
     }
+    for (state, n) in st.stream_states() {
+        let help = "Workers by the state of their KV event stream: synced, snapshotting (a snapshot asked for or being applied), unknown (the next message decides), static (configured, no relay).";
+        s.gauge("kvgate_worker_streams", help, l(&[("state", state)]), n);
+    }
     let (pinned, refused) = st.sessions();
     s.gauge("kvgate_sessions", "Sessions pinned to a worker (session affinity).", l(&[]), pinned as u64);
     s.counter("kvgate_sessions_refused", "Sessions not pinned because the table was full.", l(&[]), refused);

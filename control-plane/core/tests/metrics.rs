@@ -84,6 +84,9 @@ fn every_registered_family_has_help_a_type_and_samples() {
         assert!(fams.contains_key(family), "{family} missing in\n{text}");
     }
     assert!(text.contains("kvgate_engine_timing_observations_total{model=\"m\",kind=\"first_token\"} 1\n"), "{text}");
+    // The one configured worker has no relay: its stream is static.
+    assert!(text.contains("kvgate_worker_streams{model=\"m\",state=\"static\"} 1\n"), "{text}");
+    assert!(text.contains("kvgate_worker_streams{model=\"m\",state=\"synced\"} 0\n"), "{text}");
     for (name, (help, kind, samples)) in &fams {
         assert!(!help.trim().is_empty(), "{name} has no help");
         assert!(["counter", "gauge", "histogram"].contains(&kind.as_str()), "{name}: type {kind:?}");

@@ -2,7 +2,7 @@
 //!
 //! The control plane's network side around the synchronous core
 //! (`kvgate-core`): the gRPC `Router` service ([`grpc`]), NATS ingest,
-//! snapshots and replica sync ([`nats`]), the admin HTTP API ([`admin`]),
+//! snapshots (bounded, one per worker) and replica sync ([`nats`]), the admin HTTP API ([`admin`]),
 //! and the process that runs them with the endpoint picker (`kvgate-epp`)
 //! on the gRPC port ([`server`]). See `README.md` for the module map.
 #![warn(missing_docs)]
@@ -12,6 +12,7 @@ pub mod grpc;
 pub mod held;
 pub mod nats;
 pub mod server;
+mod snapshots;
 
 /// Generated tonic code of `kvgate.v1.Router` (checked in; `make proto`).
 #[allow(missing_docs, unreachable_pub, clippy::all)]

@@ -1,6 +1,6 @@
 //! The NATS adapter: one subscription on `<prefix>.>` fed to the core's
 //! [`App::on_nats_many`] on a thread of its own (the ingest thread),
-//! snapshot requests for the workers it names, and the replica-sync
+//! snapshot requests for the workers it names (`snapshots.rs`), and the replica-sync
 //! publisher (this replica's decisions for the others). The connection
 //! itself runs on another thread, with a one-thread runtime of its own
 //! (`nats_on_own_thread`).
@@ -17,10 +17,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{FutureExt as _, StreamExt as _};
-use kvgate_core::model::snapshot::{PIECE_BLOCKS, Piece};
 use kvgate_core::{App, Model, ReplicaSink};
 use kvgate_protocol::pb;
 use prost::Message as _;
+
+use crate::snapshots::Snapshots;
 
 /// The sending end of the replica-sync queue.
 #[derive(Debug)]
@@ -157,7 +158,7 @@ pub(crate) async fn nats_task(
         }
     };
     let (needs_tx, mut needs) = tokio::sync::mpsc::unbounded_channel();
-    let snapshot_slots = Arc::new(tokio::sync::Semaphore::new(SNAPSHOT_THREADS));
+    let snapshots = Snapshots::new(app.clone(), client.clone());
     // Without a thread (the system refused one) messages are applied here.
     let ingest = match spawn_ingest(app.clone(), needs_tx.clone()) {
         Ok(tx) => Some(tx),
@@ -184,9 +185,7 @@ pub(crate) async fn nats_task(
                     None => apply(&app, &msg, &needs_tx),
                 }
             }
-            Some((model, worker)) = needs.recv() => {
-                tokio::spawn(snapshot_task(app.clone(), client.clone(), model, worker, snapshot_slots.clone()));
-            }
+            Some((model, worker)) = needs.recv() => snapshots.need(model, worker),
             _ = state_poll.tick() => {
                 let up = client.connection_state() == async_nats::connection::State::Connected;
                 app.set_nats_connected(up);
@@ -254,131 +253,6 @@ fn by_model(events: impl Iterator<Item = (String, pb::InflightEvent)>) -> Vec<(S
         }
     }
     out
-}
-
-/// Snapshot chunks decoded, and snapshots applied, at once (on the
-/// blocking pool): a storm of resyncs (a control plane restarted before a
-/// fleet) takes this many threads, not one per worker.
-const SNAPSHOT_THREADS: usize = 2;
-
-/// Asks a relay for a snapshot and applies it; retries (bounded) while the
-/// result leaves the worker needing another one. The chunks are decoded and
-/// applied on the blocking pool, `slots` ([`SNAPSHOT_THREADS`]) at a time:
-/// on this thread they kept the NATS connection's reader from the KV
-/// events behind them (docs/DECISIONS.md, "A snapshot is applied in pieces").
-async fn snapshot_task(
-    app: Arc<App>,
-    client: async_nats::Client,
-    model: Arc<Model>,
-    worker: String,
-    slots: Arc<tokio::sync::Semaphore>,
-) {
-    let timeout = Duration::from_millis(app.config.snapshot_timeout_ms);
-    for attempt in 0..4u32 {
-        app.metrics.global.snapshot_requests.inc();
-        let subject = app.subjects.snapshot(&model.name, &worker);
-        match fetch_snapshot(&client, subject, &app.config.replica_id, timeout, &slots).await {
-            Ok(chunks) => {
-                let Ok(_slot) = slots.acquire().await else { return };
-                let (a, m, w) = (app.clone(), model.clone(), worker.clone());
-                let applied = tokio::task::spawn_blocking(move || apply_snapshot(&a, &m, &w, &chunks)).await;
-                tracing::debug!(model = %model.name, %worker, "snapshot applied");
-                match applied {
-                    Ok(Some(_again)) => {}
-                    Ok(None) | Err(_) => return,
-                }
-            }
-            Err(e) => {
-                app.metrics.global.snapshot_failures.inc();
-                tracing::warn!(model = %model.name, %worker, error = %e, "snapshot failed");
-                model.state.lock().snapshot_failed(&worker);
-                return;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-    }
-}
-
-/// Applies a worker's snapshot in pieces, each under the locks alone, with
-/// Picks and ingest let in between (`kvgate_core::model::snapshot`).
-/// Returns a new need when the batches held meanwhile do not continue it.
-fn apply_snapshot(
-    app: &App,
-    model: &Model,
-    worker: &str,
-    chunks: &[pb::SnapshotChunk],
-) -> Option<kvgate_core::model::Need> {
-    let mut pieces = model.state.lock().begin_snapshot(worker, chunks, app.now_ms())?;
-    loop {
-        let piece = model.state.lock().snapshot_piece(&mut pieces, chunks, PIECE_BLOCKS);
-        match piece {
-            Piece::More => std::thread::yield_now(),
-            Piece::Done => break,
-            Piece::Abandoned => return None,
-        }
-    }
-    model.state.lock().finish_snapshot(pieces, app.now_ms())
-}
-
-/// One snapshot chunk decoded on the blocking pool, holding one of `slots`.
-async fn decode_chunk(msg: async_nats::Message, slots: &tokio::sync::Semaphore) -> Result<pb::SnapshotChunk, String> {
-    let _slot = slots.acquire().await.map_err(|e| e.to_string())?;
-    tokio::task::spawn_blocking(move || pb::SnapshotChunk::decode(msg.payload.as_ref()).map_err(|e| e.to_string()))
-        .await
-        .map_err(|e| e.to_string())?
-}
-
-/// Sends a `SnapshotRequest` and collects every chunk of the reply.
-/// Each chunk is decoded on the blocking pool, holding one of `slots`.
-async fn fetch_snapshot(
-    client: &async_nats::Client,
-    subject: String,
-    requester: &str,
-    timeout: Duration,
-    slots: &tokio::sync::Semaphore,
-) -> Result<Vec<pb::SnapshotChunk>, String> {
-    let inbox = client.new_inbox();
-    let mut sub = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
-    let req = pb::SnapshotRequest { requester: requester.to_owned(), max_chunk_bytes: 0 };
-    client.publish_with_reply(subject, inbox, req.encode_to_vec().into()).await.map_err(|e| e.to_string())?;
-    client.flush().await.map_err(|e| e.to_string())?;
-    let deadline = tokio::time::Instant::now() + timeout;
-    let mut chunks: Vec<Option<pb::SnapshotChunk>> = Vec::new();
-    let mut got = 0usize;
-    loop {
-        let msg = tokio::time::timeout_at(deadline, sub.next())
-            .await
-            .map_err(|_| format!("timed out after {} of {} chunks", got, chunks.len().max(1)))?
-            .ok_or("subscription closed")?;
-        // A status instead of a reply: "no responders" (no relay serves the
-        // worker's snapshot subject) or another NATS status. Its empty
-        // payload would decode as an empty snapshot and clear the worker's
-        // blocks.
-        if let Some(status) = msg.status {
-            return Err(if status == async_nats::StatusCode::NO_RESPONDERS {
-                "no relay answered (no responders)".to_owned()
-            } else {
-                format!("NATS status {status} instead of a snapshot chunk")
-            });
-        }
-        let c = decode_chunk(msg, slots).await.map_err(|e| format!("malformed chunk: {e}"))?;
-        let n = c.chunk_count.max(1) as usize;
-        if chunks.is_empty() {
-            chunks.resize_with(n, || None);
-        }
-        if n != chunks.len() || c.chunk_index as usize >= n {
-            return Err("inconsistent chunk numbering".into());
-        }
-        let i = c.chunk_index as usize;
-        if chunks[i].is_none() {
-            got += 1;
-        }
-        chunks[i] = Some(c);
-        if got == n {
-            let _ = sub.unsubscribe().await;
-            return Ok(chunks.into_iter().flatten().collect());
-        }
-    }
 }
 
 /// Largest in-flight batch published, in encoded event bytes: well under

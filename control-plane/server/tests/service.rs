@@ -360,3 +360,93 @@ async fn a_saturated_fleet_holds_picks_until_a_slot_frees_then_refuses() {
     hb.abort();
     handle.stop().await.unwrap();
 }
+
+/// A control plane started in front of a live fleet needs every worker's
+/// snapshot at once. The relays here answer one snapshot at a time, 150 ms
+/// each (answers slower than asked, as in a storm at fleet scale). Before
+/// snapshots were bounded, all 32 were asked at once: the later answers
+/// came after the 2 s timeout, each timeout asked again, and the relays
+/// answered requests nobody waited for. Now at most four are asked at
+/// once, a waiting worker does not time out, and each is asked once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_storm_asks_each_worker_once_and_a_few_at_a_time() {
+    use futures_util::StreamExt as _;
+    use kvgate_protocol::subject::{SubjectKind, Subjects};
+    use prost::Message as _;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const WORKERS: usize = 32;
+    let dir = kvgate_testkit::scratch_dir("cp-restart-storm").unwrap();
+    let nats = NatsServer::start(&dir).unwrap();
+    let mut relays = Vec::new();
+    for w in 0..WORKERS {
+        let mut r =
+            TestRelay::start(nats.port, &format!("w{w}"), &format!("127.0.0.1:{}", 9000 + w), 40 + w as u64).await;
+        // Published before any control plane runs.
+        r.store(&prompt((4 + w % 3) * BS as usize, w as u32)).await;
+        r.stop_answering_snapshots().await;
+        relays.push(Arc::new(Mutex::new(r)));
+    }
+    let cores: std::collections::HashMap<String, _> = futures_util::future::join_all(relays.iter().map(|r| async {
+        let r = r.lock().await;
+        (r.id.clone(), r.core.clone())
+    }))
+    .await
+    .into_iter()
+    .collect();
+    // The fleet's answers: one at a time, 150 ms each; how many requests
+    // were waiting for theirs at most.
+    let (outstanding, most, asked) =
+        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let answering = Arc::new(Mutex::new(()));
+    let nc = async_nats::connect(format!("127.0.0.1:{}", nats.port)).await.unwrap();
+    let mut requests = nc.subscribe(Subjects::default().model(SubjectKind::Snapshot, MODEL)).await.unwrap();
+    nc.flush().await.unwrap();
+    let (o2, m2, a2) = (outstanding.clone(), most.clone(), asked.clone());
+    let responder = tokio::spawn(async move {
+        while let Some(req) = requests.next().await {
+            let Some(reply) = req.reply else { continue };
+            let Some(core) = Subjects::default()
+                .parse(&req.subject)
+                .ok()
+                .and_then(|p| p.worker)
+                .and_then(|w| cores.get(&w).cloned())
+            else {
+                continue;
+            };
+            a2.fetch_add(1, Ordering::SeqCst);
+            let now = o2.fetch_add(1, Ordering::SeqCst) + 1;
+            m2.fetch_max(now, Ordering::SeqCst);
+            let (nc, o3, turn) = (nc.clone(), o2.clone(), answering.clone());
+            tokio::spawn(async move {
+                let _turn = turn.lock().await;
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                let chunks = core.lock().await.snapshot(BS, 4096);
+                // Answered from here: the control plane may ask its next
+                // one as soon as these arrive.
+                o3.fetch_sub(1, Ordering::SeqCst);
+                for c in chunks {
+                    let _ = nc.publish(reply.clone(), c.encode_to_vec().into()).await;
+                }
+                let _ = nc.flush().await;
+            });
+        }
+    });
+    let hb = heartbeats(relays.clone());
+    let mut raw = raw_config(nats.port, "kv", "cp-storm");
+    raw.snapshot_timeout_ms = Some(2000);
+    let (_bound, app, handle) = kvgate_server::spawn(kvgate_server::Config::validate(raw).unwrap()).await.unwrap();
+    until(60, "every worker synced from its snapshot", || async {
+        (0..WORKERS).all(|w| worker_blocks(&app, &format!("w{w}")) == (4 + w % 3) as u64)
+    })
+    .await;
+    let m = app.render_metrics();
+    assert_eq!(metric(&m, "kvgate_snapshot_failures_total"), 0.0, "{m}");
+    assert_eq!(metric(&m, "kvgate_snapshot_requests_total"), WORKERS as f64, "each worker asked once: {m}");
+    assert_eq!(asked.load(Ordering::SeqCst), WORKERS);
+    assert_eq!(metric(&m, &format!("kvgate_worker_streams{{model=\"{MODEL}\",state=\"synced\"}}")), WORKERS as f64);
+    let most = most.load(Ordering::SeqCst);
+    assert!((2..=4).contains(&most), "at most four asked at once, and more than one: {most}");
+    hb.abort();
+    responder.abort();
+    handle.stop().await.unwrap();
+}

@@ -16,6 +16,9 @@ pub struct ModelCounters {
     /// Batches dropped because the held batches overflowed (a snapshot is
     /// redone).
     pub batches_dropped: u64,
+    /// Held batches dropped because the snapshot about to be asked for
+    /// covers them (received before its request was sent).
+    pub batches_covered: u64,
     /// Events that carried no event (protobuf `oneof` empty).
     pub events_empty: u64,
     /// Gaps in a worker's `relay_seq` that needed a snapshot.
@@ -96,13 +99,14 @@ pub enum Family {
 
 impl ModelCounters {
     /// Every counter as (family, label value, value).
-    pub fn by_kind(&self) -> [(Family, &'static str, u64); 31] {
+    pub fn by_kind(&self) -> [(Family, &'static str, u64); 32] {
         use Family::*;
         let Self {
             batches_applied,
             batches_duplicate,
             batches_buffered,
             batches_dropped,
+            batches_covered,
             events_empty,
             gaps,
             epoch_changes,
@@ -136,6 +140,7 @@ impl ModelCounters {
             (Batches, "duplicate", batches_duplicate),
             (Batches, "buffered", batches_buffered),
             (Batches, "dropped", batches_dropped),
+            (Batches, "covered", batches_covered),
             (EventsSkipped, "empty", events_empty),
             (ModelEvents, "gap", gaps),
             (ModelEvents, "epoch_change", epoch_changes),

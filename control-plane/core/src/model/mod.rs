@@ -429,6 +429,35 @@ impl ModelState {
         if resync { self.start_snapshot(id, now_ms, None) } else { None }
     }
 
+    /// The snapshot of worker `id` is about to be asked for, or waits its
+    /// turn (`StreamSync::snapshot_asking`): the batches held for it are
+    /// dropped (its answer covers them) and its timeout restarts. False
+    /// when no snapshot of `id` is wanted any more.
+    pub fn snapshot_asking(&mut self, id: &str, now_ms: u64) -> bool {
+        let Some(n) = self.workers.get_mut(id).and_then(|w| w.sync.snapshot_asking(now_ms)) else { return false };
+        self.counters.batches_covered += n as u64;
+        true
+    }
+
+    /// Whether worker `id` wants a snapshot (one asked for, waiting its
+    /// turn or being applied).
+    pub fn wants_snapshot(&self, id: &str) -> bool {
+        self.workers.get(id).is_some_and(|w| w.sync.wants_snapshot())
+    }
+
+    /// How many workers' event streams are in each state (synced,
+    /// snapshotting, unknown, static): how far a resync storm has come.
+    pub fn stream_states(&self) -> [(&'static str, u64); 4] {
+        let mut out = [("synced", 0), ("snapshotting", 0), ("unknown", 0), ("static", 0)];
+        for w in self.workers.values() {
+            let name = w.sync.state_name();
+            if let Some(n) = out.iter_mut().find(|(k, _)| *k == name) {
+                n.1 += 1;
+            }
+        }
+        out
+    }
+
     /// Workers whose snapshot started before `now_ms - timeout_ms` (the
     /// adapter gave up on them).
     pub fn stale_snapshots(&self, now_ms: u64, timeout_ms: u64) -> Vec<String> {

@@ -10,6 +10,7 @@
 //! Synced  ──gap, new relay epoch, heartbeat ahead of seq──▶ Snapshotting
 //! Snapshotting ──snapshot (epoch, seq)──▶ Synced(epoch, seq), held batches accepted in order
 //! any ──snapshot claimed for applying (ticket)──▶ Snapshotting (a new ticket; one applying under an older ticket stops)
+//! Snapshotting ──about to be asked for (or waiting its turn)──▶ Snapshotting, held batches dropped (the snapshot covers them), clock restarted
 //! Snapshotting ──failed / timed out──▶ Unknown (retried on the next message)
 //! Snapshotting ──more than MAX_HELD batches──▶ Snapshotting afresh (the one under way is too old)
 //! ```
@@ -141,6 +142,23 @@ impl StreamSync {
         }
     }
 
+    /// The snapshot under way is about to be asked for, or waits its turn
+    /// to be: every batch held so far reached this side before the request
+    /// will, so the relay's answer covers it, and it is dropped; the
+    /// snapshot's clock (its timeout) restarts. Returns how many batches
+    /// were dropped (`None`: no snapshot under way).
+    pub fn snapshot_asking(&mut self, now_ms: u64) -> Option<usize> {
+        match self {
+            Self::Snapshotting { held, started_ms, .. } => {
+                let n = held.len();
+                held.clear();
+                *started_ms = now_ms;
+                Some(n)
+            }
+            _ => None,
+        }
+    }
+
     /// The snapshot at `(epoch, seq)` was applied: synced there. Returns the
     /// held batches, to be passed to [`StreamSync::accept`] in order.
     pub fn snapshot_applied(&mut self, epoch: u64, seq: u64) -> Vec<pb::KvEventBatch> {
@@ -161,6 +179,11 @@ impl StreamSync {
         }
     }
 
+    /// A snapshot is wanted (asked for, waiting its turn or being applied).
+    pub fn wants_snapshot(&self) -> bool {
+        matches!(self, Self::Snapshotting { .. })
+    }
+
     /// The snapshot under way was asked for before `now_ms - timeout_ms`.
     pub fn snapshot_stale(&self, now_ms: u64, timeout_ms: u64) -> bool {
         matches!(self, Self::Snapshotting { started_ms, .. } if now_ms.saturating_sub(*started_ms) > timeout_ms)
@@ -169,6 +192,16 @@ impl StreamSync {
     /// A configured worker without a relay.
     pub fn is_static(&self) -> bool {
         matches!(self, Self::Static)
+    }
+
+    /// The state's name, a label of `kvgate_worker_streams`.
+    pub fn state_name(&self) -> &'static str {
+        match self {
+            Self::Unknown => "unknown",
+            Self::Snapshotting { .. } => "snapshotting",
+            Self::Synced { .. } => "synced",
+            Self::Static => "static",
+        }
     }
 
     /// For the admin view.
@@ -275,6 +308,29 @@ mod tests {
         let verdicts: Vec<V> = held.into_iter().map(|b| verdict(s.accept(b))).collect();
         assert_eq!(verdicts, [V::Duplicate, V::Duplicate, V::Apply, V::Resync(Resync::Gap)]);
         assert_eq!(synced(&s), Some((1, 7)));
+    }
+
+    #[test]
+    fn asking_drops_what_the_snapshot_covers_and_restarts_its_clock() {
+        let mut s = StreamSync::Unknown;
+        assert_eq!(s.snapshot_asking(5), None, "no snapshot wanted");
+        assert!(!s.wants_snapshot());
+        s.start_snapshot(0, Some(batch(1, 5)), 1);
+        assert_eq!(s.accept(batch(1, 6)), Accept::Held);
+        assert!(s.snapshot_stale(100, 50));
+        // Asked at 100: the two batches arrived before the request, so the
+        // relay's answer holds them; the timeout counts from 100.
+        assert_eq!(s.snapshot_asking(100), Some(2));
+        assert!(s.wants_snapshot());
+        assert!(!s.snapshot_stale(140, 50));
+        assert!(s.snapshot_stale(151, 50));
+        // Held from now on, and accepted after the snapshot as before.
+        assert_eq!(s.accept(batch(1, 8)), Accept::Held);
+        let held = s.snapshot_applied(1, 7);
+        let verdicts: Vec<V> = held.into_iter().map(|b| verdict(s.accept(b))).collect();
+        assert_eq!(verdicts, [V::Apply]);
+        assert_eq!(synced(&s), Some((1, 8)));
+        assert!(!s.wants_snapshot());
     }
 
     #[test]

@@ -17,6 +17,13 @@
 //! plane in this process fed the same messages (`path: in_process`,
 //! sequential Picks, no ingest running).
 //!
+//! After one replica's steps, the control plane is restarted in front of
+//! the live fleet, as in a deploy (`--restart`, seconds allowed, default
+//! 240; 0 skips it): every worker resyncs from a snapshot at once, with
+//! the fleet churning on. Its row (`mix: restart`): seconds until every
+//! worker's stream is synced, snapshot requests (beyond one per worker:
+//! asked again), failures, peak RSS, and a timeline.
+//!
 //! Then the same fleet and the DOKS new-turn ladder with 2 and 4
 //! control-plane replicas (`--replicas`), each request sent to the replica
 //! its conversation hashes to: capacity within p99 bounds, and how often
@@ -75,6 +82,10 @@ struct Args {
     /// Snapshots per second the fleet makes the control plane ask for,
     /// during the steps (a skipped `relay_seq` of a random worker each).
     resyncs: f64,
+    /// After the steps of one replica: the control plane restarted in
+    /// front of the live fleet, up to this many seconds for every worker
+    /// to be resynced (0: not run).
+    restart_secs: f64,
     out: PathBuf,
 }
 
@@ -95,6 +106,7 @@ fn args() -> Args {
         in_process: true,
         system_prompts: 10,
         resyncs: 0.0,
+        restart_secs: 240.0,
         out: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/scale.json"),
     };
     let v: Vec<String> = std::env::args().skip(1).filter(|x| x != "--bench").collect();
@@ -125,6 +137,11 @@ fn args() -> Args {
             // `--resyncs 10`: ten workers a second skip a `relay_seq`, and
             // the control plane resyncs each from a snapshot (default 0).
             "--resyncs" => a.resyncs = val.parse().ok().filter(|r: &f64| *r >= 0.0).unwrap_or(a.resyncs),
+            // `--restart 240` (the default): after one replica's steps, the
+            // control plane is restarted in front of the live fleet (every
+            // worker then resyncs from a snapshot); up to 240 s for all to
+            // be synced. `--restart 0` skips it.
+            "--restart" => a.restart_secs = val.parse().ok().filter(|r: &f64| *r >= 0.0).unwrap_or(a.restart_secs),
             "--mixes" => a.mixes = MIXES.iter().copied().filter(|m| val.split(',').any(|x| x == *m)).collect(),
             // Relative to the repository (cargo runs benches in the crate's directory).
             "--out" => a.out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(val),
@@ -341,6 +358,91 @@ async fn churn_apart(
     .expect("the fleet's churn ended")
 }
 
+/// The sum of the samples of `name` whose labels contain `label` ("" for all).
+fn sample_sum(text: &str, name: &str, label: &str) -> f64 {
+    kvgate_testkit::prom::samples(text).filter(|s| s.name == name && s.labels.contains(label)).map(|s| s.value).sum()
+}
+
+/// `--restart`: a control plane started in front of the live fleet (the
+/// one before it stopped), as after a deploy. It knows no worker; each
+/// worker's first heartbeat names a relay ahead of it, so every worker is
+/// resynced from a snapshot at once, with the fleet churning on. Polls
+/// its metrics until every worker's stream is synced (or
+/// `a.restart_secs`): the time that took, the snapshot requests sent
+/// (beyond one per worker: asked again), failed and applied, the
+/// snapshots the fleet served, the largest RSS, and whether the NATS
+/// connection dropped.
+async fn restart(
+    a: &Args,
+    fleet_rt: &tokio::runtime::Handle,
+    fleet: Fleet,
+    workers: usize,
+    start: impl FnOnce() -> (kvgate_testkit::Proc, kvgate_testkit::ServeAddrs),
+    served: &std::sync::atomic::AtomicU64,
+) -> (Fleet, Value) {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let churner = churn_apart(fleet_rt, fleet, a.ingest, 0.0, stop_rx);
+    let watch = async {
+        let served0 = served.load(std::sync::atomic::Ordering::Relaxed);
+        let t = Instant::now();
+        let (serve, addrs) = start();
+        let pid = serve.pid();
+        let (mut peak_rss, mut disconnected, mut last) = (0.0f64, false, String::new());
+        let mut timeline = Vec::new();
+        let mut all_synced = None;
+        let mut next_point = 0.0;
+        while t.elapsed().as_secs_f64() < a.restart_secs {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let text = tokio::task::spawn_blocking(move || metrics(addrs.admin)).await.unwrap_or_default();
+            let rss = proc_usage(pid).1;
+            peak_rss = peak_rss.max(rss);
+            let secs = t.elapsed().as_secs_f64();
+            let synced = sample_sum(&text, "kvgate_worker_streams", "\"synced\"");
+            // Connected once, then not: the connection dropped.
+            if sample_sum(&text, "kvgate_nats_connected", "") < 1.0 && !last.is_empty() {
+                disconnected = true;
+            }
+            if secs >= next_point {
+                timeline.push(json!({
+                    "s": (secs * 10.0).round() / 10.0, "synced": synced,
+                    "snapshotting": sample_sum(&text, "kvgate_worker_streams", "\"snapshotting\""),
+                    "requests": sample_sum(&text, "kvgate_snapshot_requests_total", ""),
+                    "rss_mb": rss.round(),
+                }));
+                next_point = secs.floor() + 1.0;
+            }
+            if !text.is_empty() {
+                last = text;
+            }
+            if synced >= workers as f64 {
+                all_synced = Some(secs);
+                break;
+            }
+        }
+        let _ = stop_tx.send(true);
+        let requests = sample_sum(&last, "kvgate_snapshot_requests_total", "");
+        let failures = sample_sum(&last, "kvgate_snapshot_failures_total", "");
+        let applied = snapshots_applied(&last);
+        let synced = sample_sum(&last, "kvgate_worker_streams", "\"synced\"");
+        let abandoned = sample_sum(&last, "kvgate_model_events_total", "\"snapshot_abandoned\"");
+        let served = served.load(std::sync::atomic::Ordering::Relaxed) - served0;
+        eprintln!(
+            "{workers} workers, control plane restarted: all synced after {all_synced:?} s ({synced} synced at the end), {requests} snapshot requests ({failures} failed), {applied} applied, {abandoned} abandoned, {served} served, peak RSS {peak_rss:.0} MB, NATS dropped: {disconnected}"
+        );
+        drop(serve);
+        json!({
+            "workers": workers, "path": "grpc", "mix": "restart", "replicas": 1,
+            "secs_to_all_synced": all_synced.map(|s| (s * 10.0).round() / 10.0), "limit_secs": a.restart_secs,
+            "synced_at_end": synced, "snapshot_requests": requests, "snapshot_failures": failures,
+            "snapshots_applied": applied, "snapshots_abandoned": abandoned, "snapshots_served": served,
+            "peak_rss_mb": peak_rss.round(), "nats_dropped": disconnected,
+            "ingest_offered_block_ops_per_s": a.ingest, "timeline": timeline,
+        })
+    };
+    let ((fleet, _), row) = tokio::join!(churner, watch);
+    (fleet, row)
+}
+
 fn row(workers: usize, replicas: usize, path: &str, mix: &str, lat: &Samples, extra: Value) -> Value {
     let mut r = json!({
         "workers": workers, "path": path, "mix": mix, "replicas": replicas,
@@ -535,6 +637,7 @@ fn main() {
         "elided": a.elide,
         "doks_system_prompts": a.system_prompts,
         "resyncs_per_s": a.resyncs,
+        "restart": "rows with mix restart: after one replica's steps, the control plane process is stopped and a new one started on the same NATS in front of the live fleet (churning at ingest_offered_block_ops_per_s, heartbeats every second); it knows no worker, so every worker's first heartbeat calls for a snapshot, which the fake fleet serves one at a time. secs_to_all_synced: from the new process's start until kvgate_worker_streams{state=synced} counts every worker (null: not within limit_secs); snapshot_requests / snapshot_failures / snapshots_applied / snapshots_abandoned from its metrics, snapshots_served by the fleet; peak_rss_mb over 250 ms polls; timeline: one point a second",
         "resyncs": "with resyncs_per_s > 0, during every step the fleet skips one relay_seq of that many random workers a second; the control plane asks each for a snapshot, which its fake relay serves (what the worker holds as of its last batch, in chunks of 4,096 blocks): snapshots_served / snapshots_applied per step",
         "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency and in `resent`, and its elided hashes are forgotten, as the filter does; each control plane started begins with an empty table); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
         "replica_capacity": capacity,
@@ -600,8 +703,7 @@ async fn over_grpc(
     let dir = kvgate_testkit::scratch_dir(&format!("bench-scale-{workers}-{replicas}")).expect("scratch dir");
     let nats = kvgate_testkit::NatsServer::start(&dir).expect("nats-server");
     let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-    let mut serves = Vec::new();
-    for r in 0..replicas {
+    let serve_cmd = |r: usize| {
         let mut cmd = std::process::Command::new(kvgate_bin());
         cmd.args([
             "serve",
@@ -617,7 +719,11 @@ async fn over_grpc(
         .arg("--tokenizer-dir")
         .arg(tk_dir)
         .args(["--nats-url", &nats_url, "--listen-grpc", "127.0.0.1:0", "--listen-admin", "127.0.0.1:0"]);
-        serves.push(kvgate_testkit::spawn_serve(&format!("serve-{r}"), cmd, &dir).expect("kvgate serve"));
+        cmd
+    };
+    let mut serves = Vec::new();
+    for r in 0..replicas {
+        serves.push(kvgate_testkit::spawn_serve(&format!("serve-{r}"), serve_cmd(r), &dir).expect("kvgate serve"));
     }
     let pids: Vec<u32> = serves.iter().map(|(p, _)| p.pid()).collect();
     let admins: Arc<Vec<std::net::SocketAddr>> = Arc::new(serves.iter().map(|(_, a)| a.admin).collect());
@@ -854,7 +960,7 @@ async fn over_grpc(
         let _ = stop_tx.send(true);
         (c, s)
     };
-    let (_, (conc, seq)) = tokio::join!(churner, probe);
+    let ((mut fleet, _), (conc, seq)) = tokio::join!(churner, probe);
     let share = |x: u64, n: u64| if n > 0 { (x as f64 / n as f64 * 1000.0).round() / 1000.0 } else { f64::NAN };
     let mut agree = Vec::new();
     for (schedule, g) in [("concurrent", conc), ("sequential", seq)] {
@@ -864,6 +970,22 @@ async fn over_grpc(
             "same_worker": share(g.same_worker, g.pairs), "same_matched_blocks": share(g.same_matched, g.pairs),
         }));
     }
+    if a.restart_secs > 0.0 && replicas == 1 {
+        drop(group);
+        serves.clear();
+        let (f, row) = restart(
+            a,
+            fleet_rt,
+            fleet,
+            workers,
+            || kvgate_testkit::spawn_serve("serve-restarted", serve_cmd(0), &dir).expect("kvgate serve"),
+            &served,
+        )
+        .await;
+        fleet = f;
+        rows.push(row);
+    }
+    drop(fleet);
     beats.abort();
     if let Some(s) = snapshots {
         s.abort();
