@@ -1,7 +1,7 @@
 //! Workers' snapshots, asked of their relays over NATS request-reply:
 //! at most [`FETCHES`] asked at once, one task per worker, each snapshot
-//! decoded and applied on the blocking pool ([`THREADS`] at a time), in
-//! pieces of [`PIECE_BLOCKS`] blocks under the model's lock.
+//! decoded and applied on the blocking pool ([`threads`] at a time: half
+//! the cores), in pieces of [`PIECE_BLOCKS`] blocks under the model's lock.
 //!
 //! Why bounded: a control plane started in front of a live fleet (a
 //! deploy) needs every worker's snapshot at once. Asked all at once, the
@@ -33,8 +33,14 @@ use prost::Message as _;
 pub(crate) const FETCHES: usize = 4;
 
 /// Snapshot chunks decoded, and snapshots applied, at once (on the
-/// blocking pool): not one thread per worker in a storm.
-pub(crate) const THREADS: usize = 2;
+/// blocking pool): half the cores (at least one, at most [`FETCHES`]), so
+/// that a storm of resyncs leaves the other half to Picks and ingest. On 2
+/// cores, one thread against two made a 1,000-worker restart storm take
+/// 12 % longer and the Pick p99 during it 37–48 % lower (docs/DECISIONS.md,
+/// "A restart storm").
+pub(crate) fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, FETCHES))
+}
 
 /// Rounds one task runs back to back for its worker (a newer need came
 /// while it fetched, or the batches held meanwhile did not continue the
@@ -57,7 +63,7 @@ impl Snapshots {
             app,
             client,
             fetches: tokio::sync::Semaphore::new(FETCHES),
-            threads: tokio::sync::Semaphore::new(THREADS),
+            threads: tokio::sync::Semaphore::new(threads()),
             pending: Mutex::new(HashSet::new()),
         })
     }

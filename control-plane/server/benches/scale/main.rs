@@ -372,6 +372,7 @@ fn sample_sum(text: &str, name: &str, label: &str) -> f64 {
 /// (beyond one per worker: asked again), failed and applied, the
 /// snapshots the fleet served, the largest RSS, and whether the NATS
 /// connection dropped.
+#[allow(clippy::too_many_arguments)]
 async fn restart(
     a: &Args,
     fleet_rt: &tokio::runtime::Handle,
@@ -379,14 +380,33 @@ async fn restart(
     workers: usize,
     start: impl FnOnce() -> (kvgate_testkit::Proc, kvgate_testkit::ServeAddrs),
     served: &std::sync::atomic::AtomicU64,
+    mixes: &Arc<Mixes>,
+    first_id: u64,
 ) -> (Fleet, Value) {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let churner = churn_apart(fleet_rt, fleet, a.ingest, 0.0, stop_rx);
+    // DOKS new turns at this rate through the first RESTART_PICK_SECS.
+    const RESTART_PICK_RATE: f64 = 500.0;
+    const RESTART_PICK_SECS: f64 = 15.0;
+    let (picks_tx, picks_rx) = tokio::sync::oneshot::channel();
     let watch = async {
         let served0 = served.load(std::sync::atomic::Ordering::Relaxed);
         let t = Instant::now();
         let (serve, addrs) = start();
         let pid = serve.pid();
+        // A new process holds no conversation's chain hashes.
+        mixes.forget_retained();
+        let mut channels = Vec::new();
+        for _ in 0..4 {
+            channels.push(RouterClient::connect(format!("http://{}", addrs.grpc)).await.expect("gRPC"));
+        }
+        let ends = load::Ends::spawn(channels[0].clone(), Duration::from_secs_f64(a.request_secs));
+        let group = vec![load::Replica { channels, ends }];
+        let mixes = mixes.clone();
+        let elide = a.elide;
+        let _ = picks_tx.send(tokio::spawn(async move {
+            load::open_loop(&group, mixes, "doks_new_turn", RESTART_PICK_RATE, RESTART_PICK_SECS, first_id, elide).await
+        }));
         let (mut peak_rss, mut disconnected, mut last) = (0.0f64, false, String::new());
         let mut timeline = Vec::new();
         let mut all_synced = None;
@@ -419,7 +439,6 @@ async fn restart(
                 break;
             }
         }
-        let _ = stop_tx.send(true);
         let requests = sample_sum(&last, "kvgate_snapshot_requests_total", "");
         let failures = sample_sum(&last, "kvgate_snapshot_failures_total", "");
         let applied = snapshots_applied(&last);
@@ -429,8 +448,34 @@ async fn restart(
         eprintln!(
             "{workers} workers, control plane restarted: all synced after {all_synced:?} s ({synced} synced at the end), {requests} snapshot requests ({failures} failed), {applied} applied, {abandoned} abandoned, {served} served, peak RSS {peak_rss:.0} MB, NATS dropped: {disconnected}"
         );
+        // The fleet churns on until the Picks are done.
+        let picks = match picks_rx.await {
+            Ok(task) => task.await.ok(),
+            Err(_) => None,
+        };
+        let _ = stop_tx.send(true);
         drop(serve);
+        let q = |p: &load::Step, x: f64| p.latency.quantile(x).round();
+        if let Some(p) = &picks {
+            eprintln!(
+                "  DOKS new turns at {RESTART_PICK_RATE}/s through its first {RESTART_PICK_SECS} s: {} answered, {} failed, {} resent whole, p50 {} p99 {} p999 {} µs",
+                p.answered,
+                p.failed,
+                p.resent,
+                q(p, 0.5),
+                q(p, 0.99),
+                q(p, 0.999)
+            );
+        }
+        let picks = picks.map(|p| {
+            json!({
+                "mix": "doks_new_turn", "offered_per_s": RESTART_PICK_RATE, "secs": RESTART_PICK_SECS,
+                "answered": p.answered, "failed": p.failed, "resent": p.resent,
+                "pick_p50_us": q(&p, 0.5), "pick_p99_us": q(&p, 0.99), "pick_p999_us": q(&p, 0.999),
+            })
+        });
         json!({
+            "picks_from_start": picks,
             "workers": workers, "path": "grpc", "mix": "restart", "replicas": 1,
             "secs_to_all_synced": all_synced.map(|s| (s * 10.0).round() / 10.0), "limit_secs": a.restart_secs,
             "synced_at_end": synced, "snapshot_requests": requests, "snapshot_failures": failures,
@@ -637,7 +682,7 @@ fn main() {
         "elided": a.elide,
         "doks_system_prompts": a.system_prompts,
         "resyncs_per_s": a.resyncs,
-        "restart": "rows with mix restart: after one replica's steps, the control plane process is stopped and a new one started on the same NATS in front of the live fleet (churning at ingest_offered_block_ops_per_s, heartbeats every second); it knows no worker, so every worker's first heartbeat calls for a snapshot, which the fake fleet serves one at a time. secs_to_all_synced: from the new process's start until kvgate_worker_streams{state=synced} counts every worker (null: not within limit_secs); snapshot_requests / snapshot_failures / snapshots_applied / snapshots_abandoned from its metrics, snapshots_served by the fleet; peak_rss_mb over 250 ms polls; timeline: one point a second",
+        "restart": "rows with mix restart: after one replica's steps, the control plane process is stopped and a new one started on the same NATS in front of the live fleet (churning at ingest_offered_block_ops_per_s, heartbeats every second); it knows no worker, so every worker's first heartbeat calls for a snapshot, which the fake fleet serves one at a time. secs_to_all_synced: from the new process's start until kvgate_worker_streams{state=synced} counts every worker (null: not within limit_secs); snapshot_requests / snapshot_failures / snapshots_applied / snapshots_abandoned from its metrics, snapshots_served by the fleet; peak_rss_mb over 250 ms polls; timeline: one point a second; picks_from_start: DOKS new turns at 500/s from the new process's start through 15 s (before a worker's first heartbeat there is none to route to: those fail; the client sends every request whole, the new process holding no chain hashes)",
         "resyncs": "with resyncs_per_s > 0, during every step the fleet skips one relay_seq of that many random workers a second; the control plane asks each for a snapshot, which its fake relay serves (what the worker holds as of its last batch, in chunks of 4,096 blocks): snapshots_served / snapshots_applied per step",
         "client": "open loop (sends never wait for answers; latency from the send), tonic over loopback (4 channels), at most 512 outstanding; with elided=true the earlier messages of a conversation or document already seen go as chain hashes only, as the filter sends them (a resend answer is followed by the whole request, counted in the latency and in `resent`, and its elided hashes are forgotten, as the filter does; each control plane started begins with an empty table); each routed request reported finished request_secs after its Pick (Report RPC, batched every 50 ms), so about rate x request_secs are in flight",
         "replica_capacity": capacity,
@@ -980,6 +1025,8 @@ async fn over_grpc(
             workers,
             || kvgate_testkit::spawn_serve("serve-restarted", serve_cmd(0), &dir).expect("kvgate serve"),
             &served,
+            mixes,
+            next_id + 200,
         )
         .await;
         fleet = f;
