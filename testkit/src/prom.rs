@@ -62,6 +62,11 @@ pub fn sum(text: &str, name: &str) -> f64 {
     samples(text).filter(|s| s.name == name).map(|s| s.value).sum()
 }
 
+/// The sum of every sample named exactly `name` whose label `key` is `value`.
+pub fn sum_where(text: &str, name: &str, key: &str, value: &str) -> f64 {
+    samples(text).filter(|s| s.name == name && s.label(key).as_deref() == Some(value)).map(|s| s.value).sum()
+}
+
 /// The distinct metric names of the samples.
 pub fn names(text: &str) -> std::collections::BTreeSet<String> {
     samples(text).map(|s| s.name.to_owned()).collect()
@@ -82,6 +87,9 @@ mod tests {
         assert_eq!(value(TEXT, "x_total{model=\"c\""), Some(4.0));
         assert_eq!(value(TEXT, "y"), Some(1.5));
         assert_eq!(sum(TEXT, "x_total"), 7.0);
+        assert_eq!(sum_where(TEXT, "x_total", "model", "c"), 4.0);
+        assert_eq!(sum_where(TEXT, "x_total", "kind", "k"), 7.0);
+        assert_eq!(sum_where(TEXT, "x_total", "kind", "c"), 0.0);
         assert_eq!(names(TEXT).into_iter().collect::<Vec<_>>(), ["x_total", "y"]);
     }
 }

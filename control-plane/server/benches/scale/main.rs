@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 use fleet::{Fleet, Sink};
 use kvgate_bench_support::Samples;
 use kvgate_server::router_client::RouterClient;
+use kvgate_testkit::prom;
 use load::Mixes;
 use serde_json::{Value, json};
 
@@ -220,7 +221,7 @@ fn metrics(admin: std::net::SocketAddr) -> String {
 fn buckets(text: &str, histogram: &str) -> Vec<(f64, f64)> {
     let name = format!("{histogram}_bucket");
     let mut out: Vec<(f64, f64)> = Vec::new();
-    for s in kvgate_testkit::prom::samples(text).filter(|s| s.name == name) {
+    for s in prom::samples(text).filter(|s| s.name == name) {
         let Some(le) = s.labels.split("le=\"").nth(1).and_then(|x| x.split('"').next()) else { continue };
         let le = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::NAN) };
         match out.iter_mut().find(|(l, _)| *l == le) {
@@ -259,23 +260,17 @@ fn bucket_quantile_ms(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Op
 /// Picks the control plane routed by load because its event stream was
 /// behind (`ingest_shed_after_ms`).
 fn picks_shed(text: &str) -> f64 {
-    kvgate_testkit::prom::samples(text).filter(|s| s.name == "kvgate_picks_shed_total").map(|s| s.value).sum()
+    prom::sum(text, "kvgate_picks_shed_total")
 }
 
 /// Snapshots the control plane applied (whole; a newer one may overtake
 /// one under way).
 fn snapshots_applied(text: &str) -> f64 {
-    kvgate_testkit::prom::samples(text)
-        .filter(|s| s.name == "kvgate_model_events_total" && s.labels.contains("\"snapshot_applied\""))
-        .map(|s| s.value)
-        .sum()
+    prom::sum_where(text, "kvgate_model_events_total", "kind", "snapshot_applied")
 }
 
 fn kv_messages(text: &str) -> f64 {
-    kvgate_testkit::prom::samples(text)
-        .filter(|s| s.name == "kvgate_nats_messages_total" && s.labels.contains("\"kv\""))
-        .map(|s| s.value)
-        .sum()
+    prom::sum_where(text, "kvgate_nats_messages_total", "kind", "kv")
 }
 
 /// Fills `fleet`'s workers: the conversations and documents of `mixes`,
@@ -358,11 +353,6 @@ async fn churn_apart(
     .expect("the fleet's churn ended")
 }
 
-/// The sum of the samples of `name` whose labels contain `label` ("" for all).
-fn sample_sum(text: &str, name: &str, label: &str) -> f64 {
-    kvgate_testkit::prom::samples(text).filter(|s| s.name == name && s.labels.contains(label)).map(|s| s.value).sum()
-}
-
 /// `--restart`: a control plane started in front of the live fleet (the
 /// one before it stopped), as after a deploy. It knows no worker; each
 /// worker's first heartbeat names a relay ahead of it, so every worker is
@@ -417,16 +407,16 @@ async fn restart(
             let rss = proc_usage(pid).1;
             peak_rss = peak_rss.max(rss);
             let secs = t.elapsed().as_secs_f64();
-            let synced = sample_sum(&text, "kvgate_worker_streams", "\"synced\"");
+            let synced = prom::sum_where(&text, "kvgate_worker_streams", "state", "synced");
             // Connected once, then not: the connection dropped.
-            if sample_sum(&text, "kvgate_nats_connected", "") < 1.0 && !last.is_empty() {
+            if prom::sum(&text, "kvgate_nats_connected") < 1.0 && !last.is_empty() {
                 disconnected = true;
             }
             if secs >= next_point {
                 timeline.push(json!({
                     "s": (secs * 10.0).round() / 10.0, "synced": synced,
-                    "snapshotting": sample_sum(&text, "kvgate_worker_streams", "\"snapshotting\""),
-                    "requests": sample_sum(&text, "kvgate_snapshot_requests_total", ""),
+                    "snapshotting": prom::sum_where(&text, "kvgate_worker_streams", "state", "snapshotting"),
+                    "requests": prom::sum(&text, "kvgate_snapshot_requests_total"),
                     "rss_mb": rss.round(),
                 }));
                 next_point = secs.floor() + 1.0;
@@ -439,11 +429,11 @@ async fn restart(
                 break;
             }
         }
-        let requests = sample_sum(&last, "kvgate_snapshot_requests_total", "");
-        let failures = sample_sum(&last, "kvgate_snapshot_failures_total", "");
+        let requests = prom::sum(&last, "kvgate_snapshot_requests_total");
+        let failures = prom::sum(&last, "kvgate_snapshot_failures_total");
         let applied = snapshots_applied(&last);
-        let synced = sample_sum(&last, "kvgate_worker_streams", "\"synced\"");
-        let abandoned = sample_sum(&last, "kvgate_model_events_total", "\"snapshot_abandoned\"");
+        let synced = prom::sum_where(&last, "kvgate_worker_streams", "state", "synced");
+        let abandoned = prom::sum_where(&last, "kvgate_model_events_total", "kind", "snapshot_abandoned");
         let served = served.load(std::sync::atomic::Ordering::Relaxed) - served0;
         eprintln!(
             "{workers} workers, control plane restarted: all synced after {all_synced:?} s ({synced} synced at the end), {requests} snapshot requests ({failures} failed), {applied} applied, {abandoned} abandoned, {served} served, peak RSS {peak_rss:.0} MB, NATS dropped: {disconnected}"
