@@ -378,7 +378,6 @@ async fn restart(
     // DOKS new turns at this rate through the first RESTART_PICK_SECS.
     const RESTART_PICK_RATE: f64 = 500.0;
     const RESTART_PICK_SECS: f64 = 15.0;
-    let (picks_tx, picks_rx) = tokio::sync::oneshot::channel();
     let watch = async {
         let served0 = served.load(std::sync::atomic::Ordering::Relaxed);
         let t = Instant::now();
@@ -394,9 +393,9 @@ async fn restart(
         let group = vec![load::Replica { channels, ends }];
         let mixes = mixes.clone();
         let elide = a.elide;
-        let _ = picks_tx.send(tokio::spawn(async move {
+        let picks = tokio::spawn(async move {
             load::open_loop(&group, mixes, "doks_new_turn", RESTART_PICK_RATE, RESTART_PICK_SECS, first_id, elide).await
-        }));
+        });
         let (mut peak_rss, mut disconnected, mut last) = (0.0f64, false, String::new());
         let mut timeline = Vec::new();
         let mut all_synced = None;
@@ -439,10 +438,7 @@ async fn restart(
             "{workers} workers, control plane restarted: all synced after {all_synced:?} s ({synced} synced at the end), {requests} snapshot requests ({failures} failed), {applied} applied, {abandoned} abandoned, {served} served, peak RSS {peak_rss:.0} MB, NATS dropped: {disconnected}"
         );
         // The fleet churns on until the Picks are done.
-        let picks = match picks_rx.await {
-            Ok(task) => task.await.ok(),
-            Err(_) => None,
-        };
+        let picks = picks.await.ok();
         let _ = stop_tx.send(true);
         drop(serve);
         let q = |p: &load::Step, x: f64| p.latency.quantile(x).round();
