@@ -28,7 +28,7 @@ help:
 	@echo "make bench-relay - relay decode+publish throughput (blocks/s, one core)"
 	@echo "make bench-sim - simulator scale: 8 workers x 64 streams on one core, CPU use"
 	@echo "make bench-cp - control plane Pick latency/throughput (8K/100K tokens, 10/100 workers, cold/warm)"
-	@echo "make bench-scale - the control plane as a process: 100/1,000 workers x 40K blocks over NATS, 1 M block ops/s, open-loop gRPC Picks; 1/2/4 replicas"
+	@echo "make bench-scale - the control plane as a process: 100/1,000 workers x 40K blocks over NATS, 1 M block ops/s, open-loop gRPC Picks beside the transport's floor (health checks); 1/2/4 replicas"
 	@echo "make bench-gateway - added latency and Envoy CPU of the filter + control plane vs plain Envoy (8K/100K tokens)"
 	@echo "make bench-calibration - does the control plane learn each engine preset's timing, and follow a slowdown"
 	@echo "make bench-routing - criterion: ingest, lookup, pick (8K/100K tokens, 10/100/1000 workers)"

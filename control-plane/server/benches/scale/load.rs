@@ -1,4 +1,5 @@
-//! The requests (four mixes) and the open-loop gRPC client.
+//! The requests (four mixes, and the transport's floor) and the open-loop
+//! gRPC client.
 //!
 //! | mix | request | the fleet holds |
 //! |---|---|---|
@@ -6,6 +7,11 @@
 //! | `doc_question` | one of 3 100K-token documents and a new question | each document on a seventh of the workers |
 //! | `cold_8k` | an 8K-token system prompt never seen (a unique first line) | nothing of it |
 //! | `cold_100k` | a 100K-token document never seen | nothing of it |
+//! | `grpc_floor` | no Pick: `grpc.health.v1.Health/Check` on the same connections | – |
+//!
+//! `grpc_floor` times the smallest call the control plane answers, over
+//! the same client, channels, server and machine as the Picks: what a Pick's
+//! latency would be if routing took no time.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,6 +20,9 @@ use kvgate_bench_support::Samples;
 use kvgate_protocol::pb;
 use kvgate_server::router_client::RouterClient;
 use serde_json::{Value, json};
+use tonic::transport::Channel;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
 
 use crate::MODEL;
 
@@ -198,11 +207,35 @@ pub(crate) struct Step {
     pub(crate) secs: f64,
 }
 
-/// One control-plane replica as the client sees it: its gRPC channels and
-/// its completion reporter.
+/// The mix that sends no Pick: a health check, the transport's floor.
+pub(crate) const FLOOR: &str = "grpc_floor";
+
+/// One control-plane replica as the client sees it: its gRPC channels (a
+/// Router and a Health client on each connection) and its completion
+/// reporter.
 pub(crate) struct Replica {
-    pub(crate) channels: Vec<RouterClient<tonic::transport::Channel>>,
+    pub(crate) channels: Vec<RouterClient<Channel>>,
+    health: Vec<HealthClient<Channel>>,
     pub(crate) ends: Ends,
+}
+
+impl Replica {
+    /// Four connections to the replica's gRPC address; the requests it
+    /// routes are reported finished `request_secs` after their Picks.
+    pub(crate) async fn connect(grpc: std::net::SocketAddr, request_secs: f64) -> Self {
+        let (mut channels, mut health) = (Vec::new(), Vec::new());
+        for _ in 0..4 {
+            let ch = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+                .expect("endpoint")
+                .connect()
+                .await
+                .expect("gRPC");
+            channels.push(RouterClient::new(ch.clone()));
+            health.push(HealthClient::new(ch));
+        }
+        let ends = Ends::spawn(channels[0].clone(), Duration::from_secs_f64(request_secs));
+        Self { channels, health, ends }
+    }
 }
 
 /// Sends `rate` Picks per second of `mix` for `secs`, open loop: request k
@@ -245,6 +278,15 @@ pub(crate) async fn open_loop(
             continue;
         }
         let replica = &replicas[(mixes.affinity(mix, first_id + k) % replicas.len() as u64) as usize];
+        if mix == FLOOR {
+            let mut h = replica.health[(k % replica.health.len() as u64) as usize].clone();
+            let sent = Instant::now();
+            js.spawn(async move {
+                h.check(HealthCheckRequest { service: String::new() }).await.ok()?;
+                Some(sent.elapsed().as_secs_f64() * 1e6)
+            });
+            continue;
+        }
         let mut c = replica.channels[(k % replica.channels.len() as u64) as usize].clone();
         let req = mixes.build(mix, first_id + k, elide);
         let mixes = mixes.clone();
@@ -355,7 +397,7 @@ pub(crate) struct Ends(tokio::sync::mpsc::UnboundedSender<(Instant, pb::Completi
 
 impl Ends {
     /// Starts the reporting task on `client`.
-    pub(crate) fn spawn(client: RouterClient<tonic::transport::Channel>, duration: Duration) -> Self {
+    fn spawn(client: RouterClient<Channel>, duration: Duration) -> Self {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, pb::CompletionReport)>();
         tokio::spawn(async move {
             let mut c = client;

@@ -13,7 +13,10 @@
 //! from the scheduled send time, the rate answered, the ingest rate
 //! reached, the index's staleness (p99 of `kvgate_event_lag_seconds`, the
 //! engine timestamp of a batch to its application), the control plane's
-//! RSS and CPU per Pick. Beside them, the same mixes against a control
+//! RSS and CPU per Pick. The mix `grpc_floor` sends no Pick: health checks
+//! at the DOKS ladder's rates over the same connections, the latency of
+//! the smallest call on this client, server and machine (what a Pick would
+//! take if routing cost nothing). Beside them, the same mixes against a control
 //! plane in this process fed the same messages (`path: in_process`,
 //! sequential Picks, no ingest running).
 //!
@@ -52,7 +55,6 @@ use std::time::{Duration, Instant};
 
 use fleet::{Fleet, Sink};
 use kvgate_bench_support::Samples;
-use kvgate_server::router_client::RouterClient;
 use kvgate_testkit::prom;
 use load::Mixes;
 use serde_json::{Value, json};
@@ -90,7 +92,7 @@ struct Args {
     out: PathBuf,
 }
 
-const MIXES: [&str; 4] = ["doks_new_turn", "doc_question", "cold_8k", "cold_100k"];
+const MIXES: [&str; 5] = ["doks_new_turn", load::FLOOR, "doc_question", "cold_8k", "cold_100k"];
 
 fn args() -> Args {
     let mut a = Args {
@@ -162,7 +164,7 @@ fn ladder(mix: &str) -> &'static [f64] {
         return r;
     }
     match mix {
-        "doks_new_turn" => &[250.0, 500.0, 1000.0, 2000.0, 4000.0],
+        "doks_new_turn" | load::FLOOR => &[250.0, 500.0, 1000.0, 2000.0, 4000.0],
         "doc_question" => &[50.0, 100.0, 250.0, 500.0, 1000.0],
         "cold_8k" => &[50.0, 100.0, 200.0, 400.0],
         _ => &[5.0, 10.0, 20.0, 40.0],
@@ -385,12 +387,7 @@ async fn restart(
         let pid = serve.pid();
         // A new process holds no conversation's chain hashes.
         mixes.forget_retained();
-        let mut channels = Vec::new();
-        for _ in 0..4 {
-            channels.push(RouterClient::connect(format!("http://{}", addrs.grpc)).await.expect("gRPC"));
-        }
-        let ends = load::Ends::spawn(channels[0].clone(), Duration::from_secs_f64(a.request_secs));
-        let group = vec![load::Replica { channels, ends }];
+        let group = vec![load::Replica::connect(addrs.grpc, a.request_secs).await];
         let mixes = mixes.clone();
         let elide = a.elide;
         let picks = tokio::spawn(async move {
@@ -556,7 +553,8 @@ fn in_process(
             }
         }
     }
-    for mix in &a.mixes {
+    // The transport's floor has no in-process counterpart.
+    for mix in a.mixes.iter().filter(|m| **m != load::FLOOR) {
         let n: u64 = if mix.starts_with("cold_100k") {
             20
         } else if *mix == "doc_question" {
@@ -675,6 +673,7 @@ fn main() {
         "agreement": agreements,
         "replicas_setup": "n control planes (--replica-id scale-0..n-1) on one nats-server, each ingesting every event and sharing in-flight load over NATS; the client sends each request to the replica its conversation hashes to (as the gateway's ring hash on the conversation), each replica's answers reported to it; replica_capacity = the highest offered DOKS new-turn rate of the ladder answered in full (>= 95 %, nothing refused) with p99 within the bound; agreement = identical DOKS Picks to replicas 0 and 1 (to replica 0 twice with one replica), with the fleet churning: concurrent (both at once) and sequential (150 ms apart, the first reported finished: converged views); same_worker = share of pairs choosing the same worker (ties are broken at random), same_matched_blocks = share whose workers held as many of the prompt's blocks",
         "staleness": "p99 of kvgate_event_lag_seconds during the step, as the upper bound of its bucket",
+        "grpc_floor": "rows with mix grpc_floor send no Pick: grpc.health.v1.Health/Check at the DOKS ladder's rates, open loop over the same four connections, with the fleet churning as in every step; their pick_*_us are those calls' latencies: the transport's and the machine's share of a Pick's, with no routing in it",
         "server_pick": "server_pick_p99_ms: p99 of kvgate_pick_duration_seconds during the step (the process's own time from receipt of a Pick to its answer, lock waits included; not the transport, the runtime's queue or the client), as the upper bound of its bucket (buckets 0.5, 1, 2, 5 ms ...); ingest_hold_p99_ms / ingest_hold_p999_ms: the same of kvgate_ingest_lock_hold_seconds (one application of KV batches under the index's write lock, which a Pick's lookup waits for)",
         "cpu": "the control plane processes' CPU time (user + system, all replicas) during the step: cpu_s_per_s per second; cpu_us_per_pick per answered Pick, ingest included; pick_cpu_us_per_pick = (cpu_s_per_s - the ingest-only step's cpu_s_per_s) / answered Picks per second, what the Picks add (NaN without an ingest-only step)",
         "shared_cores": "client, fleet generator, nats-server and control plane share the machine (the generator's churn, heartbeats and NATS connection on a runtime of their own, one thread, not on the client's runtime); machine_busy = share of all its cores busy during the step (/proc/stat)",
@@ -829,12 +828,7 @@ async fn over_grpc(
     );
     let mut group = Vec::new();
     for (_, addrs) in &serves {
-        let mut channels = Vec::new();
-        for _ in 0..4 {
-            channels.push(RouterClient::connect(format!("http://{}", addrs.grpc)).await.expect("gRPC"));
-        }
-        let ends = load::Ends::spawn(channels[0].clone(), Duration::from_secs_f64(a.request_secs));
-        group.push(load::Replica { channels, ends });
+        group.push(load::Replica::connect(addrs.grpc, a.request_secs).await);
     }
     let mut rows = Vec::new();
     mixes.forget_retained();
