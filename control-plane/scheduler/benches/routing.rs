@@ -17,7 +17,8 @@
 //!   twenty still prefilling: `shares` of
 //!   a new such prompt, and `add_done` of one more request. `100w_x40` is
 //!   bench-scale's 2,000 Picks/s × 2 s; `100w_x200` a fleet whose requests
-//!   last ten times as long.
+//!   last ten times as long; `1000w_x64` a fleet of 1,000 engines each
+//!   running 64 requests.
 //!
 //! Index state: 20 "documents" as long as the prompt; every worker holds one
 //! of them up to a random length (so ~N/20 workers share each document at
@@ -207,7 +208,7 @@ fn crowd(c: &mut Criterion) {
     let prompt = |id: u64| -> Vec<SequenceHash> {
         (0..234u64).map(SequenceHash).chain((0..16u64).map(|i| SequenceHash((id + 1) << 32 | i))).collect()
     };
-    for (workers, per) in [(100u32, 40u64), (100, 200), (1_000, 4)] {
+    for (workers, per) in [(100u32, 40u64), (100, 200), (1_000, 4), (1_000, 64)] {
         let mut t = LoadTracker::new();
         let mut rng = fastrand::Rng::with_seed(3);
         for r in 0..u64::from(workers) * per {

@@ -7,12 +7,12 @@
 //!
 //! | operation | cost |
 //! |---|---|
-//! | [`LoadTracker::added`] | O(n / K) table updates (each O(log W) + a push into the worker's run) + one share |
+//! | [`LoadTracker::added`] | O(n / K) table updates (each O(log W) + a push into the worker's run, or past 16 requests an insertion in order: one comparison inside a shared prefix, else O(log h · log K) reads and a shift of slots) + one share |
 //! | [`LoadTracker::first_token`] | O(p) |
-//! | [`LoadTracker::done`] | O(n / K) table updates (each O(log W) + a swap-remove from the worker's run) + one share |
+//! | [`LoadTracker::done`] | O(n / K) table updates (each O(log W) + a removal from the worker's run) + one share |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
-//! | share of one worker | O(log(n / K)) lookups + O(h) reads (a bisection of O(log K) only for a request that extends the match) + O(p · (log(n / K) + K)) |
+//! | share of one worker | O(log(n / K)) lookups + O(log h · log K) reads (the prompt's place among the requests holding its last shared checkpoint, kept sorted by the blocks that follow it) + O(p · (log(n / K) + K)) |
 //! | [`LoadTracker::inflight_shares`] (every worker at once) | the prompt's checkpoints looked up once; each holding worker's last one found by one walk of the workers holding them, from the last back (at most what the binary searches would cost, which take over beyond), then one extension and share per worker holding the prompt's first block |
 //!
 //! Active blocks are deduplicated per worker, as the engine's prefix cache
@@ -27,7 +27,11 @@
 //! them. The table indexes only every K-th block of each prompt in flight
 //! (hash → the requests on each worker that hold it): a binary search over
 //! the prompt's checkpoints finds the last one a worker holds, and the
-//! requests holding it extend the match block by block, at most K − 1 more.
+//! requests holding it extend the match by at most K − 1 blocks. Each
+//! worker's requests holding a checkpoint are kept sorted by the blocks
+//! that follow it, so the one sharing most with a prompt is a neighbour of
+//! the prompt's place there, found by binary search: a system prompt held
+//! by every request in flight costs O(log h) reads per worker, not O(h).
 //! A request's distinct blocks are its length less what the worker's other
 //! requests already share with it. Registering every block instead cost a
 //! third of the control plane's CPU for 100K-token prompts at 1,000 workers
@@ -51,8 +55,10 @@ type Map<K, V> = HashMap<K, V, RandomState>;
 pub const CHECKPOINT: usize = 16;
 
 /// One worker's requests in flight that hold a checkpoint hash: their
-/// slots, in no order (four inline, as most checkpoints past a shared
-/// prefix have one holder).
+/// slots (four inline, as most checkpoints past a shared prefix have one
+/// holder). Past [`LINEAR_RUN`] of them, sorted by the blocks that follow
+/// the checkpoint up to the next one ([`window_cmp`]), so that the one
+/// sharing most with a prompt is found by binary search.
 #[derive(Debug)]
 struct Run {
     worker: WorkerIdx,
@@ -64,6 +70,13 @@ struct Run {
 /// workers holding a hash are walked without walking their requests (a
 /// shared system prompt is held by every request in flight).
 type Holders = Vec<Run>;
+
+/// Runs of at most this many requests are kept in arrival order and walked
+/// one by one when a prompt's share is extended: for so few, one read each
+/// costs less than a binary search's bisections, and an insertion is a
+/// push. A longer run is sorted ([`window_cmp`]) when it passes this size
+/// and kept sorted while it is longer.
+const LINEAR_RUN: usize = 16;
 
 /// Most leading prompt block hashes a replica shares per request (64 K
 /// tokens at block size 16; 32 KiB on the wire): enough for the prefixes a
@@ -199,6 +212,69 @@ fn common_prefix(a: &[SequenceHash], b: &[SequenceHash]) -> usize {
         i += 1;
     }
     i
+}
+
+/// Where `a` and `b`, which agree before `from`, stop agreeing, at most
+/// `to` (or where the shorter ends). Chained hashes agree at a position
+/// only if they agree before it, so that place is found by bisection:
+/// O(log(to − from)) reads.
+fn agree_until(a: &[SequenceHash], b: &[SequenceHash], from: usize, to: usize) -> usize {
+    let same = |i: usize| a.get(i).is_some_and(|x| b.get(i) == Some(x));
+    let (mut lo, mut hi) = (from, a.len().min(b.len()).min(to).max(from));
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if same(mid) { lo = mid + 1 } else { hi = mid }
+    }
+    lo
+}
+
+/// `a` and `b`, which agree before `from`, compared on their blocks from
+/// `from` up to `to` (each cut at its own end; a sequence that ends first
+/// is the smaller): the order, and where they stop agreeing
+/// ([`agree_until`]). Sorted by this order, the sequences that share most
+/// with another one are its neighbours (for a ≤ b ≤ c, what a and c share
+/// is the lesser of what a and b share and what b and c share).
+fn window_cmp(a: &[SequenceHash], b: &[SequenceHash], from: usize, to: usize) -> (std::cmp::Ordering, usize) {
+    let (ea, eb) = (a.len().min(to), b.len().min(to));
+    let lo = agree_until(a, b, from, to);
+    let order = match (a.get(lo), b.get(lo)) {
+        (Some(x), Some(y)) if lo < ea.min(eb) => x.0.cmp(&y.0),
+        _ => ea.cmp(&eb),
+    };
+    (order, lo)
+}
+
+/// Adds `slot`, a request with `prompt`, to a run of the checkpoint at
+/// position `at` (`requests`: the tracker's slots): pushed while the run is
+/// short; past [`LINEAR_RUN`], in order of the blocks after the checkpoint
+/// (the run sorted once when it gets there).
+fn place_in_run(
+    slots: &mut SmallVec<[u32; 4]>,
+    slot: u32,
+    prompt: &[SequenceHash],
+    at: usize,
+    requests: &[Option<Inflight>],
+) {
+    let window = |s: &u32| requests.get(*s as usize).and_then(Option::as_ref).map(|o| &o.prompt[..]);
+    let cmp = |x: &[SequenceHash], y: &[SequenceHash]| window_cmp(x, y, at + 1, at + CHECKPOINT).0;
+    if slots.len() < LINEAR_RUN {
+        slots.push(slot);
+        return;
+    }
+    if slots.len() == LINEAR_RUN {
+        slots.sort_by(|a, b| match (window(a), window(b)) {
+            (Some(x), Some(y)) => cmp(x, y),
+            _ => std::cmp::Ordering::Equal,
+        });
+    }
+    // Not before the last one (every request inside a shared prefix, whose
+    // blocks to the next checkpoint are all alike): one comparison.
+    if slots.last().and_then(window).is_none_or(|o| cmp(o, prompt).is_le()) {
+        slots.push(slot);
+    } else {
+        let place = slots.partition_point(|s| window(s).is_some_and(|o| cmp(o, prompt).is_le()));
+        slots.insert(place, slot);
+    }
 }
 
 /// Length of the union of half-open intervals.
@@ -383,31 +459,34 @@ impl LoadTracker {
 
     /// The longest prefix of `prompt` that `worker`'s requests holding its
     /// checkpoint at position `at` share, given that none holds the next
-    /// checkpoint: `held` are that checkpoint's holders (all workers).
+    /// checkpoint: `held` are that checkpoint's holders (all workers). The
+    /// run is sorted by the blocks after the checkpoint: the prompt's place
+    /// in it is found by binary search, and its neighbours there share the
+    /// most with it. O(log h · log K) reads, h the worker's requests holding
+    /// the checkpoint.
     fn extend_from(&self, worker: WorkerIdx, prompt: &[SequenceHash], at: usize, held: &[Run]) -> usize {
-        let end = prompt.len().min(at + CHECKPOINT);
-        let mut best = at + 1;
-        for slot in run(held, worker) {
-            if best >= end {
-                break;
+        let slots = run(held, worker);
+        let to = at + CHECKPOINT;
+        if slots.len() <= LINEAR_RUN {
+            // Few: one read each (a bisection only for one that extends the match).
+            let mut best = at + 1;
+            for r in slots.iter().filter_map(|s| self.request(*s)) {
+                if r.prompt.get(best).is_some_and(|x| prompt.get(best) == Some(x)) {
+                    best = agree_until(&r.prompt, prompt, best + 1, to);
+                }
             }
-            let Some(r) = self.request(*slot) else { continue };
-            // Starting at `best` is enough: a request that agrees at a
-            // position agrees at every one before it (chained hashes), so
-            // the first disagreement is found by bisection. One that
-            // disagrees at `best` cannot extend it: one read, no bisection
-            // (the common case: requests that share a system prompt and
-            // differ after it).
-            let same = |i: usize| r.prompt.get(i).is_some_and(|x| prompt.get(i) == Some(x));
-            if !same(best) {
-                continue;
-            }
-            let (mut lo, mut hi) = (best + 1, end);
-            while lo < hi {
-                let mid = lo + (hi - lo) / 2;
-                if same(mid) { lo = mid + 1 } else { hi = mid }
-            }
-            best = lo;
+            return best;
+        }
+        // Binary search for the prompt's place; the last entry found below
+        // it and the last found above it are its two neighbours there, and
+        // what they share was read on the way.
+        let (mut lo, mut hi, mut best) = (0, slots.len(), at + 1);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let Some(r) = slots.get(mid).and_then(|s| self.request(*s)) else { break };
+            let (order, shared) = window_cmp(&r.prompt, prompt, at + 1, to);
+            best = best.max(shared);
+            if order == std::cmp::Ordering::Less { lo = mid + 1 } else { hi = mid }
         }
         best
     }
@@ -486,12 +565,13 @@ impl LoadTracker {
                 u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX)
             }
         };
-        for h in prompt.iter().step_by(CHECKPOINT) {
+        let requests = &self.slots;
+        for (k, h) in prompt.iter().step_by(CHECKPOINT).enumerate() {
             let holders = self.checkpoints.entry(*h).or_default();
             match find_run(holders, worker) {
                 Ok(i) => {
                     if let Some(r) = holders.get_mut(i) {
-                        r.slots.push(slot);
+                        place_in_run(&mut r.slots, slot, &prompt, k * CHECKPOINT, requests);
                     }
                 }
                 Err(i) => holders.insert(i, Run { worker, slots: smallvec![slot] }),
@@ -553,7 +633,7 @@ impl LoadTracker {
             if let Ok(i) = find_run(holders, r.worker) {
                 let emptied = holders.get_mut(i).is_some_and(|run| {
                     if let Some(j) = run.slots.iter().position(|s| *s == slot) {
-                        run.slots.swap_remove(j);
+                        run.slots.remove(j);
                     }
                     run.slots.is_empty()
                 });
@@ -646,8 +726,42 @@ impl LoadTracker {
 
 #[cfg(test)]
 mod tests {
-    use super::{Run, UNPLACED, WorkerIdx, last_held, round_to_u64};
+    use super::{Run, SequenceHash, UNPLACED, WorkerIdx, last_held, round_to_u64, window_cmp};
     use smallvec::smallvec;
+
+    /// The order and the place of disagreement match a plain comparison of
+    /// the windows, for sequences that fork from one another (chained
+    /// hashes: equal at a position only if equal before it) at every place
+    /// and end at every length.
+    #[test]
+    fn window_cmp_is_the_windows_plain_order() {
+        // Sequence (f, v, n): a shared trunk up to `f`, then branch `v`, `n` long.
+        let seq = |f: u64, v: u64, n: u64| -> Vec<SequenceHash> {
+            (0..n).map(|i| SequenceHash(if i < f { i * 7 + 1 } else { (v + 1) << 40 | (f << 20) | i })).collect()
+        };
+        let mut all = Vec::new();
+        for f in [0, 3, 5, 8, 12] {
+            for v in 0..3 {
+                for n in [2, 4, 5, 6, 9, 13, 20] {
+                    all.push(seq(f, v, n));
+                }
+            }
+        }
+        let (from, to) = (3usize, 3 + 16);
+        let cut = |x: &[SequenceHash]| -> Vec<u64> {
+            x.get(from..x.len().min(to)).unwrap_or_default().iter().map(|h| h.0).collect()
+        };
+        for a in all.iter().filter(|a| a.len() >= from) {
+            for b in all.iter().filter(|b| b.len() >= from && b[..from] == a[..from]) {
+                let (order, lcp) = window_cmp(a, b, from, to);
+                let (ca, cb) = (cut(a), cut(b));
+                let plain = ca.iter().zip(&cb).take_while(|(x, y)| x == y).count();
+                assert_eq!(lcp, from + plain, "{a:?} {b:?}");
+                // Lexicographic by hash value, a prefix first.
+                assert_eq!(order, ca.cmp(&cb), "{a:?} {b:?}");
+            }
+        }
+    }
 
     /// Every budget places a worker at its last checkpoint or leaves it to
     /// the binary search; a budget as large as the lists places them all.

@@ -42,6 +42,59 @@ fn chain(c: u64, n: usize) -> Vec<SequenceHash> {
     (0..n as u64).map(|i| SequenceHash(if i < fork { i } else { c << 32 | i })).collect()
 }
 
+/// Replays `ops` on the tracker and on the model, on `workers` workers
+/// (each op's worker taken modulo it), then checks every query's shares.
+fn check(
+    ops: Vec<(u8, u32, u64, usize, usize)>,
+    queries: Vec<(u64, usize)>,
+    workers: u32,
+) -> Result<(), TestCaseError> {
+    let mut t = LoadTracker::new();
+    let mut live: Vec<(String, Live)> = Vec::new();
+    for (k, (op, w, c, n, own)) in ops.into_iter().enumerate() {
+        let w = w % workers;
+        match op {
+            0 | 1 => {
+                let id = format!("r{k}");
+                let prompt = chain(c, n);
+                t.added(&id, WorkerIdx(w), &prompt, own as u32, 1, 0).unwrap();
+                live.push((id, (w, prompt, own.min(n), true)));
+            }
+            2 if !live.is_empty() => {
+                let i = n % live.len();
+                t.first_token(&live[i].0).unwrap();
+                live[i].1.3 = false;
+            }
+            3 if !live.is_empty() => {
+                let i = n % live.len();
+                t.done(&live[i].0).unwrap();
+                live.remove(i);
+            }
+            _ => {}
+        }
+    }
+    if live.len() > 3 && workers > 1 {
+        // Forget a worker altogether.
+        let gone = live[0].1.0;
+        t.remove_worker(WorkerIdx(gone));
+        live.retain(|r| r.1.0 != gone);
+    }
+    let model: Vec<Live> = live.into_iter().map(|r| r.1).collect();
+    for (c, n) in queries {
+        let prompt = chain(c, n);
+        let all = t.inflight_shares(&prompt);
+        for w in 0..workers {
+            let want = naive(&model, w, &prompt);
+            let load = t.load(WorkerIdx(w));
+            let outputs = model.iter().filter(|r| r.0 == w).count() as u64;
+            prop_assert_eq!(load.active_blocks, naive_distinct(&model, w) + outputs);
+            prop_assert_eq!(t.inflight_share(WorkerIdx(w), &prompt), want);
+            prop_assert_eq!(all.get(w as usize).copied().unwrap_or_default(), want);
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #[test]
     fn inverted_shares_equal_the_naive_walk(
@@ -51,47 +104,16 @@ proptest! {
         ops in prop::collection::vec((0u8..4, 0u32..40, 0u64..8, 1usize..100, 0usize..100), 1..400),
         queries in prop::collection::vec((0u64..8, 1usize..110), 1..6),
     ) {
-        let mut t = LoadTracker::new();
-        let mut live: Vec<(String, Live)> = Vec::new();
-        for (k, (op, w, c, n, own)) in ops.into_iter().enumerate() {
-            match op {
-                0 | 1 => {
-                    let id = format!("r{k}");
-                    let prompt = chain(c, n);
-                    t.added(&id, WorkerIdx(w), &prompt, own as u32, 1, 0).unwrap();
-                    live.push((id, (w, prompt, own.min(n), true)));
-                }
-                2 if !live.is_empty() => {
-                    let i = n % live.len();
-                    t.first_token(&live[i].0).unwrap();
-                    live[i].1.3 = false;
-                }
-                3 if !live.is_empty() => {
-                    let i = n % live.len();
-                    t.done(&live[i].0).unwrap();
-                    live.remove(i);
-                }
-                _ => {}
-            }
-        }
-        if live.len() > 3 {
-            // Forget a worker altogether.
-            let gone = live[0].1.0;
-            t.remove_worker(WorkerIdx(gone));
-            live.retain(|r| r.1.0 != gone);
-        }
-        let model: Vec<Live> = live.into_iter().map(|r| r.1).collect();
-        for (c, n) in queries {
-            let prompt = chain(c, n);
-            let all = t.inflight_shares(&prompt);
-            for w in 0..40u32 {
-                let want = naive(&model, w, &prompt);
-                let load = t.load(WorkerIdx(w));
-                let outputs = model.iter().filter(|r| r.0 == w).count() as u64;
-                prop_assert_eq!(load.active_blocks, naive_distinct(&model, w) + outputs);
-                prop_assert_eq!(t.inflight_share(WorkerIdx(w), &prompt), want);
-                prop_assert_eq!(all.get(w as usize).copied().unwrap_or_default(), want);
-            }
-        }
+        check(ops, queries, 40)?;
+    }
+
+    /// Two workers: dozens of requests on one worker hold the same
+    /// checkpoint, so its run is long enough to be kept sorted and searched.
+    #[test]
+    fn crowded_shares_equal_the_naive_walk(
+        ops in prop::collection::vec((0u8..4, 0u32..2, 0u64..8, 1usize..100, 0usize..100), 1..300),
+        queries in prop::collection::vec((0u64..8, 1usize..110), 1..6),
+    ) {
+        check(ops, queries, 2)?;
     }
 }
