@@ -199,21 +199,6 @@ fn last_held(holders: &[&[Run]], top: usize, budget: usize) -> Vec<u32> {
     last
 }
 
-/// Positions of `a` and `b`'s common prefix: by checkpoints (chained hashes
-/// agree at a position only if they agree before it), then block by block.
-fn common_prefix(a: &[SequenceHash], b: &[SequenceHash]) -> usize {
-    let n = a.len().min(b.len());
-    let same = |i: usize| a.get(i).is_some_and(|x| b.get(i) == Some(x));
-    if n == 0 || !same(0) {
-        return 0;
-    }
-    let mut i = last_checkpoint(n, same) + 1;
-    while i < n && same(i) {
-        i += 1;
-    }
-    i
-}
-
 /// Where `a` and `b`, which agree before `from`, stop agreeing, at most
 /// `to` (or where the shorter ends). Chained hashes agree at a position
 /// only if they agree before it, so that place is found by bisection:
@@ -506,7 +491,8 @@ impl LoadTracker {
         let span = |slot: u32| {
             let r = self.request(slot)?;
             let agrees = r.prompt.get(r.own_from).is_some_and(|h| prompt.get(r.own_from) == Some(h));
-            (r.prefilling && r.own_from < shared && agrees).then(|| (r.own_from, common_prefix(&r.prompt, prompt)))
+            (r.prefilling && r.own_from < shared && agrees)
+                .then(|| (r.own_from, agree_until(&r.prompt, prompt, 0, usize::MAX)))
         };
         let spans = if first.len() < w.prefilling.len() {
             first.iter().filter_map(|s| span(*s)).collect()

@@ -224,7 +224,7 @@ fn buckets(text: &str, histogram: &str) -> Vec<(f64, f64)> {
     let name = format!("{histogram}_bucket");
     let mut out: Vec<(f64, f64)> = Vec::new();
     for s in prom::samples(text).filter(|s| s.name == name) {
-        let Some(le) = s.labels.split("le=\"").nth(1).and_then(|x| x.split('"').next()) else { continue };
+        let Some(le) = s.label("le") else { continue };
         let le = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::NAN) };
         match out.iter_mut().find(|(l, _)| *l == le) {
             Some((_, n)) => *n += s.value,
