@@ -8,6 +8,7 @@
 //! |---|---|
 //! | [`policy`] | [`Policy`] trait, [`Candidate`], [`Load`], [`RequestView`], [`Decision`] |
 //! | [`load`] | [`LoadTracker`]: predicted load from request lifecycles, fused with heartbeats |
+//! | `prefixes` | the prompts in flight as one tree of shared prefixes, by worker: what [`LoadTracker`] shares are read from |
 //! | [`fair_queue`] | [`FairQueue`]: requests held while the fleet is saturated; priorities, deficit round robin between tenants, deadlines |
 //! | [`kv`] | `kv`: cache overlap + load, queueing modelled (the default) |
 //! | [`approx`] | `approx`: text prefixes learned from its own decisions |
@@ -23,6 +24,7 @@ pub mod least_load;
 pub mod load;
 pub mod persistence;
 pub mod policy;
+mod prefixes;
 pub mod random;
 pub mod round_robin;
 

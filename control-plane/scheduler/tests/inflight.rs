@@ -1,5 +1,5 @@
-//! The in-flight share and the distinct blocks in flight, kept by
-//! checkpoints, against a naive model that walks every live request: random
+//! The in-flight share and the distinct blocks in flight, kept in a tree
+//! of the prompts in flight, against a naive model that walks every live request: random
 //! prompts that are prefixes of a few shared chains (or of a chain that
 //! leaves another one), routed to random workers with random overlaps, some
 //! past their first token, some done, on up to 40 workers.
@@ -98,17 +98,16 @@ fn check(
 proptest! {
     #[test]
     fn inverted_shares_equal_the_naive_walk(
-        // Up to 40 workers: a hash then has more holders than the tracker
-        // scans (16), and is found by binary search.
-        // Prompts up to 100 blocks: several checkpoints, a fork between them.
+        // Up to 40 workers: nodes with many workers' requests.
+        // Prompts up to 100 blocks: chains that part at many places.
         ops in prop::collection::vec((0u8..4, 0u32..40, 0u64..8, 1usize..100, 0usize..100), 1..400),
         queries in prop::collection::vec((0u64..8, 1usize..110), 1..6),
     ) {
         check(ops, queries, 40)?;
     }
 
-    /// Two workers: dozens of requests on one worker hold the same
-    /// checkpoint, so its run is long enough to be kept sorted and searched.
+    /// Two workers: dozens of requests on one worker through the same
+    /// nodes, which split and merge as they come and go.
     #[test]
     fn crowded_shares_equal_the_naive_walk(
         ops in prop::collection::vec((0u8..4, 0u32..2, 0u64..8, 1usize..100, 0usize..100), 1..300),
