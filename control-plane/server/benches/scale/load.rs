@@ -389,32 +389,46 @@ pub(crate) struct Agreement {
     pub(crate) same_matched: u64,
 }
 
-/// The ends of the requests routed: each is reported (as the filter
-/// reports a finished request) `duration` after its Pick, in batches, so
-/// that the control plane holds a realistic number of requests in flight.
+/// The first tokens and ends of the requests routed: each request's first
+/// token is reported [`FIRST_TOKEN`] after its Pick (or at its end, if
+/// sooner) and its end `duration` after it, as the filter reports a
+/// streamed request, in batches, so that the control plane holds a
+/// realistic number of requests in flight, most of them decoding.
 #[derive(Clone)]
 pub(crate) struct Ends(tokio::sync::mpsc::UnboundedSender<(Instant, pb::CompletionReport)>, Duration);
+
+/// When a routed request's first token is reported, after its Pick.
+const FIRST_TOKEN: Duration = Duration::from_millis(200);
 
 impl Ends {
     /// Starts the reporting task on `client`.
     fn spawn(client: RouterClient<Channel>, duration: Duration) -> Self {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, pb::CompletionReport)>();
+        let first_after = FIRST_TOKEN.min(duration);
         tokio::spawn(async move {
             let mut c = client;
+            // Each queue is due in order: the same delay after each Pick.
+            let mut firsts: std::collections::VecDeque<(Instant, pb::CompletionReport)> = Default::default();
             let mut due: std::collections::VecDeque<(Instant, pb::CompletionReport)> = Default::default();
             let mut tick = tokio::time::interval(Duration::from_millis(50));
             loop {
                 tokio::select! {
                     m = rx.recv() => match m {
-                        Some((t, r)) => due.push_back((t + duration, r)),
+                        Some((t, r)) => {
+                            let first = pb::CompletionReport { total_us: 0, ..r.clone() };
+                            firsts.push_back((t + first_after, first));
+                            due.push_back((t + duration, r));
+                        }
                         None => return,
                     },
                     _ = tick.tick() => {
                         let now = Instant::now();
                         let mut batch = Vec::new();
-                        while due.front().is_some_and(|(t, _)| *t <= now) && batch.len() < 1000 {
-                            if let Some((_, r)) = due.pop_front() {
-                                batch.push(r);
+                        for q in [&mut firsts, &mut due] {
+                            while q.front().is_some_and(|(t, _)| *t <= now) && batch.len() < 1000 {
+                                if let Some((_, r)) = q.pop_front() {
+                                    batch.push(r);
+                                }
                             }
                         }
                         if !batch.is_empty() {
@@ -446,7 +460,7 @@ impl Ends {
             served_endpoint: endpoint.clone(),
             endpoint,
             status_code: 200,
-            ttfb_us: 200_000,
+            ttfb_us: u64::try_from(FIRST_TOKEN.as_micros()).unwrap_or(u64::MAX),
             total_us: 2_000_000,
             stream: true,
             ..Default::default()
