@@ -7,9 +7,9 @@
 //!
 //! | operation | cost |
 //! |---|---|
-//! | [`LoadTracker::added`] | a share of one worker + an addition to the tree (d map lookups, O(n) sequential compares) |
+//! | [`LoadTracker::added`] | an addition to the tree, which reads the worker's share on the way (d map lookups, O(n) sequential compares) |
 //! | [`LoadTracker::first_token`] | O(p) |
-//! | [`LoadTracker::done`] | a removal from the tree (d map lookups) + a share of one worker |
+//! | [`LoadTracker::done`] | a removal from the tree, which reads what the worker still shares on the way (d map lookups) |
 //! | [`LoadTracker::expire`] | O(in-flight requests) |
 //! | [`LoadTracker::load`] | O(1) |
 //! | share of one worker | the prompt's path in the tree (d lookups, O(n) compares, O(d · log S)) + O(p · log n) |
@@ -298,8 +298,7 @@ impl LoadTracker {
         if self.requests.contains_key(request_id) {
             return Err(LifecycleError::Duplicate);
         }
-        let new_distinct = (prompt.len() - self.prefixes.shared(worker, &prompt)) as u64;
-        self.prefixes.add(worker, &prompt);
+        let new_distinct = (prompt.len() - self.prefixes.add(worker, &prompt)) as u64;
         let own_from = own_from.min(prompt.len());
         let slot = match self.free.pop() {
             Some(s) => s,
@@ -357,8 +356,7 @@ impl LoadTracker {
     fn release(&mut self, slot: u32) {
         let Some(r) = self.slots.get_mut(slot as usize).and_then(Option::take) else { return };
         self.free.push(slot);
-        self.prefixes.remove(r.worker, &r.prompt);
-        let gone = (r.prompt.len() - self.prefixes.shared(r.worker, &r.prompt)) as u64;
+        let gone = (r.prompt.len() - self.prefixes.remove(r.worker, &r.prompt)) as u64;
         let Some(Some(w)) = self.workers.get_mut(r.worker.0 as usize) else { return };
         w.inflight = w.inflight.saturating_sub(1);
         if r.prefilling {

@@ -147,8 +147,11 @@ impl Prefixes {
         self.last_id
     }
 
-    /// A request on `worker` with `prompt`.
-    pub(crate) fn add(&mut self, worker: WorkerIdx, prompt: &[SequenceHash]) {
+    /// A request on `worker` with `prompt`. Returns what `worker`'s other
+    /// requests shared with it ([`Prefixes::shared`] before the addition),
+    /// read on the same walk.
+    pub(crate) fn add(&mut self, worker: WorkerIdx, prompt: &[SequenceHash]) -> usize {
+        let mut shared = 0;
         let mut pos = 0;
         let mut parent: Option<Key> = None;
         while let Some(first) = prompt.get(pos).copied() {
@@ -162,7 +165,7 @@ impl Prefixes {
                 if let Some(p) = parent.and_then(|p| self.nodes.get_mut(&p)) {
                     p.children += 1;
                 }
-                return;
+                return shared;
             };
             let until = node.agrees_until(prompt);
             if until < node.end() {
@@ -171,12 +174,16 @@ impl Prefixes {
             } else if self.merge_into(key, prompt) {
                 continue;
             }
-            let Some(node) = self.nodes.get_mut(&key) else { return };
+            let Some(node) = self.nodes.get_mut(&key) else { return shared };
+            if node.holds(worker.0) {
+                shared = until;
+            }
             *node.count_mut(worker.0) += 1;
             node.total += 1;
             parent = Some(key);
             pos = until;
         }
+        shared
     }
 
     /// Splits the node at `key` at position `at`: its blocks from there
@@ -220,13 +227,16 @@ impl Prefixes {
         true
     }
 
-    /// A request on `worker` with `prompt` is gone.
-    pub(crate) fn remove(&mut self, worker: WorkerIdx, prompt: &[SequenceHash]) {
+    /// A request on `worker` with `prompt` is gone. Returns what `worker`'s
+    /// other requests still share with it ([`Prefixes::shared`] after the
+    /// removal), read on the same walk.
+    pub(crate) fn remove(&mut self, worker: WorkerIdx, prompt: &[SequenceHash]) -> usize {
+        let mut left = 0;
         let (mut pos, mut parent_id) = (0, 0);
         let mut parent: Option<Key> = None;
         while let Some(first) = prompt.get(pos).copied() {
             let key = (parent_id, first);
-            let Some(node) = self.nodes.get_mut(&key).filter(|n| n.end() <= prompt.len()) else { return };
+            let Some(node) = self.nodes.get_mut(&key).filter(|n| n.end() <= prompt.len()) else { return left };
             if let Ok(i) = node.workers.binary_search_by_key(&worker.0, |(w, _)| *w)
                 && let Some((_, count)) = node.workers.get_mut(i)
             {
@@ -236,6 +246,9 @@ impl Prefixes {
                 }
             }
             node.total = node.total.saturating_sub(1);
+            if node.holds(worker.0) {
+                left = node.end();
+            }
             (pos, parent_id) = (node.end(), node.id);
             if node.total == 0 {
                 // No request passes through it, so none through its children.
@@ -246,6 +259,7 @@ impl Prefixes {
             }
             parent = Some(key);
         }
+        left
     }
 
     /// Nodes in the tree.
@@ -274,11 +288,13 @@ mod tests {
             for (add, w, p) in ops {
                 if add || live.is_empty() {
                     let p = seq(&p);
-                    t.add(WorkerIdx(w), &p);
+                    let before = t.shared(WorkerIdx(w), &p);
+                    prop_assert_eq!(t.add(WorkerIdx(w), &p), before);
                     live.push((w, p));
                 } else {
                     let (w, p) = live.remove(p.len() % live.len());
-                    t.remove(WorkerIdx(w), &p);
+                    let left = t.remove(WorkerIdx(w), &p);
+                    prop_assert_eq!(left, t.shared(WorkerIdx(w), &p));
                 }
             }
             for q in queries {
