@@ -331,6 +331,16 @@ impl Proc {
     /// Kills the process (SIGKILL to its PID, or to its process group when
     /// started with [`Proc::spawn_group`]) and waits for it.
     pub fn kill(&mut self) {
+        self.signal_kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends the SIGKILL of [`Proc::kill`] and returns at once: the kernel
+    /// may take seconds to tear down a process with gigabytes mapped (a
+    /// vLLM engine), during which its sockets stay open. A test that times
+    /// what others notice of a death starts its clock here, not after the
+    /// wait. [`Proc::kill`] (or the drop) reaps it.
+    pub fn signal_kill(&mut self) {
         let pid = self.child.id();
         started(|s| s.retain(|e| e.0 != pid));
         // Linux does not hand out a PID that is still some group's id, so
@@ -343,7 +353,6 @@ impl Proc {
                 .status();
         }
         let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
