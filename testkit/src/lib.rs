@@ -336,8 +336,8 @@ impl Proc {
     }
 
     /// Sends the SIGKILL of [`Proc::kill`] and returns at once: the kernel
-    /// may take seconds to tear down a process with gigabytes mapped (a
-    /// vLLM engine), during which its sockets stay open. A test that times
+    /// may take a while to tear down a process with gigabytes mapped (a
+    /// vLLM engine), and its sockets close only then. A test that times
     /// what others notice of a death starts its clock here, not after the
     /// wait. [`Proc::kill`] (or the drop) reaps it.
     pub fn signal_kill(&mut self) {
