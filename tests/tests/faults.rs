@@ -275,7 +275,7 @@ fn settle(load: Load, fleet: &Fleet, name: &str, workers: &[usize], since: Insta
 #[test]
 fn engine_killed_with_its_relay_alive() {
     let (mut s, load, t) = begin("fault-engine-kill", 2000);
-    s.fleet.kill(Fleet::sim(1));
+    s.fleet.signal_kill(Fleet::sim(1));
     let out_ms = out_of_rotation_ms(&s.fleet, 1, t);
     // The relay confirms the death and clears the worker's blocks.
     until(10, "the dead engine's blocks cleared", || s.fleet.blocks(1) == 0);
@@ -289,8 +289,8 @@ fn engine_killed_with_its_relay_alive() {
 #[test]
 fn a_whole_worker_pod_killed() {
     let (mut s, load, t) = begin("fault-pod-kill", 2000);
-    s.fleet.kill(Fleet::relay(1));
-    s.fleet.kill(Fleet::sim(1));
+    s.fleet.signal_kill(Fleet::relay(1));
+    s.fleet.signal_kill(Fleet::sim(1));
     let out_ms = out_of_rotation_ms(&s.fleet, 1, t);
     load.flowing(30);
     settle(load, &s.fleet, "pod_killed", &[0, 2], t, format!("out_of_rotation_ms={out_ms}"));
@@ -300,7 +300,7 @@ fn a_whole_worker_pod_killed() {
 #[test]
 fn an_engine_restarted_on_the_same_port() {
     let (mut s, load, t) = begin("fault-engine-restart", 2000);
-    s.fleet.kill(Fleet::sim(1));
+    s.fleet.signal_kill(Fleet::sim(1));
     let out_ms = out_of_rotation_ms(&s.fleet, 1, t);
     until(10, "the dead engine's blocks cleared", || s.fleet.blocks(1) == 0);
     s.fleet.restart(Fleet::sim(1));

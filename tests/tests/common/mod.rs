@@ -333,9 +333,18 @@ impl Fleet {
         self.procs.len() - 1
     }
 
-    /// Kills process `i` (SIGKILL, by its PID).
+    /// Kills process `i` (SIGKILL, by its PID) and reaps it: its sockets are
+    /// closed when this returns.
     pub fn kill(&mut self, i: usize) {
         self.procs[i].kill();
+    }
+
+    /// Sends process `i` the SIGKILL of [`Fleet::kill`] and returns at once,
+    /// so that a test timing what the control plane notices of a death does
+    /// not time the kernel's teardown too. The process is reaped when it is
+    /// restarted or the fleet dropped.
+    pub fn signal_kill(&mut self, i: usize) {
+        self.procs[i].signal_kill();
     }
 
     /// Starts process `i` again with the same arguments (same ports).
