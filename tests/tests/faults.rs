@@ -164,17 +164,17 @@ fn stack(name: &str, serve_args: &[&str]) -> Stack {
     stack_with(name, serve_args, &[])
 }
 
+/// Fast probes, so that a death is seen within one probe; the engine is
+/// confirmed down after 1 s of failures.
+const RELAY_ARGS: [&str; 6] = ["--health-ms", "100", "--health-timeout-ms", "500", "--down-after-ms", "1000"];
+
 fn stack_with(name: &str, serve_args: &[&str], sim_args: &[&str]) -> Stack {
+    stack_opts(name, FleetOpts { relay_args: &RELAY_ARGS, serve_args, sim_args, ..Default::default() })
+}
+
+fn stack_opts(name: &str, opts: FleetOpts<'_>) -> Stack {
     let dir = scratch_dir(name).unwrap();
-    // Fast probes, so that a death is seen within one probe; the engine is
-    // confirmed down after 1 s of failures.
-    let relay_args = ["--health-ms", "100", "--health-timeout-ms", "500", "--down-after-ms", "1000"];
-    let fleet = Fleet::start_opts(
-        &dir,
-        WORKERS,
-        "20",
-        FleetOpts { relay_args: &relay_args, serve_args, sim_args, ..Default::default() },
-    );
+    let fleet = Fleet::start_opts(&dir, WORKERS, "20", opts);
     let filter = json!({"control_plane": {"timeout_ms": 200}, "debug_headers": true, "reports": {"interval_ms": 100}});
     let config = dir.join("envoy.yaml");
     std::fs::write(&config, render_kvgate_envoy(0, 0, &fleet.http, &[fleet.grpc], &filter.to_string()).unwrap())
@@ -385,6 +385,39 @@ fn a_relay_restarted() {
     until(30, "worker 1 resynced", || s.fleet.worker(1)["sync"].as_str().is_some_and(|x| x.starts_with("synced")));
     let streaming = settle(load, &s.fleet, "relay_restarted", &[0, 1, 2], t, String::new());
     assert_eq!(streaming, 0);
+}
+
+/// An engine that hangs for 3 s under load (SIGSTOP: its sockets accept
+/// connections and nothing answers, as while the kernel tears down a big
+/// killed process). Its health probe times out only after 5 s here; the
+/// worker leaves rotation when the probe has been unanswered for 200 ms,
+/// keeps its blocks (not confirmed down), and comes back when it answers.
+/// Its streams pause and then finish.
+#[test]
+fn an_engine_that_hangs_for_3_s() {
+    let relay_args =
+        ["--health-ms", "100", "--health-timeout-ms", "5000", "--health-overdue-ms", "200", "--down-after-ms", "10000"];
+    let s = stack_opts("fault-engine-hang", FleetOpts { relay_args: &relay_args, ..Default::default() });
+    let load = Load::start(s.envoy.listen, 3, 4000);
+    load.flowing(30);
+    until(30, "worker 1 holds blocks", || s.fleet.blocks(1) > 0);
+    let t = Instant::now();
+    s.fleet.signal(Fleet::sim(1), "STOP");
+    let out_ms = out_of_rotation_ms(&s.fleet, 1, t);
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(t.elapsed()));
+    let during = s.fleet.worker(1);
+    s.fleet.signal(Fleet::sim(1), "CONT");
+    until(30, "the resumed engine back in rotation", || s.fleet.worker(1)["live"] == true);
+    let back_ms = t.elapsed().as_millis() as u64;
+    load.flowing(30);
+    let overdue = relay_count(&s.fleet, 1, "health_overdue_total");
+    let extra = format!("out_of_rotation_ms={out_ms} back_ms={back_ms} overdue_probes={overdue}");
+    let streaming = settle(load, &s.fleet, "engine_hung_3s", &[0, 1, 2], t, extra);
+    assert_eq!(streaming, 0, "a hang that ends loses no stream");
+    assert!(out_ms <= 1000, "out of rotation after {out_ms} ms (the probe's timeout is 5,000 ms)");
+    assert_eq!(during["engine_health"], "unhealthy", "hung, not confirmed down: {during}");
+    assert!(during["device_blocks"].as_u64().unwrap_or(0) > 0, "a hung engine keeps its blocks: {during}");
+    assert!(overdue >= 1.0, "the relay counted the overdue probe");
 }
 
 /// An engine restarted faster than the relay confirms a death: the relay's

@@ -210,8 +210,13 @@ fn real_vllm_end_to_end() {
         std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let before: Vec<&Value> = recs.iter().filter(|r| r["ok"] != true && r["started"] != true).collect();
     let running = recs.iter().filter(|r| r["ok"] != true && r["started"] == true).count();
+    // How often the live engine's /health answered later than the relay's
+    // overdue time (500 ms) over the whole test: each took it out of
+    // rotation until it answered.
+    let overdue = s.fleet.relay_metric(0, "health_overdue_total").unwrap_or(0.0);
     println!(
-        "vllm kill: {} requests, {} failed while running, out of rotation in {out_ms} ms, reaped by {reaped_ms} ms",
+        "vllm kill: {} requests, {} failed while running, out of rotation in {out_ms} ms, reaped by {reaped_ms} ms, \
+         live engine's overdue probes {overdue}",
         recs.len(),
         running
     );

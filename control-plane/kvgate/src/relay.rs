@@ -60,6 +60,11 @@ pub(crate) struct RelayArgs {
     /// A probe that takes longer than this (ms) has failed.
     #[arg(long, env = "KVGATE_HEALTH_TIMEOUT_MS", default_value_t = 1000)]
     health_timeout_ms: u64,
+    /// A probe unanswered this long (ms) marks the engine unhealthy (no new
+    /// request, blocks kept) until a probe answers: a hung engine leaves
+    /// rotation before the probe's timeout. 0 = off.
+    #[arg(long, env = "KVGATE_HEALTH_OVERDUE_MS", default_value_t = 500)]
+    health_overdue_ms: u64,
     /// Probes failing for this long (ms) = the engine is down: its blocks
     /// are cleared from every index.
     #[arg(long, env = "KVGATE_DOWN_AFTER_MS", default_value_t = 3000)]
@@ -128,6 +133,8 @@ fn relay_options(a: RelayArgs) -> Result<kvgate_relay::runtime::RelayOptions> {
         health_url: a.health_url,
         health_interval: std::time::Duration::from_millis(a.health_ms.max(10)),
         health_timeout: std::time::Duration::from_millis(a.health_timeout_ms.max(10)),
+        health_overdue: (a.health_overdue_ms > 0)
+            .then(|| std::time::Duration::from_millis(a.health_overdue_ms.max(10))),
         down_after: std::time::Duration::from_millis(a.down_after_ms),
         publish_queue: a.publish_queue.max(16),
         data_parallel_size: a.data_parallel_size.max(1),

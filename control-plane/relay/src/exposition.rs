@@ -21,6 +21,11 @@ pub struct RelayGauges {
     pub scrape_failures: u64,
     /// Health probes of the engine that failed.
     pub health_failures: u64,
+    /// Health probes unanswered for the overdue time (the engine was marked
+    /// unhealthy until one answered).
+    pub health_overdue: u64,
+    /// Seconds the last health probe took (answered or not).
+    pub health_probe_seconds: f64,
     /// The engine's health (0 unknown, 1 healthy, 2 unhealthy, 3 down).
     pub engine_health: u8,
     /// NATS publishes that failed (after retries) and were dropped.
@@ -84,6 +89,8 @@ fn samples(c: &RelayCounters, g: &RelayGauges) -> Vec<(&'static str, &'static st
         nats_connected,
         scrape_failures,
         health_failures,
+        health_overdue,
+        health_probe_seconds,
         engine_health,
         publish_errors,
         publish_dropped,
@@ -105,6 +112,11 @@ fn samples(c: &RelayCounters, g: &RelayGauges) -> Vec<(&'static str, &'static st
         ("engine_downs", "Times the engine was confirmed down (mirror cleared).", C(engine_downs)),
         ("split_batches", "Extra batches from splitting batches over the size limit.", C(split_batches)),
         ("health_failures", "Failed health probes of the engine.", C(health_failures)),
+        (
+            "health_overdue",
+            "Health probes unanswered after --health-overdue-ms (the engine was unhealthy until one answered).",
+            C(health_overdue),
+        ),
         ("publish_errors", "NATS publishes that failed after retries (dropped).", C(publish_errors)),
         ("publish_dropped", "Messages dropped because the outgoing queue was full.", C(publish_dropped)),
         ("replays", "Replays requested from the engine.", C(replays)),
@@ -126,6 +138,11 @@ fn samples(c: &RelayCounters, g: &RelayGauges) -> Vec<(&'static str, &'static st
         ),
         ("publish_queued", "Messages waiting to be published on NATS.", int(publish_queued as u64)),
         ("lag_seconds", "Engine timestamp to publication, last batch.", Value::Ratio(lag_seconds)),
+        (
+            "health_probe_seconds",
+            "Time the last health probe took (answered or not).",
+            Value::Ratio(health_probe_seconds),
+        ),
     ]
 }
 

@@ -5,12 +5,16 @@
 //! |---|---|---|
 //! | `Unknown` | nothing probed yet | routes on heartbeats alone |
 //! | `Healthy` | a probe succeeded | routes |
-//! | `Unhealthy` | a probe failed | no new request; blocks kept |
+//! | `Unhealthy` | a probe failed, or has gone unanswered for the overdue time | no new request; blocks kept |
 //! | `Down` | probes failed for `down_after_ms` without a success | no new request; the relay cleared its mirror |
 //!
 //! A change of state is reported so that the runtime sends a heartbeat at
 //! once instead of at its next tick: a killed engine leaves rotation within
-//! one probe interval (plus the probe's own timeout for a hung one).
+//! one probe interval. A hung engine (or one whose process takes seconds to
+//! be torn down: its socket accepts and nothing answers) leaves it when its
+//! probe is overdue, before the probe's own timeout; the overdue probe
+//! counts as failed only when that timeout ends it, so it does not bring
+//! `Down` nearer.
 
 /// The engine's health.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +92,20 @@ impl HealthTracker {
                 Health::Unhealthy
             }
         };
+        self.set(next)
+    }
+
+    /// A probe has gone unanswered for the overdue time: a healthy (or not
+    /// yet probed) engine turns unhealthy until a probe answers. Failures
+    /// and the time to `Down` are left to the probe's own result.
+    pub fn on_overdue(&mut self) -> Change {
+        match self.state {
+            Health::Unknown | Health::Healthy => self.set(Health::Unhealthy),
+            Health::Unhealthy | Health::Down => Change::None,
+        }
+    }
+
+    fn set(&mut self, next: Health) -> Change {
         if next == self.state {
             Change::None
         } else {
@@ -103,6 +121,75 @@ mod tests {
 
     /// name, probes (ok, at ms), state after, changes reported.
     type Case<'a> = (&'a str, &'a [(bool, u64)], Health, &'a [Change]);
+
+    /// One probe event: answered (ok or not) at ms, or overdue.
+    #[derive(Clone, Copy)]
+    enum Ev {
+        Probe(bool, u64),
+        Overdue,
+    }
+
+    /// name, events, state after, changes reported, failures after.
+    type OverdueCase<'a> = (&'a str, &'a [Ev], Health, &'a [Change], u32);
+
+    fn run(t: &mut HealthTracker, evs: &[Ev]) -> Vec<Change> {
+        evs.iter()
+            .map(|e| match *e {
+                Ev::Probe(ok, at) => t.on_probe(ok, at),
+                Ev::Overdue => t.on_overdue(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn overdue_probes() {
+        use Ev::{Overdue, Probe};
+        use Health::{Down, Healthy, Unhealthy};
+        let cases: &[OverdueCase<'_>] = &[
+            (
+                "overdue: unhealthy before the timeout",
+                &[Probe(true, 0), Overdue],
+                Unhealthy,
+                &[Change::To(Healthy), Change::To(Unhealthy)],
+                0,
+            ),
+            (
+                "a slow answer: healthy again, no failure counted",
+                &[Probe(true, 0), Overdue, Probe(true, 600)],
+                Healthy,
+                &[Change::To(Healthy), Change::To(Unhealthy), Change::To(Healthy)],
+                0,
+            ),
+            (
+                "overdue then timed out: one failure, no second change",
+                &[Probe(true, 0), Overdue, Probe(false, 1250)],
+                Unhealthy,
+                &[Change::To(Healthy), Change::To(Unhealthy), Change::None],
+                1,
+            ),
+            ("not yet probed: overdue is unhealthy", &[Overdue], Unhealthy, &[Change::To(Unhealthy)], 0),
+            (
+                "overdue does not bring down nearer",
+                &[Probe(true, 0), Overdue, Overdue, Probe(false, 1250), Overdue, Probe(false, 2500)],
+                Unhealthy,
+                &[Change::To(Healthy), Change::To(Unhealthy), Change::None, Change::None, Change::None, Change::None],
+                2,
+            ),
+            (
+                "down stays down when overdue",
+                &[Probe(false, 0), Probe(false, 2000), Overdue],
+                Down,
+                &[Change::To(Unhealthy), Change::To(Down), Change::None],
+                2,
+            ),
+        ];
+        for (name, evs, end, changes, failures) in cases {
+            let mut t = HealthTracker::new(2000);
+            assert_eq!(&run(&mut t, evs), changes, "{name}");
+            assert_eq!(t.state(), *end, "{name}");
+            assert_eq!(t.failures(), *failures, "{name}");
+        }
+    }
 
     #[test]
     fn transitions() {

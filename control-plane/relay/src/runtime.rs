@@ -80,6 +80,10 @@ pub struct RelayOptions {
     pub health_interval: Duration,
     /// How long a probe may take before it counts as failed.
     pub health_timeout: Duration,
+    /// A probe unanswered this long marks the engine unhealthy (no new
+    /// request) until a probe answers; it still fails only at
+    /// `health_timeout`. None, or not below the timeout: off.
+    pub health_overdue: Option<Duration>,
     /// Failing probes for this long (no success in between) = engine down:
     /// the mirror is cleared and `AllBlocksCleared` published.
     pub down_after: Duration,
@@ -175,10 +179,21 @@ fn dechunk(head: &str, body: &str) -> String {
 /// same probes: one server).
 #[derive(Debug, Clone)]
 enum Probe {
-    /// A health probe: did the engine answer 200?
-    Health(bool),
+    /// A health probe's end: did the engine answer 200, and in how long?
+    Health { ok: bool, seconds: f64 },
+    /// A health probe unanswered for the overdue time (its end follows).
+    Overdue,
     /// A metrics scrape's text (None = failed); each rank reads its share.
     Load(Option<Arc<str>>),
+}
+
+/// What a prober fetches.
+#[derive(Debug, Clone, Copy)]
+enum ProbeKind {
+    /// `/health`, with the time after which an unanswered probe is overdue.
+    Health { overdue: Option<Duration> },
+    /// `/metrics`.
+    Load,
 }
 
 /// Probes `url` every `every`; each result goes to `tx`.
@@ -186,7 +201,7 @@ fn spawn_prober(
     url: String,
     every: Duration,
     timeout: Duration,
-    health: bool,
+    kind: ProbeKind,
     tx: tokio::sync::broadcast::Sender<Probe>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -194,8 +209,27 @@ fn spawn_prober(
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             t.tick().await;
-            let got = http_get(&url, timeout).await;
-            let p = if health { Probe::Health(got.is_some()) } else { Probe::Load(got.map(Arc::from)) };
+            let started = tokio::time::Instant::now();
+            let get = http_get(&url, timeout);
+            tokio::pin!(get);
+            let got = match kind {
+                ProbeKind::Health { overdue: Some(after) } if after < timeout => tokio::select! {
+                    got = &mut get => got,
+                    _ = tokio::time::sleep(after) => {
+                        if tx.send(Probe::Overdue).is_err() {
+                            return;
+                        }
+                        get.await
+                    }
+                },
+                _ => get.await,
+            };
+            let p = match kind {
+                ProbeKind::Health { .. } => {
+                    Probe::Health { ok: got.is_some(), seconds: started.elapsed().as_secs_f64() }
+                }
+                ProbeKind::Load => Probe::Load(got.map(Arc::from)),
+            };
             if tx.send(p).is_err() {
                 return;
             }
@@ -358,16 +392,24 @@ impl Relay {
         self.publisher.send(self.hb_subject.clone(), hb.encode_to_vec());
     }
 
-    /// A health probe's result: a change is announced at once; a confirmed
-    /// death clears the mirror; a return from death reopens the SUB socket
-    /// (the new engine process binds a new socket).
-    async fn on_health(&mut self, ok: bool) -> Result<(), RunError> {
-        if !ok {
-            self.gauges.health_failures += 1;
-        }
+    /// A health probe's end (`Some(ok)`) or its being overdue (`None`): a
+    /// change is announced at once; a confirmed death clears the mirror; a
+    /// return from death reopens the SUB socket (the new engine process
+    /// binds a new socket).
+    async fn on_health(&mut self, probe: Option<bool>) -> Result<(), RunError> {
         let was = self.health.state();
-        let now = self.started.elapsed().as_millis() as u64;
-        let Change::To(state) = self.health.on_probe(ok, now) else { return Ok(()) };
+        let change = match probe {
+            Some(ok) => {
+                self.gauges.health_failures += u64::from(!ok);
+                let now = self.started.elapsed().as_millis() as u64;
+                self.health.on_probe(ok, now)
+            }
+            None => {
+                self.gauges.health_overdue += 1;
+                self.health.on_overdue()
+            }
+        };
+        let Change::To(state) = change else { return Ok(()) };
         tracing::warn!(engine = %self.opts.endpoint, rank = ?self.rank, from = ?was, to = ?state, "engine health changed");
         if state == Health::Down {
             let actions = self.core.engine_down();
@@ -410,9 +452,15 @@ impl Relay {
         RankMetrics { counters: *self.core.counters(), gauges: self.gauges, worker: self.opts.worker_id.clone() }
     }
 
-    fn on_probe(&mut self, p: Probe) -> Option<bool> {
+    /// A probe's result. Health: `Some(Some(ok))` at its end,
+    /// `Some(None)` when it is overdue; None for a scrape.
+    fn on_probe(&mut self, p: Probe) -> Option<Option<bool>> {
         match p {
-            Probe::Health(ok) => return Some(ok),
+            Probe::Health { ok, seconds } => {
+                self.gauges.health_probe_seconds = seconds;
+                return Some(Some(ok));
+            }
+            Probe::Overdue => return Some(None),
             Probe::Load(Some(text)) => {
                 self.last_load = parse_vllm_metrics(&text, self.rank);
                 self.scraped_ok = true;
@@ -498,10 +546,12 @@ pub async fn run(opts: RelayOptions, shutdown: impl Future<Output = ()>) -> Resu
     let (probe_tx, _) = tokio::sync::broadcast::channel(16);
     let mut probers = Vec::new();
     if let Some(u) = opts.effective_health_url() {
-        probers.push(spawn_prober(u, opts.health_interval, opts.health_timeout, true, probe_tx.clone()));
+        let kind = ProbeKind::Health { overdue: opts.health_overdue };
+        probers.push(spawn_prober(u, opts.health_interval, opts.health_timeout, kind, probe_tx.clone()));
     }
     if let Some(u) = opts.metrics_url.clone() {
-        probers.push(spawn_prober(u, opts.heartbeat_interval, Duration::from_millis(500), false, probe_tx.clone()));
+        let every = opts.heartbeat_interval;
+        probers.push(spawn_prober(u, every, Duration::from_millis(500), ProbeKind::Load, probe_tx.clone()));
     }
     let probing = !probers.is_empty();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -663,8 +713,8 @@ async fn run_rank(
             }
             p = async { match probes.as_mut() { Some(p) => p.recv().await, None => std::future::pending().await } } => match p {
                 Ok(p) => {
-                    if let Some(ok) = r.on_probe(p) {
-                        r.on_health(ok).await?;
+                    if let Some(health) = r.on_probe(p) {
+                        r.on_health(health).await?;
                     }
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
