@@ -187,6 +187,15 @@ enum Probe {
     Load(Option<Arc<str>>),
 }
 
+/// What a health probe told the relay loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HealthProbe {
+    /// It ended: did the engine answer 200?
+    Ended(bool),
+    /// It has gone unanswered for the overdue time.
+    Overdue,
+}
+
 /// What a prober fetches.
 #[derive(Debug, Clone, Copy)]
 enum ProbeKind {
@@ -392,19 +401,18 @@ impl Relay {
         self.publisher.send(self.hb_subject.clone(), hb.encode_to_vec());
     }
 
-    /// A health probe's end (`Some(ok)`) or its being overdue (`None`): a
-    /// change is announced at once; a confirmed death clears the mirror; a
-    /// return from death reopens the SUB socket (the new engine process
-    /// binds a new socket).
-    async fn on_health(&mut self, probe: Option<bool>) -> Result<(), RunError> {
+    /// A health probe's end or its being overdue: a change is announced at
+    /// once; a confirmed death clears the mirror; a return from death
+    /// reopens the SUB socket (the new engine process binds a new socket).
+    async fn on_health(&mut self, probe: HealthProbe) -> Result<(), RunError> {
         let was = self.health.state();
         let change = match probe {
-            Some(ok) => {
+            HealthProbe::Ended(ok) => {
                 self.gauges.health_failures += u64::from(!ok);
                 let now = self.started.elapsed().as_millis() as u64;
                 self.health.on_probe(ok, now)
             }
-            None => {
+            HealthProbe::Overdue => {
                 self.gauges.health_overdue += 1;
                 self.health.on_overdue()
             }
@@ -452,15 +460,15 @@ impl Relay {
         RankMetrics { counters: *self.core.counters(), gauges: self.gauges, worker: self.opts.worker_id.clone() }
     }
 
-    /// A probe's result. Health: `Some(Some(ok))` at its end,
-    /// `Some(None)` when it is overdue; None for a scrape.
-    fn on_probe(&mut self, p: Probe) -> Option<Option<bool>> {
+    /// A probe's result: what a health probe told (None for a scrape,
+    /// which only updates the load).
+    fn on_probe(&mut self, p: Probe) -> Option<HealthProbe> {
         match p {
             Probe::Health { ok, seconds } => {
                 self.gauges.health_probe_seconds = seconds;
-                return Some(Some(ok));
+                return Some(HealthProbe::Ended(ok));
             }
-            Probe::Overdue => return Some(None),
+            Probe::Overdue => return Some(HealthProbe::Overdue),
             Probe::Load(Some(text)) => {
                 self.last_load = parse_vllm_metrics(&text, self.rank);
                 self.scraped_ok = true;
